@@ -1,0 +1,28 @@
+# The two commands of the README: `make run` and `make test`. Both set up .venv on a fresh machine.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint clean
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first: the CPU build of 2.13.0 lies on this machine's disk; a bare `torch` would pull CUDA.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/ember demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+lint: $(STAMP)
+	$(BIN)/ruff check ember tests benchmarks
+	$(BIN)/ruff format --check ember tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

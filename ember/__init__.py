@@ -1,0 +1,1 @@
+"""ember: LLM serving for agents."""
