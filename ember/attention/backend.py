@@ -1,0 +1,33 @@
+"""The seam between the model and its attention implementation (plain PyTorch or GPU kernels).
+
+KV cache layout, one tensor for the whole model:
+    [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]
+Block-major, so one block's KV for every layer is a single contiguous region: moving a block to
+another engine or storage tier is one copy. A layer sees the strided view `kv_cache[:, layer]`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from ember.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Write this step's K and V into the cache, then attend causally over each context."""

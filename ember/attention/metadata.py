@@ -1,0 +1,45 @@
+"""What one forward pass tells every attention layer: where each sequence's queries and KV live.
+
+The batch is flat (varlen): sequence i owns query rows query_start_loc[i]:query_start_loc[i+1], and
+its KV context after this step is seq_lens[i] tokens long, laid in the blocks of block_tables[i].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from ember.attention.backend import AttentionBackend
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32, context length including this step's tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset for each new token
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, so reference code and the CPU path never sync on the device.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_cpu[-1]
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    """Handed down through the model on each forward pass (explicitly, never as a global)."""
+
+    metadata: AttentionMetadata
+    kv_cache: torch.Tensor  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+    backend: AttentionBackend

@@ -1,0 +1,68 @@
+"""Engine settings, checked once, with defaults that suit the CPU and the tiny model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ember.models.config import ModelConfig, parse_dtype
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    dtype: str | torch.dtype = "auto"
+    device: str = "cpu"
+    load_format: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    """KV blocks to allocate; None sizes the pool from `kv_cache_memory_bytes`."""
+    kv_cache_memory_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    def resolve(self, model_config: ModelConfig) -> ResolvedConfig:
+        """Fill in what depends on the model: dtype, context length, token budget, KV blocks."""
+        dtype = parse_dtype(self.dtype, default=model_config.dtype)
+        max_len = self.max_model_len or model_config.max_position_embeddings
+        budget = self.max_num_batched_tokens or max(8192, max_len)
+        if budget < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {budget}")
+        block_bytes = (
+            model_config.num_hidden_layers * 2 * self.block_size
+            * model_config.num_key_value_heads * model_config.head_dim
+            * torch.tensor([], dtype=dtype).element_size()
+        )
+        min_blocks = -(-max_len // self.block_size)
+        if self.num_kv_blocks is not None:
+            num_blocks = self.num_kv_blocks
+        else:
+            wanted = -(-self.max_num_seqs * max_len // self.block_size)
+            num_blocks = max(min(self.kv_cache_memory_bytes // block_bytes, wanted), min_blocks)
+        if num_blocks < min_blocks:
+            raise ValueError(
+                f"{num_blocks} KV blocks of {self.block_size} tokens cannot hold one sequence of "
+                f"max_model_len={max_len}; raise num_kv_blocks or lower max_model_len"
+            )
+        return ResolvedConfig(dtype, max_len, budget, num_blocks, block_bytes)
+
+
+@dataclass(slots=True, frozen=True)
+class ResolvedConfig:
+    dtype: torch.dtype
+    max_model_len: int
+    max_num_batched_tokens: int
+    num_kv_blocks: int
+    kv_block_bytes: int

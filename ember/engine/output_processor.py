@@ -1,0 +1,140 @@
+"""From token ids to what the user sees: incremental text, stop strings, logprobs, and the
+fan-in of a request's `n` samples into one RequestOutput."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ember.engine.stop_strings import find_stop_string
+from ember.outputs import CompletionOutput, Logprob, RequestOutput
+from ember.tokenizer.detokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from ember.engine.core import EngineCoreOutput
+    from ember.sampling_params import SamplingParams
+    from ember.tokenizer.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class SampleState:
+    """One of a request's n samples (one engine-core request)."""
+
+    index: int
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: dict[str, SampleState]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples.values())
+
+    def to_output(self) -> RequestOutput:
+        outs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.text,
+                token_ids=list(s.token_ids),
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=s.logprobs,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in sorted(self.samples.values(), key=lambda s: s.index)
+        ]
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            outs,
+            self.finished,
+            self.num_cached_tokens,
+        )
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self.parent_of: dict[str, str] = {}
+
+    def add_request(self, state: RequestState) -> None:
+        self.requests[state.request_id] = state
+        for child_id in state.samples:
+            self.parent_of[child_id] = state.request_id
+
+    def child_ids(self, request_id: str) -> list[str]:
+        state = self.requests.get(request_id)
+        return list(state.samples) if state else []
+
+    def abort_request(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state:
+            for child_id in state.samples:
+                self.parent_of.pop(child_id, None)
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the updated requests and the core request ids that a stop string has ended."""
+        touched: dict[str, RequestState] = {}
+        to_stop: list[str] = []
+        for out in outputs:
+            parent_id = self.parent_of.get(out.request_id)
+            if parent_id is None:
+                continue  # aborted meanwhile
+            state = self.requests[parent_id]
+            sample = state.samples[out.request_id]
+            if sample.finish_reason is not None:
+                continue
+            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if self._apply(sample, out) and out.finish_reason is None:
+                to_stop.append(out.request_id)
+            touched[parent_id] = state
+        results = []
+        for parent_id, state in touched.items():
+            results.append(state.to_output())
+            if state.finished:
+                self.abort_request(parent_id)
+        return results, to_stop
+
+    def _apply(self, s: SampleState, out: EngineCoreOutput) -> bool:
+        """Add new tokens to a sample; True if a stop string ended it."""
+        params = s.params
+        for k, tok in enumerate(out.new_token_ids):
+            s.token_ids.append(tok)
+            if out.new_logprobs is not None and params.logprobs is not None:
+                self._add_logprobs(s, out.new_logprobs[k])
+            delta = s.detok.push(tok)
+            s.text += delta
+            if params.stop and delta:
+                hit = find_stop_string(s.text, len(delta), params.stop, params.include_stop_str_in_output)
+                if hit is not None:
+                    s.text = s.text[: hit[0]]
+                    s.finish_reason, s.stop_reason = "stop", hit[1]
+                    return True
+        if out.finish_reason is not None:
+            s.finish_reason, s.stop_reason = out.finish_reason, out.stop_reason
+        return False
+
+    def _add_logprobs(self, s: SampleState, entries: list[tuple[int, float, int]]) -> None:
+        if s.logprobs is None:
+            s.logprobs, s.cumulative_logprob = [], 0.0
+        step: dict[int, Logprob] = {}
+        for tok, lp, rank in entries:
+            if tok not in step:
+                step[tok] = Logprob(lp, rank, self.tokenizer.decode([tok], skip_special_tokens=False))
+        s.logprobs.append(step)
+        s.cumulative_logprob = (s.cumulative_logprob or 0.0) + entries[0][1]

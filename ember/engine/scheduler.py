@@ -1,0 +1,194 @@
+"""Continuous-batching scheduler, vLLM-V1 style: a token budget per step, running requests first
+(decodes and unfinished prefill chunks), then new requests, preemption by recompute when full."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ember.engine.request import Request, RequestStatus
+from ember.kv.kv_cache_manager import KVCacheManager
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    requests: list[Request] = field(default_factory=list)
+    """Requests in this step's batch, in batch order."""
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
+    """Each scheduled request's block table, so the model runner needs no view of the KV manager."""
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.prefix_queries = 0
+        """Prompt tokens looked up in the prefix cache on first admission (vLLM's metric)."""
+        self.prefix_hits = 0
+
+    # -- admission and removal ---------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.num_prompt_tokens < 1:
+            raise ValueError("prompt must contain at least one token")
+        if req.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {req.num_prompt_tokens} tokens; max_model_len is "
+                f"{self.config.max_model_len}, which leaves no room for output"
+            )
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Abort or stop requests from outside (client gone, stop string): frees their blocks."""
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, status)
+            done.append(req)
+        return done
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            scheduled = True
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    scheduled = False
+                    break
+            if not scheduled:
+                break
+            out.requests.append(req)
+            out.num_scheduled_tokens.append(num_new)
+            budget -= num_new
+            i += 1
+
+        # New work only when nothing had to give way this step.
+        while (
+            self.waiting
+            and budget > 0
+            and not out.preempted
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting[0]
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_hit, budget)
+            if not self.kv.allocate_slots(req, num_new, hits):
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+                self.prefix_queries += req.num_prompt_tokens
+                self.prefix_hits += num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.requests.append(req)
+            out.num_scheduled_tokens.append(num_new)
+            budget -= num_new
+        out.block_ids = [self.kv.block_ids(r.request_id) for r in out.requests]
+        return out
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: list[int | None]
+    ) -> tuple[list[Request], list[Request]]:
+        """Advance each scheduled request; returns (requests that got a token, those that finished).
+
+        `sampled[i]` is the token sampled for `out.requests[i]`, or None for a prefill chunk that
+        did not reach the end of its tokens.
+        """
+        progressed, finished = [], []
+        for req, n, tok in zip(out.requests, out.num_scheduled_tokens, sampled, strict=True):
+            if req.is_finished:  # stopped from outside between schedule and now
+                continue
+            req.num_computed_tokens += n
+            if tok is None:
+                continue
+            req.append_output_token(tok)
+            progressed.append(req)
+            status = self._check_stop(req)
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+                finished.append(req)
+        return progressed, finished
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _check_stop(self, req: Request) -> RequestStatus | None:
+        tok = req.output_token_ids[-1]
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and tok in req.eos_token_ids:
+                req.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if params.stop_token_ids and tok in params.stop_token_ids:
+                req.stop_reason = tok
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv.free(req)
+        del self.requests[req.request_id]

@@ -1,0 +1,21 @@
+"""Gated activations: the MLP's gate and up halves fused into one input."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+ACTIVATIONS = {"silu": silu_and_mul}
+
+
+def gated_activation(name: str):  # noqa: ANN201 - returns one of ACTIVATIONS
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"unsupported hidden_act {name!r} (supported: {sorted(ACTIVATIONS)})") from None

@@ -1,0 +1,35 @@
+"""Linear layers that fuse several checkpoint matrices into one matmul (q/k/v, gate/up).
+
+Checkpoints store `q_proj`, `k_proj`, `v_proj` (and `gate_proj`, `up_proj`) separately; one fused
+weight means one GEMM per step instead of three. `weight_loader` copies a named shard into place.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class StackedLinear(nn.Linear):
+    """An nn.Linear whose output rows are the concatenation of named shards."""
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+        self.shard_sizes = dict(shard_sizes)
+        self.shard_offsets: dict[str, int] = {}
+        off = 0
+        for name, size in shard_sizes.items():
+            self.shard_offsets[name] = off
+            off += size
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
+        off, size = self.shard_offsets[shard], self.shard_sizes[shard]
+        if loaded.shape[0] != size:
+            raise ValueError(
+                f"shard {shard!r} has {loaded.shape[0]} rows in the checkpoint, expected {size}"
+            )
+        with torch.no_grad():
+            param.data[off : off + size].copy_(loaded)
+
+    def split(self, out: torch.Tensor) -> list[torch.Tensor]:
+        return list(out.split(list(self.shard_sizes.values()), dim=-1))

@@ -1,0 +1,188 @@
+"""Dense decoder-only transformers: Llama, Qwen2 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm).
+
+They differ only in those two switches, read from the config, so one file serves all three.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ember.attention.metadata import ForwardContext
+from ember.models.config import ModelConfig
+from ember.models.layers.activation import gated_activation
+from ember.models.layers.linear import StackedLinear
+from ember.models.layers.norm import RMSNorm
+from ember.models.layers.rotary import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = StackedLinear(
+            cfg.hidden_size, {"q": q, "k": kv, "v": kv}, bias=cfg.attention_bias
+        )
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        # Shared across layers; kept out of the module tree so it is not a per-layer parameter.
+        self._rotary = [rotary]
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self._rotary[0](positions, q, k)
+        o = ctx.backend.forward(
+            q, k, v, ctx.kv_cache[:, self.layer_idx], ctx.metadata, self.scale
+        )
+        return self.o_proj(o.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str) -> None:
+        super().__init__()
+        self.gate_up_proj = StackedLinear(
+            hidden_size, {"gate": intermediate_size, "up": intermediate_size}
+        )
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act = gated_activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx, rotary)
+        self.mlp = self.make_mlp(cfg, layer_idx)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def make_mlp(self, cfg: ModelConfig, layer_idx: int) -> nn.Module:
+        return MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_cls: type[DecoderLayer], max_position: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim,
+            max(max_position, cfg.max_position_embeddings),
+            cfg.rope_theta,
+            cfg.rope_scaling,
+        )
+        self.layers = nn.ModuleList(
+            layer_cls(cfg, i, self.rotary) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, ctx)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    layer_cls: type[DecoderLayer] = DecoderLayer
+    # (our parameter, checkpoint name, shard): checkpoint matrices that land in a fused weight.
+    stacked_params: tuple[tuple[str, str, str], ...] = (
+        (".qkv_proj.", ".q_proj.", "q"),
+        (".qkv_proj.", ".k_proj.", "k"),
+        (".qkv_proj.", ".v_proj.", "v"),
+        (".gate_up_proj.", ".gate_proj.", "gate"),
+        (".gate_up_proj.", ".up_proj.", "up"),
+    )
+
+    def __init__(self, cfg: ModelConfig, max_position: int = 0) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, self.layer_cls, max_position)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into parameters; returns the names of parameters filled."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue  # some tied checkpoints still carry a copy
+            target = self.map_weight(name, tensor, params)
+            if target is not None:
+                loaded.add(target)
+        return loaded
+
+    def map_weight(
+        self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]
+    ) -> str | None:
+        for ours, theirs, shard in self.stacked_params:
+            if theirs in name:
+                target = name.replace(theirs, ours)
+                param = self._param(params, target, name)
+                owner = self.get_submodule(target.rsplit(".", 1)[0])
+                owner.weight_loader(param, tensor, shard)
+                return target
+        param = self._param(params, name, name)
+        if param.shape != tensor.shape:
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(tensor.shape)} in the checkpoint, "
+                f"the model expects {tuple(param.shape)}"
+            )
+        with torch.no_grad():
+            param.data.copy_(tensor)
+        return name
+
+    @staticmethod
+    def _param(params: dict[str, nn.Parameter], target: str, name: str) -> nn.Parameter:
+        try:
+            return params[target]
+        except KeyError:
+            raise ValueError(f"checkpoint has weight {name!r}, which this model does not") from None

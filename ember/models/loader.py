@@ -1,0 +1,98 @@
+"""Build a model from a Hugging Face-format directory: real safetensors weights, or dummy ones."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from ember.models.config import ModelConfig
+from ember.models.registry import resolve_architecture
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's files: the sharded index's, else model.safetensors, else every *.safetensors."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not weight_map:
+            raise ValueError(f"{index} has no weight_map")
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"shards named in {index.name} are missing: {missing}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in model directory {str(model_dir)!r}")
+    return files
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as fh:
+            for name in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, fh.get_tensor(name)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights of the right shapes, made where the parameters live (fast on a GPU)."""
+    gen_device = next(model.parameters()).device
+    gen = torch.Generator(device=gen_device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+
+
+def load_model(
+    model_dir: str | Path,
+    config: ModelConfig | None = None,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    load_format: str = "auto",
+    max_position: int = 0,
+) -> nn.Module:
+    model_dir = Path(model_dir)
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; use one of {LOAD_FORMATS}")
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory {str(model_dir)!r} does not exist")
+    config = config or ModelConfig.from_dir(model_dir)
+    cls = resolve_architecture(config.architecture)
+    dtype = dtype or config.dtype
+    files = [] if load_format == "dummy" else safetensors_files(model_dir)
+    with _default_dtype(dtype), torch.device(device):
+        model = cls(config, max_position=max_position)
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        loaded = model.load_weights(iter_safetensors(files))
+        missing = sorted(set(dict(model.named_parameters())) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint in {str(model_dir)!r} lacks weights: {missing[:8]}")
+    return model.eval()
