@@ -41,8 +41,11 @@ class EngineConfig:
         if budget < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {budget}")
         block_bytes = (
-            model_config.num_hidden_layers * 2 * self.block_size
-            * model_config.num_key_value_heads * model_config.head_dim
+            model_config.num_hidden_layers
+            * 2
+            * self.block_size
+            * model_config.num_key_value_heads
+            * model_config.head_dim
             * torch.tensor([], dtype=dtype).element_size()
         )
         min_blocks = -(-max_len // self.block_size)

@@ -66,7 +66,9 @@ class LLMEngine:
             self.abort_request(request_id)
             raise
 
-    def _tokenize(self, prompt: str | Sequence[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
+    def _tokenize(
+        self, prompt: str | Sequence[int] | dict[str, Any]
+    ) -> tuple[str | None, list[int]]:
         """Text and ids of a prompt given as text, token ids, or {'prompt'/'prompt_token_ids'}."""
         if isinstance(prompt, dict):
             text = prompt.get("prompt")

@@ -112,22 +112,35 @@ class OutputProcessor:
 
     def _apply(self, s: SampleState, out: EngineCoreOutput) -> bool:
         """Add new tokens to a sample; True if a stop string ended it."""
-        params = s.params
         for k, tok in enumerate(out.new_token_ids):
             s.token_ids.append(tok)
-            if out.new_logprobs is not None and params.logprobs is not None:
+            if out.new_logprobs is not None and s.params.logprobs is not None:
                 self._add_logprobs(s, out.new_logprobs[k])
-            delta = s.detok.push(tok)
-            s.text += delta
-            if params.stop and delta:
-                hit = find_stop_string(s.text, len(delta), params.stop, params.include_stop_str_in_output)
-                if hit is not None:
-                    s.text = s.text[: hit[0]]
-                    s.finish_reason, s.stop_reason = "stop", hit[1]
-                    return True
+            if self._add_text(s, s.detok.push(tok)):
+                return True
         if out.finish_reason is not None:
+            # A sequence may end inside a multi-byte character; emit what was held back.
+            if self._add_text(s, s.detok.flush()):
+                return False
             s.finish_reason, s.stop_reason = out.finish_reason, out.stop_reason
         return False
+
+    @staticmethod
+    def _add_text(s: SampleState, delta: str) -> bool:
+        """Append decoded text; on a stop string, cut the text and mark the sample stopped."""
+        if not delta:
+            return False
+        s.text += delta
+        if not s.params.stop:
+            return False
+        hit = find_stop_string(
+            s.text, len(delta), s.params.stop, s.params.include_stop_str_in_output
+        )
+        if hit is None:
+            return False
+        s.text = s.text[: hit[0]]
+        s.finish_reason, s.stop_reason = "stop", hit[1]
+        return True
 
     def _add_logprobs(self, s: SampleState, entries: list[tuple[int, float, int]]) -> None:
         if s.logprobs is None:
@@ -135,6 +148,8 @@ class OutputProcessor:
         step: dict[int, Logprob] = {}
         for tok, lp, rank in entries:
             if tok not in step:
-                step[tok] = Logprob(lp, rank, self.tokenizer.decode([tok], skip_special_tokens=False))
+                step[tok] = Logprob(
+                    lp, rank, self.tokenizer.decode([tok], skip_special_tokens=False)
+                )
         s.logprobs.append(step)
         s.cumulative_logprob = (s.cumulative_logprob or 0.0) + entries[0][1]

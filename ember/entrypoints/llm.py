@@ -21,7 +21,9 @@ class LLM:
         fields = set(EngineConfig.__dataclass_fields__)
         unknown = sorted(set(kwargs) - fields)
         if unknown:
-            raise TypeError(f"unknown LLM arguments: {unknown}; known: {sorted(fields - {'model'})}")
+            raise TypeError(
+                f"unknown LLM arguments: {unknown}; known: {sorted(fields - {'model'})}"
+            )
         self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
         self._ids = itertools.count()
 
@@ -70,12 +72,15 @@ class LLM:
         prompts = []
         for conv in conversations:
             text = tok.apply_chat_template(
-                conv, tools=tools, add_generation_prompt=add_generation_prompt,
+                conv,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
                 **(chat_template_kwargs or {}),
             )
             # The template already holds any BOS; don't add special tokens twice.
-            prompts.append({"prompt_token_ids": tok.encode(text, add_special_tokens=False),
-                            "prompt": text})
+            prompts.append(
+                {"prompt_token_ids": tok.encode(text, add_special_tokens=False), "prompt": text}
+            )
         return self.generate(prompts, sampling_params)
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:

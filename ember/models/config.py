@@ -21,7 +21,9 @@ _DTYPES = {
 }
 
 
-def parse_dtype(value: str | torch.dtype | None, default: torch.dtype = torch.float32) -> torch.dtype:
+def parse_dtype(
+    value: str | torch.dtype | None, default: torch.dtype = torch.float32
+) -> torch.dtype:
     if value is None or value == "auto":
         return default
     if isinstance(value, torch.dtype):
@@ -29,7 +31,9 @@ def parse_dtype(value: str | torch.dtype | None, default: torch.dtype = torch.fl
     try:
         return _DTYPES[str(value).removeprefix("torch.")]
     except KeyError:
-        raise ValueError(f"unsupported dtype {value!r}; use one of float32, float16, bfloat16") from None
+        raise ValueError(
+            f"unsupported dtype {value!r}; use one of float32, float16, bfloat16"
+        ) from None
 
 
 @dataclass(slots=True)

@@ -38,7 +38,9 @@ class Attention(nn.Module):
         # Shared across layers; kept out of the module tree so it is not a per-layer parameter.
         self._rotary = [rotary]
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(t, self.num_heads, self.head_dim)
@@ -47,9 +49,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rotary[0](positions, q, k)
-        o = ctx.backend.forward(
-            q, k, v, ctx.kv_cache[:, self.layer_idx], ctx.metadata, self.scale
-        )
+        o = ctx.backend.forward(q, k, v, ctx.kv_cache[:, self.layer_idx], ctx.metadata, self.scale)
         return self.o_proj(o.reshape(t, -1))
 
 

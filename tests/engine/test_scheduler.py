@@ -36,7 +36,9 @@ def check_invariants(s: Scheduler) -> None:
         else:
             assert ids == [], "a waiting request holds blocks"
     for b in pool.blocks:
-        assert b.ref_cnt == held[b.block_id], f"block {b.block_id} ref {b.ref_cnt} != {held[b.block_id]}"
+        assert b.ref_cnt == held[b.block_id], (
+            f"block {b.block_id} ref {b.ref_cnt} != {held[b.block_id]}"
+        )
         assert (b.ref_cnt == 0) == (b.block_id in pool._free)
     for h, b in pool._cached.items():
         assert b.block_hash == h
@@ -86,7 +88,7 @@ def test_random_operations_never_leak_blocks(ops, num_blocks, budget, max_seqs, 
     for op in ops:
         if op[0] == "add":
             _, plen, max_tokens, prefix = op
-            prompt = (prefixes[prefix] + [rng.randrange(1, 50) for _ in range(plen)])[:plen + 8]
+            prompt = (prefixes[prefix] + [rng.randrange(1, 50) for _ in range(plen)])[: plen + 8]
             s.add_request(make_request(str(n), prompt, max_tokens))
             n += 1
         elif op[0] == "step":
@@ -96,7 +98,8 @@ def test_random_operations_never_leak_blocks(ops, num_blocks, budget, max_seqs, 
             if live:
                 rid = live[op[1] % len(live)]
                 status = (
-                    RequestStatus.FINISHED_ABORTED if op[0] == "abort"
+                    RequestStatus.FINISHED_ABORTED
+                    if op[0] == "abort"
                     else RequestStatus.FINISHED_STOPPED
                 )
                 s.finish_requests([rid], status)

@@ -18,4 +18,6 @@ def gated_activation(name: str):  # noqa: ANN201 - returns one of ACTIVATIONS
     try:
         return ACTIVATIONS[name]
     except KeyError:
-        raise ValueError(f"unsupported hidden_act {name!r} (supported: {sorted(ACTIVATIONS)})") from None
+        raise ValueError(
+            f"unsupported hidden_act {name!r} (supported: {sorted(ACTIVATIONS)})"
+        ) from None

@@ -34,9 +34,7 @@ class FusedMoE(nn.Module):
         """shard: 'E.gate' | 'E.up' | 'E.down' for one expert, or 'gate_up' | 'down' for all."""
         i = self.intermediate_size
         with torch.no_grad():
-            if shard == "gate_up":
-                param.data.copy_(loaded)
-            elif shard == "down":
+            if shard in ("gate_up", "down"):
                 param.data.copy_(loaded)
             else:
                 expert, part = shard.split(".")
@@ -65,12 +63,19 @@ class FusedMoE(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     def __init__(
-        self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
-        renormalize: bool, act: str,
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        renormalize: bool,
+        act: str,
     ) -> None:
         super().__init__()
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize, act)
+        self.experts = FusedMoE(
+            num_experts, top_k, hidden_size, intermediate_size, renormalize, act
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.gate(x))

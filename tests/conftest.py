@@ -1,0 +1,23 @@
+"""Shared fixtures: tiny random checkpoints, made once per test session."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from ember.models.tiny import make_tiny
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`tiny_model_dir(arch)` -> path of that arch's tiny checkpoint (seed 0, one shard)."""
+    made: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            made[arch] = make_tiny(tmp_path_factory.mktemp(f"tiny-{arch}"), arch)
+        return made[arch]
+
+    return get
