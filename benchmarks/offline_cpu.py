@@ -26,9 +26,11 @@ class Timer:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self._undo: list[tuple[object, str, object, bool]] = []
 
     def wrap(self, obj: object, attr: str, label: str) -> None:
         fn = getattr(obj, attr)
+        self._undo.append((obj, attr, fn, attr in vars(obj)))
 
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
@@ -38,6 +40,13 @@ class Timer:
                 self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - t0
 
         setattr(obj, attr, timed)
+
+    def restore(self) -> None:
+        for obj, attr, fn, own in reversed(self._undo):
+            if own:
+                setattr(obj, attr, fn)
+            else:
+                delattr(obj, attr)
 
 
 def run(llm: LLM, batch: int, prompt_len: int, out_tokens: int) -> dict[str, float]:
@@ -57,15 +66,7 @@ def run(llm: LLM, batch: int, prompt_len: int, out_tokens: int) -> dict[str, flo
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
-    for attr in ("forward", "compute_logits"):
-        delattr(runner.model, attr)
-    for obj, attr in (
-        (runner, "sampler"),
-        (runner, "prepare"),
-        (llm.engine.core.scheduler, "schedule"),
-        (llm.engine.processor, "process"),
-    ):
-        delattr(obj, attr)
+    timer.restore()
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     assert generated == batch * out_tokens
     fwd = timer.seconds.get("forward", 0.0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from ember.engine.config import EngineConfig
@@ -10,6 +11,7 @@ from ember.engine.core import EngineCore
 from ember.engine.output_processor import OutputProcessor, RequestState, SampleState
 from ember.engine.request import Request, RequestStatus
 from ember.engine.sampler import make_generator
+from ember.models.config import ModelConfig
 from ember.outputs import RequestOutput
 from ember.sampling_params import SamplingParams
 from ember.tokenizer.detokenizer import IncrementalDetokenizer
@@ -19,9 +21,12 @@ from ember.tokenizer.tokenizer import Tokenizer
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if not Path(config.model).is_dir():
+            raise FileNotFoundError(f"model directory {config.model!r} does not exist")
+        # Cheap checks first: a bad config or tokenizer should fail before weights load.
+        self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer.from_dir(config.model)
-        self.core = EngineCore(config)
-        self.model_config = self.core.model_config
+        self.core = EngineCore(config, self.model_config)
         self.max_model_len = self.core.resolved.max_model_len
         self.processor = OutputProcessor(self.tokenizer)
 
