@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     demo = sub.add_parser("demo", help="two agent turns on the embedded tiny model")
-    demo.add_argument("--arch", choices=TINY_ARCHS, default="qwen3")
+    demo.add_argument("--arch", choices=TINY_ARCHS, default="llama")
     demo.add_argument("--max-tokens", type=int, default=24)
     demo.set_defaults(func=cmd_demo)
     return p

@@ -5,9 +5,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import os
+
 import pytest
+from hypothesis import settings
 
 from ember.models.tiny import make_tiny
+
+# CI replays the same examples every run, so a red build is reproducible; locally each run explores.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 @pytest.fixture(scope="session")

@@ -98,7 +98,7 @@ class EngineCore:
         if so.is_empty:
             return []
         result = self.runner.execute(so)
-        progressed, finished = self.scheduler.update_from_output(so, result.sampled)
+        progressed, _ = self.scheduler.update_from_output(so, result.sampled)
         logprobs_of = {
             req.request_id: lp
             for req, lp in zip(so.requests, result.logprobs, strict=True)
@@ -117,5 +117,4 @@ class EngineCore:
                     num_cached_tokens=max(req.num_cached_tokens, 0),
                 )
             )
-        del finished  # their outputs above already carry the finish reason
         return outputs

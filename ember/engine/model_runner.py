@@ -15,6 +15,7 @@ from ember.engine.sampler import Sampler, SamplingBatch
 if TYPE_CHECKING:
     from torch import nn
 
+    from ember.engine.request import Request
     from ember.engine.scheduler import SchedulerOutput
     from ember.models.config import ModelConfig
 
@@ -127,7 +128,7 @@ class ModelRunner:
         return ModelRunnerOutput(sampled, logprobs)
 
 
-def _blocked_tokens(req) -> list[int]:  # noqa: ANN001 - Request, kept light for the hot loop
+def _blocked_tokens(req: Request) -> list[int]:
     """EOS and stop ids may not be sampled before `min_tokens` outputs."""
     params = req.sampling_params
     if req.num_output_tokens >= params.min_tokens:

@@ -35,8 +35,7 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        # Shared across layers; kept out of the module tree so it is not a per-layer parameter.
-        self._rotary = [rotary]
+        self.rotary = rotary  # one module shared by every layer (its caches are not saved)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
@@ -48,7 +47,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self._rotary[0](positions, q, k)
+        q, k = self.rotary(positions, q, k)
         o = ctx.backend.forward(q, k, v, ctx.kv_cache[:, self.layer_idx], ctx.metadata, self.scale)
         return self.o_proj(o.reshape(t, -1))
 

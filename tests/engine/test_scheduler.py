@@ -89,6 +89,7 @@ def test_random_operations_never_leak_blocks(ops, num_blocks, budget, max_seqs, 
         if op[0] == "add":
             _, plen, max_tokens, prefix = op
             prompt = (prefixes[prefix] + [rng.randrange(1, 50) for _ in range(plen)])[: plen + 8]
+            prompt = prompt[: s.config.max_model_len - 1]
             s.add_request(make_request(str(n), prompt, max_tokens))
             n += 1
         elif op[0] == "step":

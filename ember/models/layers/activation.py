@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -14,7 +16,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 ACTIVATIONS = {"silu": silu_and_mul}
 
 
-def gated_activation(name: str):  # noqa: ANN201 - returns one of ACTIVATIONS
+def gated_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     try:
         return ACTIVATIONS[name]
     except KeyError:
