@@ -18,6 +18,7 @@ run: $(STAMP)
 	$(BIN)/ember demo
 
 test: $(STAMP)
+	$(BIN)/ruff check ember tests benchmarks
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 lint: $(STAMP)
