@@ -7,31 +7,22 @@ server can run the core in its own process.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from ember.attention.backend import AttentionBackend
 from ember.attention.torch_backend import TorchAttentionBackend
 from ember.engine.config import EngineConfig, ResolvedConfig
+from ember.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from ember.engine.model_runner import ModelRunner
 from ember.engine.request import Request, RequestStatus
+from ember.engine.sampler import make_generator
 from ember.engine.scheduler import Scheduler, SchedulerConfig
 from ember.kv.kv_cache_manager import KVCacheManager
 from ember.models.config import ModelConfig
 from ember.models.loader import load_model
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class EngineCoreOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[list[tuple[int, float, int]]] | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-    num_cached_tokens: int
 
 
 class EngineCore:
@@ -65,6 +56,7 @@ class EngineCore:
             SchedulerConfig(config.max_num_seqs, r.max_num_batched_tokens, r.max_model_len),
             self.kv,
         )
+        self.num_steps = 0
         self.runner = ModelRunner(
             model,
             self.model_config,
@@ -82,7 +74,17 @@ class EngineCore:
             r.num_kv_blocks * r.kv_block_bytes / 2**20,
         )
 
-    def add_request(self, req: Request) -> None:
+    def add_request(self, msg: EngineCoreRequest) -> None:
+        req = Request(
+            request_id=msg.request_id,
+            prompt_token_ids=msg.prompt_token_ids,
+            sampling_params=msg.sampling_params,
+            eos_token_ids=frozenset(msg.eos_token_ids),
+            max_tokens=msg.max_tokens,
+            arrival_time=msg.arrival_time,
+            cache_salt=msg.cache_salt,
+            generator=None if msg.seed is None else make_generator(msg.seed, self.device),
+        )
         self.scheduler.add_request(req)
 
     def abort_requests(
@@ -93,11 +95,35 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def stats(self) -> SchedulerStats:
+        s, pool = self.scheduler, self.kv.pool
+        prefill = sum(r.num_prompt_tokens - r.num_computed_tokens for r in s.waiting)
+        decode = 0
+        for r in s.running:
+            if r.num_computed_tokens < r.num_prompt_tokens:
+                prefill += r.num_prompt_tokens - r.num_computed_tokens
+            else:
+                decode += r.num_tokens
+        return SchedulerStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_prefill_tokens=prefill,
+            num_decode_tokens=decode,
+            kv_usage=pool.usage,
+            num_free_blocks=pool.num_free_blocks,
+            num_blocks=pool.num_blocks,
+            prefix_queries=s.prefix_queries,
+            prefix_hits=s.prefix_hits,
+            num_preemptions=s.num_preemptions,
+            num_steps=self.num_steps,
+        )
+
     def step(self) -> list[EngineCoreOutput]:
         so = self.scheduler.schedule()
         if so.is_empty:
             return []
         result = self.runner.execute(so)
+        self.num_steps += 1
         progressed, _ = self.scheduler.update_from_output(so, result.sampled)
         logprobs_of = {
             req.request_id: lp

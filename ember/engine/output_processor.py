@@ -11,7 +11,7 @@ from ember.outputs import CompletionOutput, Logprob, RequestOutput
 from ember.tokenizer.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
-    from ember.engine.core import EngineCoreOutput
+    from ember.engine.messages import EngineCoreOutput
     from ember.sampling_params import SamplingParams
     from ember.tokenizer.tokenizer import Tokenizer
 
@@ -38,6 +38,7 @@ class RequestState:
     prompt_token_ids: list[int]
     samples: dict[str, SampleState]
     num_cached_tokens: int = 0
+    arrival_time: float = 0.0
 
     @property
     def finished(self) -> bool:

@@ -1,0 +1,86 @@
+"""From a user's prompt and sampling parameters to validated engine-core requests (one per sample)
+and the front-end state that turns their tokens back into text."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ember.engine.messages import EngineCoreRequest
+from ember.engine.output_processor import RequestState, SampleState
+from ember.sampling_params import SamplingParams
+from ember.tokenizer.detokenizer import IncrementalDetokenizer
+from ember.tokenizer.tokenizer import Tokenizer
+
+PromptType = str | Sequence[int] | dict[str, Any]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Text and ids of a prompt given as text, token ids, or {'prompt'/'prompt_token_ids'}."""
+        if isinstance(prompt, dict):
+            text = prompt.get("prompt")
+            if prompt.get("prompt_token_ids") is not None:
+                return text, [int(t) for t in prompt["prompt_token_ids"]]
+            if not isinstance(text, str):
+                raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+            return text, self.tokenizer.encode(text)
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if not all(isinstance(t, int) for t in prompt):
+            raise ValueError("a prompt must be a string or a list of integer token ids")
+        return None, list(prompt)
+
+    def validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens long; max_model_len is {self.max_model_len}, "
+                "which leaves no room for output"
+            )
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> tuple[RequestState, list[EngineCoreRequest]]:
+        text, ids = self.tokenize(prompt)
+        self.validate(ids, params)
+        max_tokens = self.max_model_len - len(ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        now = time.monotonic()
+        eos = sorted(self.tokenizer.eos_token_ids)
+        samples: dict[str, SampleState] = {}
+        core_reqs: list[EngineCoreRequest] = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            core_reqs.append(
+                EngineCoreRequest(
+                    request_id=child_id,
+                    prompt_token_ids=ids,
+                    sampling_params=params,
+                    eos_token_ids=eos,
+                    max_tokens=max_tokens,
+                    seed=None if params.seed is None else params.seed + i,
+                    cache_salt=cache_salt,
+                    arrival_time=now,
+                )
+            )
+            detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            samples[child_id] = SampleState(i, params, detok)
+        return RequestState(request_id, text, ids, samples, arrival_time=now), core_reqs
