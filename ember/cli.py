@@ -98,6 +98,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ember.server.api_server import run_server
+
+    return run_server(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ember", description="LLM serving for agents.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -121,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.set_defaults(func=cmd_generate)
+
+    from ember.server.args import add_serve_args
+
+    serve = sub.add_parser("serve", help="the OpenAI-compatible server, in the style of vllm serve")
+    add_serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser("demo", help="two agent turns on the embedded tiny model")
     demo.add_argument("--arch", choices=TINY_ARCHS, default="llama")

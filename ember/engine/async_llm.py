@@ -1,0 +1,193 @@
+"""The engine as the server uses it: an asyncio front (tokenize, detokenize, stream outputs) over
+an engine-core process. Each request gets a queue; one task fans the core's outputs out to them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from ember.engine.config import EngineConfig
+from ember.engine.core_client import CoreClient, EngineDeadError
+from ember.engine.input_processor import InputProcessor, PromptType
+from ember.engine.messages import AbortRequests, EngineCoreOutputs, EngineCoreReady, SchedulerStats
+from ember.engine.output_processor import OutputProcessor
+from ember.models.config import ModelConfig
+from ember.outputs import RequestOutput
+from ember.sampling_params import SamplingParams
+from ember.tokenizer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig) -> None:
+        if not Path(config.model).is_dir():
+            raise FileNotFoundError(f"model directory {config.model!r} does not exist")
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model)
+        self.tokenizer = Tokenizer.from_dir(config.model)
+        self.resolved = config.resolve(self.model_config)
+        self.max_model_len = self.resolved.max_model_len
+        self.inputs = InputProcessor(
+            self.tokenizer, self.model_config.vocab_size, self.max_model_len
+        )
+        self.processor = OutputProcessor(self.tokenizer)
+        self.stats = SchedulerStats()
+        self.ready: EngineCoreReady | None = None
+        self.dead: str | None = None
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._client: CoreClient | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+
+    async def start(self, timeout_s: float = 600.0) -> None:
+        """Spawn the engine core and wait until its model is loaded."""
+        self._client = CoreClient(self.config)
+        try:
+            self.ready = await self._client.wait_ready(timeout_s)
+        except BaseException:
+            await self._client.shutdown()
+            raise
+        self._loop_task = asyncio.create_task(self._output_loop(), name="ember-output-loop")
+
+    async def shutdown(self) -> None:
+        if self._loop_task:
+            self._loop_task.cancel()
+        if self._client:
+            await self._client.shutdown()
+        self._fail_all(EngineDeadError("engine is shutting down"))
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ready is not None and self.dead is None
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._queues)
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Validate and submit a request; iterate the returned stream for its outputs.
+
+        Bad input raises ValueError here, before anything is queued. The caller must iterate the
+        stream to the end or `aclose()` it; closing early aborts the request in the core.
+        """
+        if self.dead is not None or self._client is None:
+            raise EngineDeadError(self.dead or "engine not started")
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        state, core_reqs = self.inputs.process(request_id, prompt, params, cache_salt)
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[request_id] = queue
+        self.processor.add_request(state)
+        stream = RequestStream(self, request_id, queue)
+        try:
+            for r in core_reqs:
+                await self._client.send(r)
+        except BaseException:
+            await stream.aclose()
+            raise
+        return stream
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Convenience: add a request and yield its outputs, aborting it if the loop stops early."""
+        stream = await self.add_request(request_id, prompt, params, cache_salt)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
+
+    async def abort(self, request_id: str) -> None:
+        children = self.processor.child_ids(request_id)
+        self.processor.abort_request(request_id)
+        if children and self._client is not None and self.dead is None:
+            await self._client.send(AbortRequests(children))
+
+    async def _output_loop(self) -> None:
+        client = self._client
+        if client is None:
+            raise RuntimeError("engine core client missing")
+        try:
+            while True:
+                if not await client.output.poll(1000):
+                    if not client.is_alive():
+                        raise EngineDeadError(f"engine core exited ({client.proc.exitcode})")
+                    continue
+                msg = await client.recv()
+                if not isinstance(msg, EngineCoreOutputs):
+                    raise EngineDeadError(f"engine core failed: {getattr(msg, 'error', msg)}")
+                self.stats = msg.stats
+                if not msg.outputs:
+                    continue
+                outputs, to_stop = self.processor.process(msg.outputs)
+                for out in outputs:
+                    q = self._queues.get(out.request_id)
+                    if q is not None:
+                        q.put_nowait(out)
+                if to_stop:
+                    await client.send(AbortRequests(to_stop, stopped=True))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            log.exception("engine output loop ended")
+            self.dead = str(e)
+            self._fail_all(e if isinstance(e, EngineDeadError) else EngineDeadError(str(e)))
+
+    def _fail_all(self, err: BaseException) -> None:
+        for q in self._queues.values():
+            q.put_nowait(err)
+
+
+class RequestStream:
+    """One request's cumulative outputs, newest first when the reader lags."""
+
+    def __init__(
+        self, engine: AsyncLLM, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException]
+    ) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.queue = queue
+        self.finished = False
+        self.closed = False
+        self.arrival = time.monotonic()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self.closed:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        # Outputs are cumulative: when the reader lags, skip to the newest.
+        while not self.queue.empty() and isinstance(item, RequestOutput) and not item.finished:
+            item = self.queue.get_nowait()
+        if isinstance(item, BaseException):
+            await self.aclose()
+            raise item
+        if item.finished:
+            self.finished = True
+            self.engine._queues.pop(self.request_id, None)
+        return item
+
+    async def aclose(self) -> None:
+        """Abort the request if it has not finished; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self.engine._queues.pop(self.request_id, None)
+        if not self.finished:
+            await self.engine.abort(self.request_id)

@@ -1,0 +1,86 @@
+"""The API process's handle on the engine-core process: spawn it, talk to it over ZeroMQ."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import shutil
+import tempfile
+from multiprocessing.process import BaseProcess
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from ember.engine.config import EngineConfig
+from ember.engine.core_proc import engine_core_main
+from ember.engine.messages import (
+    CoreInput,
+    CoreOutput,
+    EngineCoreFailed,
+    EngineCoreReady,
+    Shutdown,
+)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process died or failed to start."""
+
+
+class CoreClient:
+    def __init__(self, config: EngineConfig) -> None:
+        self._dir = tempfile.mkdtemp(prefix="ember-ipc-")
+        input_addr, output_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
+        self.ctx = zmq.asyncio.Context()
+        self.input = self.ctx.socket(zmq.PUSH)
+        self.input.bind(input_addr)
+        self.output = self.ctx.socket(zmq.PULL)
+        self.output.bind(output_addr)
+        self.enc = msgspec.msgpack.Encoder()
+        self.dec = msgspec.msgpack.Decoder(CoreOutput)
+        # spawn, not fork: the parent may hold threads (uvloop, torch) that fork would break.
+        self.proc: BaseProcess = multiprocessing.get_context("spawn").Process(
+            target=engine_core_main,
+            args=(config, input_addr, output_addr),
+            name="ember-engine-core",
+            daemon=True,
+        )
+        self.proc.start()
+
+    async def wait_ready(self, timeout_s: float = 600.0) -> EngineCoreReady:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            if await self.output.poll(200):
+                msg = await self.recv()
+                if isinstance(msg, EngineCoreReady):
+                    return msg
+                if isinstance(msg, EngineCoreFailed):
+                    raise EngineDeadError(f"engine core failed to start: {msg.error}")
+            elif not self.proc.is_alive():
+                raise EngineDeadError(f"engine core exited with code {self.proc.exitcode}")
+        raise EngineDeadError(f"engine core not ready after {timeout_s:.0f} s")
+
+    async def send(self, msg: CoreInput) -> None:
+        await self.input.send(self.enc.encode(msg), copy=False)
+
+    async def recv(self) -> CoreOutput:
+        return self.dec.decode(await self.output.recv())
+
+    def is_alive(self) -> bool:
+        return self.proc.is_alive()
+
+    async def shutdown(self, timeout_s: float = 5.0) -> None:
+        if self.proc.is_alive():
+            try:
+                await asyncio.wait_for(self.send(Shutdown()), 1.0)
+            except (TimeoutError, zmq.ZMQError):
+                pass
+            await asyncio.to_thread(self.proc.join, timeout_s)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(timeout_s)
+        self.input.close(linger=0)
+        self.output.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -1,0 +1,218 @@
+"""`ember serve`: the OpenAI-compatible HTTP server (FastAPI on uvicorn) in front of an engine-core
+process. Routes: /v1/chat/completions, /v1/completions, /v1/models, /health, /load, /metrics."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from ember.engine.async_llm import AsyncLLM
+from ember.engine.config import EngineConfig
+from ember.server.errors import APIError, error_from_status
+from ember.server.metrics import ServerMetrics
+from ember.server.middleware import EdgeMiddleware
+from ember.server.protocol import ChatCompletionRequest, CompletionRequest
+from ember.server.serving import ServingContext
+from ember.server.serving_chat import ChatHandler
+from ember.server.serving_completion import CompletionHandler
+
+log = logging.getLogger("ember.server")
+
+
+def build_app(
+    engine: AsyncLLM,
+    served_model_names: list[str],
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = 32 << 20,
+    max_waiting: int = 1024,
+    tool_call_parser: str | None = "hermes",
+) -> FastAPI:
+    metrics = ServerMetrics(served_model_names[0], lambda: engine.stats)
+    ctx = ServingContext(engine, metrics, served_model_names, max_waiting)
+    chat = ChatHandler(ctx, tool_call_parser)
+    completions = CompletionHandler(ctx)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):  # noqa: ANN202 - FastAPI's lifespan protocol
+        # Start the engine in the background so /health can answer 503 while the model loads.
+        app.state.engine_start = asyncio.create_task(_start(app, engine))
+        yield
+        app.state.draining = True
+        app.state.engine_start.cancel()
+        await engine.shutdown()
+
+    app = FastAPI(title="ember", version="0.1.0", lifespan=lifespan)
+    app.state.draining = False
+    app.state.start_error = None
+    app.add_middleware(EdgeMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> Response:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError) -> Response:
+        return validation_error(e.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException) -> Response:
+        message = e.detail if isinstance(e.detail, str) else None
+        if e.status_code == 404:
+            message = "Not found: no such route"
+        return error_from_status(e.status_code, message).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> Response:
+        log.exception("unhandled error")
+        return APIError(f"internal error: {type(e).__name__}", 500).response()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        _refuse_if_draining(app)
+        return await chat.create(body, request)
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        _refuse_if_draining(app)
+        return await completions.create(body, request)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        created = int(time.time())
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "ember",
+                "root": engine.config.model,
+                "max_model_len": engine.max_model_len,
+            }
+            for name in served_model_names
+        ]
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if app.state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not engine.is_ready:
+            status = "failed" if engine.dead or app.state.start_error else "loading"
+            return JSONResponse({"status": status}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/load")
+    async def load() -> dict[str, Any]:
+        s = engine.stats
+        return {
+            "ready": engine.is_ready,
+            "running": s.num_running,
+            "waiting": s.num_waiting,
+            "in_flight": engine.num_unfinished,
+            "prefill_tokens": s.num_prefill_tokens,
+            "decode_tokens": s.num_decode_tokens,
+            "kv_usage": s.kv_usage,
+            "free_blocks": s.num_free_blocks,
+            "total_blocks": s.num_blocks,
+            "prefix_cache_queries": s.prefix_queries,
+            "prefix_cache_hits": s.prefix_hits,
+        }
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def validation_error(errors: Any) -> APIError:
+    """pydantic's 422 becomes OpenAI's 400, naming the first offending parameter."""
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid request")
+    if first.get("type") == "json_invalid":
+        return APIError(f"the request body is not valid JSON: {msg}")
+    return APIError(f"{param}: {msg}" if param else msg, 400, param=param)
+
+
+def _refuse_if_draining(app: FastAPI) -> None:
+    if app.state.draining:
+        raise APIError("the server is shutting down", 503, headers={"Retry-After": "1"})
+
+
+async def _start(app: FastAPI, engine: AsyncLLM) -> None:
+    try:
+        await engine.start()
+        log.info("engine ready: %s", engine.ready)
+    except Exception as e:
+        app.state.start_error = str(e)
+        log.error("engine failed to start: %s", e)
+        server = getattr(app.state, "server", None)
+        if server is not None:
+            server.should_exit = True
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, plus: /health turns 503 as soon as a shutdown signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+        super().__init__(config)
+        self.app = app
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.app.state.draining = True
+        super().handle_exit(sig, frame)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        load_format=args.load_format,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        enable_prefix_caching=not args.no_prefix_caching,
+        seed=args.seed,
+    )
+    engine = AsyncLLM(config)
+    parser = None if args.tool_call_parser in (None, "", "none") else args.tool_call_parser
+    app = build_app(
+        engine,
+        args.served_model_name or [args.model],
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        max_waiting=args.max_waiting,
+        tool_call_parser=parser,
+    )
+    uv = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        loop="uvloop",
+        http="httptools",
+        timeout_graceful_shutdown=args.drain_timeout,
+        access_log=False,
+    )
+    server = _Server(uv, app)
+    app.state.server = server
+    server.run()
+    return 1 if app.state.start_error else 0

@@ -1,0 +1,31 @@
+"""Command-line options of `ember serve` (kept apart so `ember --help` stays light)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="Hugging Face-format model directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("EMBER_API_KEY"))
+    p.add_argument("--served-model-name", nargs="+", default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tool-call-parser", default="hermes", help="hermes | kimi_k2 | none")
+    p.add_argument("--max-waiting", type=int, default=1024,
+                   help="requests beyond max-num-seqs that may wait before 429")
+    p.add_argument("--max-body-bytes", type=int, default=32 << 20)
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM")
+    p.add_argument("--log-level", default="info")

@@ -1,0 +1,124 @@
+"""Prometheus metrics, named like vLLM's under `ember:`. Latencies are observed per request by the
+serving code; load gauges and prefix-cache counters are read from the engine at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from ember.engine.messages import SchedulerStats
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, model: str, stats: Callable[[], SchedulerStats]) -> None:
+        self.model = model
+        self.stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self.stats()
+        labels = ["model_name"]
+        for name, doc, value in (
+            ("ember:num_requests_running", "Requests in the running batch.", s.num_running),
+            ("ember:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            ("ember:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", s.kv_usage),
+            (
+                "ember:num_prefill_tokens_in_flight",
+                "Uncomputed prompt tokens.",
+                s.num_prefill_tokens,
+            ),
+            (
+                "ember:num_decode_tokens_in_flight",
+                "Context tokens of decoding requests.",
+                s.num_decode_tokens,
+            ),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric([self.model], value)
+            yield g
+        for name, doc, value in (
+            (
+                "ember:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                s.prefix_queries,
+            ),
+            ("ember:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_hits),
+            (
+                "ember:num_preemptions",
+                "Requests preempted for lack of KV blocks.",
+                s.num_preemptions,
+            ),
+        ):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric([self.model], value)
+            yield c
+
+
+class ServerMetrics:
+    def __init__(self, model: str, stats: Callable[[], SchedulerStats]) -> None:
+        self.registry = CollectorRegistry()
+        self.model = model
+        labels = ["model_name"]
+        r = self.registry
+        self.ttft = Histogram(
+            "ember:time_to_first_token_seconds",
+            "Time to first token.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model)
+        self.itl = Histogram(
+            "ember:inter_token_latency_seconds",
+            "Time between output tokens.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model)
+        self.e2e = Histogram(
+            "ember:e2e_request_latency_seconds",
+            "Request latency, arrival to last token.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model)
+        self.prompt_tokens = Counter(
+            "ember:prompt_tokens", "Prompt tokens processed.", labels, registry=r
+        ).labels(model)
+        self.generation_tokens = Counter(
+            "ember:generation_tokens", "Tokens generated.", labels, registry=r
+        ).labels(model)
+        self._success = Counter(
+            "ember:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        r.register(_EngineCollector(model, stats))
+
+    def request_finished(self, finish_reason: str) -> None:
+        self._success.labels(self.model, finish_reason).inc()

@@ -1,0 +1,251 @@
+"""What chat and completions share: model and context checks, the engine call with latency
+metrics, logprob and usage formatting, SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+
+from ember.engine.async_llm import AsyncLLM, RequestStream
+from ember.engine.core_client import EngineDeadError
+from ember.outputs import CompletionOutput, RequestOutput
+from ember.sampling_params import SamplingParams
+from ember.server.errors import APIError
+from ember.server.metrics import ServerMetrics
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(out: RequestOutput) -> dict[str, Any]:
+    prompt = len(out.prompt_token_ids)
+    completion = sum(len(o.token_ids) for o in out.outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+    }
+
+
+def stop_holdback(params: SamplingParams) -> int:
+    """Characters a stream must hold back: they may yet turn out to begin a stop string."""
+    return max((len(s) for s in params.stop or ()), default=1) - 1
+
+
+@dataclass(slots=True)
+class ServingContext:
+    engine: AsyncLLM
+    metrics: ServerMetrics
+    served_model_names: list[str]
+    max_waiting: int
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, model: str | None) -> str:
+        if model is None or model in self.served_model_names:
+            return self.model_name
+        raise APIError(
+            f"The model `{model}` does not exist.",
+            404,
+            type="NotFoundError",
+            param="model",
+            code="model_not_found",
+        )
+
+    def check_capacity(self) -> None:
+        engine = self.engine
+        if not engine.is_ready:
+            raise APIError(
+                engine.dead or "the engine is not ready", 503, headers={"Retry-After": "5"}
+            )
+        limit = (engine.ready.max_num_seqs if engine.ready else 0) + self.max_waiting
+        if engine.num_unfinished >= limit:
+            raise APIError(
+                f"the server is over capacity ({engine.num_unfinished} requests in flight); "
+                "retry later",
+                429,
+                code="too_many_requests",
+                headers={"Retry-After": "1"},
+            )
+
+    def resolve_max_tokens(self, prompt_len: int, requested: int | None) -> int:
+        max_len = self.engine.max_model_len
+        if prompt_len >= max_len:
+            raise APIError(
+                f"This model's maximum context length is {max_len} tokens. However, your prompt "
+                f"has {prompt_len} tokens, which leaves no room for output.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        if requested is None:
+            return max_len - prompt_len
+        if prompt_len + requested > max_len:
+            raise APIError(
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for "
+                "the completion). Please reduce the prompt or max_tokens.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return requested
+
+    async def submit(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Submit to the engine; bad input raises APIError now. The caller owns the stream and
+        must `aclose()` it (which aborts the request if it has not finished)."""
+        try:
+            return await self.engine.add_request(request_id, prompt, params, cache_salt)
+        except ValueError as e:
+            raise APIError(str(e)) from e
+
+    async def observe(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        """The stream's outputs, observed for TTFT, ITL, end-to-end latency and token counts."""
+        m = self.metrics
+        arrival = stream.arrival
+        seen, last = 0, arrival
+        async for out in stream:
+            now = time.monotonic()
+            count = sum(len(o.token_ids) for o in out.outputs)
+            if count > seen:
+                if seen == 0:
+                    m.ttft.observe(now - arrival)
+                else:
+                    gap = (now - last) / (count - seen)
+                    for _ in range(count - seen):
+                        m.itl.observe(gap)
+                seen, last = count, now
+            if out.finished:
+                m.e2e.observe(now - arrival)
+                m.prompt_tokens.inc(len(out.prompt_token_ids))
+                m.generation_tokens.inc(count)
+                for o in out.outputs:
+                    m.request_finished(o.finish_reason or "abort")
+            yield out
+
+
+def chat_logprobs(o: CompletionOutput, start: int, end: int, top: int) -> dict[str, Any] | None:
+    """OpenAI chat logprobs for output tokens [start, end)."""
+    if o.logprobs is None:
+        return None
+    content = []
+    for tok, step in zip(o.token_ids[start:end], o.logprobs[start:end], strict=True):
+        chosen = step[tok]
+        text = chosen.decoded_token or ""
+        alts = sorted(((lp.rank or 0, t, lp) for t, lp in step.items()), key=lambda x: x[0])
+        content.append(
+            {
+                "token": text,
+                "logprob": chosen.logprob,
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {
+                        "token": lp.decoded_token or "",
+                        "logprob": lp.logprob,
+                        "bytes": list((lp.decoded_token or "").encode()),
+                    }
+                    for rank, _, lp in alts
+                    if rank >= 1
+                ][:top],
+            }
+        )
+    return {"content": content}
+
+
+def completion_logprobs(
+    o: CompletionOutput, start: int, end: int, top: int, text_offset: int
+) -> dict[str, Any] | None:
+    """Legacy completions logprobs for output tokens [start, end)."""
+    if o.logprobs is None:
+        return None
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = text_offset
+    for tok, step in zip(o.token_ids[start:end], o.logprobs[start:end], strict=True):
+        chosen = step[tok]
+        text = chosen.decoded_token or ""
+        tokens.append(text)
+        token_lps.append(chosen.logprob)
+        ranked = sorted(step.values(), key=lambda lp: lp.rank or 0)
+        tops.append(
+            {(lp.decoded_token or ""): lp.logprob for lp in ranked[: top + 1]} if top else None
+        )
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_lps,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def stream_error(e: BaseException) -> bytes:
+    if isinstance(e, APIError):
+        return sse(e.body())
+    if isinstance(e, EngineDeadError):
+        return sse(APIError(f"engine failure: {e}", 503).body())
+    return sse(APIError(f"internal error: {type(e).__name__}: {e}", 500).body())
+
+
+@asynccontextmanager
+async def watch_disconnect(raw: Request, *streams: RequestStream) -> AsyncIterator[None]:
+    """While the body runs, a client hang-up aborts the requests (their blocks are freed at once)."""
+
+    async def watch() -> None:
+        while True:
+            msg = await raw.receive()
+            if msg["type"] == "http.disconnect":
+                for stream in streams:
+                    await stream.aclose()
+                return
+
+    task = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        task.cancel()
+
+
+async def merge_streams(
+    streams: list[AsyncIterator[RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several requests' outputs as they come, tagged with the stream's index."""
+    pending: dict[asyncio.Task[RequestOutput], int] = {
+        asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)
+    }
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    out = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+                yield i, out
+    finally:
+        for task in pending:
+            task.cancel()

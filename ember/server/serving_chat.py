@@ -1,0 +1,231 @@
+"""POST /v1/chat/completions: render the chat template, generate, parse tool calls, and answer in
+OpenAI's exact shapes, streamed (SSE chunks ending in `data: [DONE]`) or whole."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from ember.engine.async_llm import RequestStream
+from ember.outputs import CompletionOutput, RequestOutput
+from ember.server.errors import APIError
+from ember.server.protocol import ChatCompletionRequest
+from ember.server.serving import (
+    DONE,
+    ServingContext,
+    chat_logprobs,
+    new_id,
+    sse,
+    stop_holdback,
+    stream_error,
+    usage,
+    watch_disconnect,
+)
+from ember.server.tool_parsers import get_tool_parser
+from ember.server.tool_parsers.base import ToolParser
+
+
+@dataclass(slots=True)
+class _Choice:
+    """Streaming progress of one choice."""
+
+    parser: ToolParser | None
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    tool_calls: int = 0
+    done: bool = False
+
+
+class ChatHandler:
+    def __init__(self, ctx: ServingContext, tool_parser: str | None) -> None:
+        self.ctx = ctx
+        self.parser_cls = get_tool_parser(tool_parser) if tool_parser else None
+
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        ctx = self.ctx
+        model = ctx.check_model(req.model)
+        ctx.check_capacity()
+        tok = ctx.engine.tokenizer
+        messages = [m.for_template() for m in req.messages]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        try:
+            text = tok.apply_chat_template(
+                messages,
+                tools=tools,
+                add_generation_prompt=req.add_generation_prompt,
+                **(req.chat_template_kwargs or {}),
+            )
+        except (ValueError, TypeError) as e:
+            raise APIError(f"cannot render the chat template: {e}", param="messages") from e
+        ids = tok.encode(text, add_special_tokens=False)
+        max_tokens = ctx.resolve_max_tokens(len(ids), req.requested_max_tokens)
+        use_tools = bool(req.tools) and req.tool_choice != "none" and self.parser_cls is not None
+        skip_special = None
+        if use_tools and self.parser_cls is not None:
+            skip_special = self.parser_cls(tools).adjust_skip_special_tokens()
+        try:
+            params = req.sampling_params(max_tokens, req.num_logprobs, skip_special)
+        except ValueError as e:
+            raise APIError(str(e)) from e
+        rid = new_id("chatcmpl")
+        stream = await ctx.submit(rid, ids, params)
+        make_parser = (lambda: self.parser_cls(tools)) if use_tools and self.parser_cls else None
+        if req.stream:
+            body = self._stream(req, model, rid, stream, raw, make_parser, stop_holdback(params))
+            return StreamingResponse(body, media_type="text/event-stream")
+        return await self._full(req, model, rid, stream, raw, make_parser)
+
+    async def _full(
+        self,
+        req: ChatCompletionRequest,
+        model: str,
+        rid: str,
+        stream: RequestStream,
+        raw: Request,
+        make_parser: Any,
+    ) -> Response:
+        final: RequestOutput | None = None
+        async with watch_disconnect(raw, stream):
+            try:
+                async for out in self.ctx.observe(stream):
+                    final = out
+            finally:
+                await stream.aclose()
+        if final is None or not final.finished:
+            raise APIError("the request was aborted", 499)
+        choices = [self._choice(req, o, make_parser) for o in final.outputs]
+        body = {
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": choices,
+            "usage": usage(final),
+            "system_fingerprint": None,
+        }
+        return Response(orjson.dumps(body), media_type="application/json")
+
+    def _choice(
+        self, req: ChatCompletionRequest, o: CompletionOutput, make_parser: Any
+    ) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": o.text, "refusal": None}
+        finish = o.finish_reason
+        if make_parser is not None:
+            extracted = make_parser().extract(o.text)
+            if extracted.tool_calls:
+                message["content"] = extracted.content
+                message["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": c.arguments},
+                    }
+                    for c in extracted.tool_calls
+                ]
+                finish = "tool_calls"
+        return {
+            "index": o.index,
+            "message": message,
+            "logprobs": chat_logprobs(o, 0, len(o.token_ids), req.top_logprobs or 0),
+            "finish_reason": finish,
+        }
+
+    async def _stream(
+        self,
+        req: ChatCompletionRequest,
+        model: str,
+        rid: str,
+        stream: RequestStream,
+        raw: Request,
+        make_parser: Any,
+        holdback: int,
+    ) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        base: dict[str, Any] = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+        }
+        if include_usage:
+            base["usage"] = None
+
+        def chunk(index: int, delta: dict[str, Any], finish: str | None, logprobs: Any = None):
+            c = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            return sse({**base, "choices": [c]})
+
+        states = [_Choice(make_parser() if make_parser else None) for _ in range(req.n)]
+        final: RequestOutput | None = None
+        try:
+            async with watch_disconnect(raw, stream):
+                for i in range(req.n):
+                    yield chunk(i, {"role": "assistant", "content": ""}, None)
+                async for out in self.ctx.observe(stream):
+                    final = out
+                    for o in out.outputs:
+                        for piece in self._advance(req, states[o.index], o, holdback):
+                            yield chunk(o.index, *piece)
+            if include_usage and final is not None and final.finished:
+                yield sse({**base, "choices": [], "usage": usage(final)})
+        except Exception as e:  # after the 200: end with an error event, never a hang
+            yield stream_error(e)
+        finally:
+            await stream.aclose()
+        yield DONE
+
+    def _advance(
+        self, req: ChatCompletionRequest, st: _Choice, o: CompletionOutput, holdback: int
+    ) -> list[tuple[dict[str, Any], str | None, Any]]:
+        """The deltas that bring one choice's client up to date."""
+        if st.done:
+            return []
+        finished = o.finish_reason is not None
+        end = len(o.text) if finished else max(st.sent_chars, len(o.text) - holdback)
+        text = o.text[st.sent_chars : end]
+        st.sent_chars = end
+        logprobs = None
+        if o.logprobs is not None and len(o.token_ids) > st.sent_tokens:
+            logprobs = chat_logprobs(o, st.sent_tokens, len(o.token_ids), req.top_logprobs or 0)
+        st.sent_tokens = len(o.token_ids)
+        deltas: list[tuple[dict[str, Any], str | None, Any]] = []
+        if st.parser is not None:
+            parsed = [st.parser.feed(text)] if text else []
+            if finished:
+                parsed.append(st.parser.finish())
+            for d in parsed:
+                if d.content:
+                    deltas.append(({"content": d.content}, None, None))
+                if d.tool_calls:
+                    calls = []
+                    for tc in d.tool_calls:
+                        call: dict[str, Any] = {"index": tc.index}
+                        fn: dict[str, Any] = {"arguments": tc.arguments}
+                        if tc.id is not None:
+                            call["id"], call["type"] = tc.id, "function"
+                        if tc.name is not None:
+                            fn["name"] = tc.name
+                            st.tool_calls += 1
+                        call["function"] = fn
+                        calls.append(call)
+                    deltas.append(({"tool_calls": calls}, None, None))
+        elif text:
+            deltas.append(({"content": text}, None, None))
+        if logprobs is not None:
+            if deltas:
+                first = deltas[0]
+                deltas[0] = (first[0], first[1], logprobs)
+            else:
+                deltas.append(({}, None, logprobs))
+        if finished:
+            st.done = True
+            reason = "tool_calls" if st.tool_calls else o.finish_reason
+            deltas.append(({}, reason, None))
+        return deltas
+

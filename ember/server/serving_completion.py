@@ -1,0 +1,189 @@
+"""POST /v1/completions: text or token-id prompts (one or many), streamed or whole."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from ember.engine.async_llm import RequestStream
+from ember.outputs import RequestOutput
+from ember.server.errors import APIError
+from ember.server.protocol import CompletionRequest
+from ember.server.serving import (
+    DONE,
+    ServingContext,
+    completion_logprobs,
+    merge_streams,
+    new_id,
+    sse,
+    stop_holdback,
+    stream_error,
+    watch_disconnect,
+)
+
+
+class CompletionHandler:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create(self, req: CompletionRequest, raw: Request) -> Response:
+        ctx = self.ctx
+        model = ctx.check_model(req.model)
+        ctx.check_capacity()
+        tok = ctx.engine.tokenizer
+        prompts: list[tuple[str, list[int]]] = []
+        for p in req.prompts():
+            if isinstance(p, str):
+                prompts.append((p, tok.encode(p)))
+            else:
+                prompts.append((tok.decode(p, skip_special_tokens=False), p))
+        rid = new_id("cmpl")
+        streams: list[RequestStream] = []
+        try:
+            for i, (_, ids) in enumerate(prompts):
+                if not ids:
+                    raise APIError("prompt is empty", param="prompt")
+                max_tokens = ctx.resolve_max_tokens(len(ids), req.max_tokens or 16)
+                try:
+                    params = req.sampling_params(max_tokens, req.logprobs)
+                except ValueError as e:
+                    raise APIError(str(e)) from e
+                streams.append(await ctx.submit(f"{rid}-{i}", ids, params))
+        except BaseException:
+            for s in streams:
+                await s.aclose()
+            raise
+        holdback = stop_holdback(params)
+        if req.stream:
+            body = self._stream(req, model, rid, prompts, streams, raw, holdback)
+            return StreamingResponse(body, media_type="text/event-stream")
+        return await self._full(req, model, rid, prompts, streams, raw)
+
+    async def _collect(
+        self, streams: list[RequestStream], raw: Request
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        observed = [self.ctx.observe(s) for s in streams]
+        try:
+            async with watch_disconnect(raw, *streams):
+                async for item in merge_streams(observed):
+                    yield item
+        finally:
+            for s in streams:
+                await s.aclose()
+
+    async def _full(
+        self,
+        req: CompletionRequest,
+        model: str,
+        rid: str,
+        prompts: list[tuple[str, list[int]]],
+        streams: list[RequestStream],
+        raw: Request,
+    ) -> Response:
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in self._collect(streams, raw):
+            finals[i] = out
+        if len(finals) != len(streams) or not all(f.finished for f in finals.values()):
+            raise APIError("the request was aborted", 499)
+        choices = []
+        prompt_tokens = completion_tokens = cached = 0
+        for i, (text, ids) in enumerate(prompts):
+            out = finals[i]
+            prompt_tokens += len(ids)
+            cached += out.num_cached_tokens
+            for o in out.outputs:
+                completion_tokens += len(o.token_ids)
+                prefix = text if req.echo else ""
+                choices.append(
+                    {
+                        "index": i * req.n + o.index,
+                        "text": prefix + o.text,
+                        "logprobs": completion_logprobs(
+                            o, 0, len(o.token_ids), req.logprobs or 0, len(prefix)
+                        ),
+                        "finish_reason": o.finish_reason,
+                    }
+                )
+        body = {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": choices,
+            "usage": _usage(prompt_tokens, completion_tokens, cached),
+            "system_fingerprint": None,
+        }
+        return Response(orjson.dumps(body), media_type="application/json")
+
+    async def _stream(
+        self,
+        req: CompletionRequest,
+        model: str,
+        rid: str,
+        prompts: list[tuple[str, list[int]]],
+        streams: list[RequestStream],
+        raw: Request,
+        holdback: int,
+    ) -> AsyncIterator[bytes]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        base: dict[str, Any] = {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model,
+        }
+        if include_usage:
+            base["usage"] = None
+        sent_chars: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for i, out in self._collect(streams, raw):
+                finals[i] = out
+                for o in out.outputs:
+                    index = i * req.n + o.index
+                    if index not in sent_chars:
+                        sent_chars[index] = sent_tokens[index] = 0
+                        if req.echo:
+                            yield sse({**base, "choices": [_choice(index, prompts[i][0], None)]})
+                    finished = o.finish_reason is not None
+                    start = sent_chars[index]
+                    end = len(o.text) if finished else max(start, len(o.text) - holdback)
+                    text = o.text[start:end]
+                    lp = None
+                    if o.logprobs is not None and len(o.token_ids) > sent_tokens[index]:
+                        lp = completion_logprobs(
+                            o, sent_tokens[index], len(o.token_ids), req.logprobs or 0, start
+                        )
+                    sent_chars[index], sent_tokens[index] = end, len(o.token_ids)
+                    if text or lp or finished:
+                        choice = _choice(index, text, o.finish_reason)
+                        choice["logprobs"] = lp
+                        yield sse({**base, "choices": [choice]})
+            if include_usage and len(finals) == len(streams):
+                prompt_tokens = sum(len(ids) for _, ids in prompts)
+                completion = sum(len(o.token_ids) for f in finals.values() for o in f.outputs)
+                cached = sum(f.num_cached_tokens for f in finals.values())
+                yield sse({**base, "choices": [], "usage": _usage(prompt_tokens, completion, cached)})
+        except Exception as e:  # after the 200: end with an error event, never a hang
+            yield stream_error(e)
+        yield DONE
+
+
+def _choice(index: int, text: str, finish: str | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+
+
+def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
