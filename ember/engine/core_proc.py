@@ -51,7 +51,9 @@ def engine_core_main(config: EngineConfig, input_addr: str, output_addr: str) ->
     r = core.resolved
     out.send(
         enc.encode(
-            EngineCoreReady(r.num_kv_blocks, config.block_size, r.max_model_len, config.max_num_seqs)
+            EngineCoreReady(
+                r.num_kv_blocks, config.block_size, r.max_model_len, config.max_num_seqs
+            )
         )
     )
     try:
@@ -102,11 +104,15 @@ class EngineCoreLoop:
                     # Validated in the API process already; if it still fails, end it visibly.
                     log.error("rejected request %s: %s", msg.request_id, e)
                     self.rejected.append(
-                        EngineCoreOutput(msg.request_id, [], finish_reason="abort", stop_reason=str(e))
+                        EngineCoreOutput(
+                            msg.request_id, [], finish_reason="abort", stop_reason=str(e)
+                        )
                     )
             elif isinstance(msg, AbortRequests):
                 status = (
-                    RequestStatus.FINISHED_STOPPED if msg.stopped else RequestStatus.FINISHED_ABORTED
+                    RequestStatus.FINISHED_STOPPED
+                    if msg.stopped
+                    else RequestStatus.FINISHED_ABORTED
                 )
                 self.core.abort_requests(msg.request_ids, status)
             elif isinstance(msg, Shutdown):

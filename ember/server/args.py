@@ -23,9 +23,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tool-call-parser", default="hermes", help="hermes | kimi_k2 | none")
-    p.add_argument("--max-waiting", type=int, default=1024,
-                   help="requests beyond max-num-seqs that may wait before 429")
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=1024,
+        help="requests beyond max-num-seqs that may wait before 429",
+    )
     p.add_argument("--max-body-bytes", type=int, default=32 << 20)
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests may take to finish after SIGTERM")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may take to finish after SIGTERM",
+    )
     p.add_argument("--log-level", default="info")

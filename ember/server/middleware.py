@@ -12,10 +12,6 @@ from ember.server.errors import APIError
 OPEN_PATHS = frozenset({"/health"})
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
 class EdgeMiddleware:
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
         self.app = app
@@ -31,43 +27,57 @@ class EdgeMiddleware:
             auth = headers.get(b"authorization", b"")
             key = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
             if not hmac.compare_digest(key, self.api_key):
-                await _reply(scope, receive, send, APIError(
-                    "Incorrect API key provided." if key else "Missing API key: send "
-                    "'Authorization: Bearer <key>'.",
-                    401, code="invalid_api_key",
-                ))
+                await _reply(
+                    scope,
+                    receive,
+                    send,
+                    APIError(
+                        "Incorrect API key provided."
+                        if key
+                        else "Missing API key: send 'Authorization: Bearer <key>'.",
+                        401,
+                        code="invalid_api_key",
+                    ),
+                )
                 return
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             await _reply(scope, receive, send, self._too_large())
             return
-        received = 0
-        started = False
-
-        async def limited_receive() -> Message:
-            nonlocal received
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        # Read the whole body up front (the handlers need all of it anyway) so an oversized
+        # chunked upload is refused before any parsing, then replay it to the app.
+        parts: list[bytes] = []
+        size = 0
+        while True:
             msg = await receive()
-            if msg["type"] == "http.request":
-                received += len(msg.get("body", b""))
-                if received > self.max_body_bytes:
-                    raise _BodyTooLarge
-            return msg
-
-        async def tracking_send(msg: Message) -> None:
-            nonlocal started
-            if msg["type"] == "http.response.start":
-                started = True
-            await send(msg)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
+            if msg["type"] == "http.disconnect":
+                return
+            body = msg.get("body", b"")
+            size += len(body)
+            if size > self.max_body_bytes:
                 await _reply(scope, receive, send, self._too_large())
+                return
+            parts.append(body)
+            if not msg.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(parts), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
     def _too_large(self) -> APIError:
         return APIError(
-            f"request body is larger than the limit of {self.max_body_bytes} bytes", 413,
+            f"request body is larger than the limit of {self.max_body_bytes} bytes",
+            413,
             code="request_too_large",
         )
 

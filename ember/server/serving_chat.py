@@ -128,7 +128,8 @@ class ChatHandler:
                     }
                     for c in extracted.tool_calls
                 ]
-                finish = "tool_calls"
+                if finish == "stop":
+                    finish = "tool_calls"
         return {
             "index": o.index,
             "message": message,
@@ -225,7 +226,8 @@ class ChatHandler:
                 deltas.append(({}, None, logprobs))
         if finished:
             st.done = True
-            reason = "tool_calls" if st.tool_calls else o.finish_reason
+            reason = o.finish_reason
+            if st.tool_calls and reason == "stop":
+                reason = "tool_calls"
             deltas.append(({}, reason, None))
         return deltas
-

@@ -36,12 +36,18 @@ class CompletionHandler:
         model = ctx.check_model(req.model)
         ctx.check_capacity()
         tok = ctx.engine.tokenizer
+        vocab = ctx.engine.model_config.vocab_size
         prompts: list[tuple[str, list[int]]] = []
         for p in req.prompts():
             if isinstance(p, str):
                 prompts.append((p, tok.encode(p)))
-            else:
-                prompts.append((tok.decode(p, skip_special_tokens=False), p))
+                continue
+            bad = [t for t in p if not 0 <= t < vocab]
+            if bad:
+                raise APIError(
+                    f"prompt token ids out of range [0, {vocab}): {bad[:5]}", param="prompt"
+                )
+            prompts.append((tok.decode(p, skip_special_tokens=False) if req.echo else "", p))
         rid = new_id("cmpl")
         streams: list[RequestStream] = []
         try:
@@ -169,7 +175,9 @@ class CompletionHandler:
                 prompt_tokens = sum(len(ids) for _, ids in prompts)
                 completion = sum(len(o.token_ids) for f in finals.values() for o in f.outputs)
                 cached = sum(f.num_cached_tokens for f in finals.values())
-                yield sse({**base, "choices": [], "usage": _usage(prompt_tokens, completion, cached)})
+                yield sse(
+                    {**base, "choices": [], "usage": _usage(prompt_tokens, completion, cached)}
+                )
         except Exception as e:  # after the 200: end with an error event, never a hang
             yield stream_error(e)
         yield DONE
@@ -186,4 +194,3 @@ def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
-

@@ -35,7 +35,8 @@ class Server:
     def client(self, **kw):  # noqa: ANN201 - openai.OpenAI
         import openai
 
-        return openai.OpenAI(base_url=self.base, api_key=self.api_key or "none", max_retries=0, **kw)
+        kw.setdefault("api_key", self.api_key or "none")
+        return openai.OpenAI(base_url=self.base, max_retries=0, **kw)
 
     def load(self) -> dict:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -51,11 +52,26 @@ class Server:
                 self.proc.wait(5)
 
 
-def start_server(model_dir: Path, *extra: str, api_key: str | None = None, wait: bool = True) -> Server:
+def start_server(
+    model_dir: Path, *extra: str, api_key: str | None = None, wait: bool = True
+) -> Server:
     port = free_port()
-    cmd = [sys.executable, "-m", "ember.cli", "serve", str(model_dir), "--port", str(port),
-           "--served-model-name", "tiny", "--max-model-len", "1024", "--log-level", "warning",
-           *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ember.cli",
+        "serve",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        "--max-model-len",
+        "1024",
+        "--log-level",
+        "warning",
+        *extra,
+    ]
     if api_key:
         cmd += ["--api-key", api_key]
     env = {**os.environ, "EMBER_LOG_LEVEL": "WARNING"}
@@ -85,7 +101,9 @@ def wait_healthy(server: Server, timeout_s: float = 90.0) -> None:
 def server_factory(tiny_model_dir) -> Iterator[Callable[..., Server]]:
     started: list[Server] = []
 
-    def make(*extra: str, arch: str = "qwen3", api_key: str | None = None, wait: bool = True) -> Server:
+    def make(
+        *extra: str, arch: str = "qwen3", api_key: str | None = None, wait: bool = True
+    ) -> Server:
         s = start_server(tiny_model_dir(arch), *extra, api_key=api_key, wait=wait)
         started.append(s)
         return s

@@ -223,11 +223,8 @@ class ToolParser(ABC):
     def _parse_call(self, body: str) -> tuple[str, str | None, str] | None:
         """(name, id, arguments) of a finished call's body, or None if it is not a call."""
         head = self._parse_head(body)
-        if head is None:
-            other = self._parse_other(body)
-            return None if other is None else (other[0], None, other[1])
-        start = _skip_space(body, head.args_start)
-        if body[start : start + 1] != "{":
+        start = 0 if head is None else _skip_space(body, head.args_start)
+        if head is None or body[start : start + 1] != "{":
             other = self._parse_other(body)
             return None if other is None else (other[0], None, other[1])
         close = JsonScanner(start).feed(body)
