@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import shutil
 import tempfile
@@ -72,10 +73,8 @@ class CoreClient:
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
         if self.proc.is_alive():
-            try:
+            with contextlib.suppress(TimeoutError, zmq.ZMQError):
                 await asyncio.wait_for(self.send(Shutdown()), 1.0)
-            except (TimeoutError, zmq.ZMQError):
-                pass
             await asyncio.to_thread(self.proc.join, timeout_s)
             if self.proc.is_alive():
                 self.proc.kill()
