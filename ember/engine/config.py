@@ -24,6 +24,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 1 << 30
     enable_prefix_caching: bool = True
     seed: int = 0
+    cpu_threads: int | None = None
+    """Torch threads of a CPU engine core; None leaves one core free for the API process."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

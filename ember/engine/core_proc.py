@@ -9,6 +9,7 @@ import signal
 import traceback
 
 import msgspec
+import torch
 import zmq
 
 from ember.engine.config import EngineConfig
@@ -42,6 +43,10 @@ def engine_core_main(config: EngineConfig, input_addr: str, output_addr: str) ->
     inp = ctx.socket(zmq.PULL)
     inp.connect(input_addr)
     enc = msgspec.msgpack.Encoder()
+    if config.device == "cpu":
+        # The API process needs a core of its own: intra-op threads that spin against it cost
+        # more than they gain (measured in docs/performance.md).
+        torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
     try:
         core = EngineCore(config)
     except Exception as e:  # report why we could not start, then exit

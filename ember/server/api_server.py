@@ -191,6 +191,7 @@ def run_server(args: argparse.Namespace) -> int:
         num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
+        cpu_threads=args.cpu_threads,
     )
     engine = AsyncLLM(config)
     parser = None if args.tool_call_parser in (None, "", "none") else args.tool_call_parser

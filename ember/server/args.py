@@ -22,6 +22,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="torch threads of a CPU engine core (default: all cores but one)",
+    )
     p.add_argument("--tool-call-parser", default="hermes", help="hermes | kimi_k2 | none")
     p.add_argument(
         "--max-waiting",

@@ -8,7 +8,6 @@ import socket
 import time
 
 import httpx
-
 import pytest
 
 from tests.server.conftest import Server
@@ -35,7 +34,9 @@ def test_disconnect_mid_stream_frees_everything_within_a_second(long_server: Ser
             assert r.status_code == 200
             # Keep the iterator referenced: dropping it would close the connection right here.
             lines = r.iter_lines()
-            data = [line for line, _ in zip(lines, range(10), strict=False) if line.startswith("data:")]
+            data = [
+                line for line, _ in zip(lines, range(10), strict=False) if line.startswith("data:")
+            ]
             assert len(data) == 5
             load = server.load()
             assert load["running"] == 1 and load["free_blocks"] < load["total_blocks"]
@@ -43,7 +44,11 @@ def test_disconnect_mid_stream_frees_everything_within_a_second(long_server: Ser
     deadline = time.monotonic() + 1.0
     while True:
         load = server.load()
-        if load["running"] == 0 and load["waiting"] == 0 and load["free_blocks"] == load["total_blocks"]:
+        if (
+            load["running"] == 0
+            and load["waiting"] == 0
+            and load["free_blocks"] == load["total_blocks"]
+        ):
             break
         assert time.monotonic() < deadline, f"blocks still held after 1 s: {load}"
         time.sleep(0.02)
@@ -59,7 +64,8 @@ def test_disconnect_while_waiting_for_a_whole_response(long_server: Server) -> N
     sock = socket.create_connection((host, int(port)))
     sock.sendall(
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
     )
     deadline = time.monotonic() + 5
     while server.load()["running"] == 0:
@@ -74,7 +80,13 @@ def test_disconnect_while_waiting_for_a_whole_response(long_server: Server) -> N
 
 def test_sigterm_drains_in_flight_streams_then_exits(server_factory) -> None:
     s: Server = server_factory("--drain-timeout", "20")
-    body = {"model": "tiny", "prompt": "once upon", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    body = {
+        "model": "tiny",
+        "prompt": "once upon",
+        "max_tokens": 300,
+        "ignore_eos": True,
+        "stream": True,
+    }
     received = []
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", f"{s.base}/completions", json=body) as r:

@@ -16,7 +16,7 @@ from ember.server.serving_chat import ChatHandler, _Choice
 from ember.server.tool_parsers import get_tool_parser
 
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}]
-ARGS = {"path": "src/ä.py", "lines": [1, 2], "note": "say \"hi\" {ok}"}
+ARGS = {"path": "src/ä.py", "lines": [1, 2], "note": 'say "hi" {ok}'}
 CALL = "<tool_call>\n" + json.dumps({"name": "read_file", "arguments": ARGS}) + "\n</tool_call>"
 TEXTS = {
     "plain": "Just text, with a < and a {brace}.",
@@ -36,7 +36,11 @@ def outputs(text: str, cuts: list[int], finish: str) -> list[CompletionOutput]:
     outs = []
     for k, end in enumerate([*cuts, len(text)]):
         done = end == len(text)
-        outs.append(CompletionOutput(0, text[:end], list(range(k + 1)), finish_reason=finish if done else None))
+        outs.append(
+            CompletionOutput(
+                0, text[:end], list(range(k + 1)), finish_reason=finish if done else None
+            )
+        )
     return outs
 
 
@@ -48,8 +52,13 @@ def stream_message(handler: ChatHandler, req: ChatCompletionRequest, outs: list[
     for o in outs:
         for delta, finish, logprobs in handler._advance(req, st, o, holdback=0):
             chunk = {
-                "id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "tiny",
-                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+                "id": "chatcmpl-1",
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": "tiny",
+                "choices": [
+                    {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+                ],
             }
             state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
             if finish:
@@ -72,7 +81,10 @@ def test_streamed_tool_calls_accumulate_to_the_whole_message(name: str, finish: 
         assert finishes == [whole["finish_reason"]]
         assert (msg.content or None) == (whole["message"]["content"] or None)
         got = [(t.function.name, t.function.arguments) for t in msg.tool_calls or []]
-        want = [(t["function"]["name"], t["function"]["arguments"]) for t in whole["message"].get("tool_calls", [])]
+        want = [
+            (t["function"]["name"], t["function"]["arguments"])
+            for t in whole["message"].get("tool_calls", [])
+        ]
         assert got == want
     if name != "plain":
         assert [json.loads(a) for _, a in want][0] == ARGS
