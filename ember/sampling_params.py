@@ -12,6 +12,21 @@ SAMPLING_EPS = 1e-5
 
 
 @dataclass(slots=True)
+class StructuredOutputsParams:
+    """Constrain the output to a grammar; exactly one of the fields is set."""
+
+    json: str | None = None
+    """A JSON schema, as JSON text ('{"type": "object"}' for any object)."""
+    regex: str | None = None
+    lark: str | None = None
+    """A Lark grammar (llguidance's dialect, which may embed `%json {schema}`)."""
+
+    def __post_init__(self) -> None:
+        if sum(x is not None for x in (self.json, self.regex, self.lark)) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, lark")
+
+
+@dataclass(slots=True)
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -30,6 +45,7 @@ class SamplingParams:
     logprobs: int | None = None  # top alternatives; 0 returns only the sampled token's logprob
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:

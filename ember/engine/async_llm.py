@@ -14,6 +14,7 @@ from ember.engine.core_client import CoreClient, EngineDeadError
 from ember.engine.input_processor import InputProcessor, PromptType
 from ember.engine.messages import AbortRequests, EngineCoreOutputs, EngineCoreReady, SchedulerStats
 from ember.engine.output_processor import OutputProcessor
+from ember.engine.structured_output import GrammarCompiler
 from ember.models.config import ModelConfig
 from ember.outputs import RequestOutput
 from ember.sampling_params import SamplingParams
@@ -35,6 +36,7 @@ class AsyncLLM:
             self.tokenizer, self.model_config.vocab_size, self.max_model_len
         )
         self.processor = OutputProcessor(self.tokenizer)
+        self.grammar = GrammarCompiler.for_model(config.model, self.model_config)
         self.stats = SchedulerStats()
         self.ready: EngineCoreReady | None = None
         self.dead: str | None = None

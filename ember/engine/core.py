@@ -18,6 +18,7 @@ from ember.engine.model_runner import ModelRunner
 from ember.engine.request import Request, RequestStatus
 from ember.engine.sampler import make_generator
 from ember.engine.scheduler import Scheduler, SchedulerConfig
+from ember.engine.structured_output import GrammarCompiler
 from ember.kv.kv_cache_manager import KVCacheManager
 from ember.models.config import ModelConfig
 from ember.models.loader import load_model
@@ -57,6 +58,7 @@ class EngineCore:
             self.kv,
         )
         self.num_steps = 0
+        self.grammar = GrammarCompiler.for_model(config.model, self.model_config)
         self.runner = ModelRunner(
             model,
             self.model_config,
@@ -85,6 +87,8 @@ class EngineCore:
             cache_salt=msg.cache_salt,
             generator=None if msg.seed is None else make_generator(msg.seed, self.device),
         )
+        if msg.sampling_params.structured_outputs is not None:
+            req.matcher = self.grammar.matcher(msg.sampling_params.structured_outputs)
         self.scheduler.add_request(req)
 
     def abort_requests(

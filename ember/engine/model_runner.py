@@ -11,6 +11,7 @@ import torch
 from ember.attention.backend import AttentionBackend
 from ember.attention.metadata import AttentionMetadata, ForwardContext
 from ember.engine.sampler import Sampler, SamplingBatch
+from ember.engine.structured_output import apply_grammar_masks
 
 if TYPE_CHECKING:
     from torch import nn
@@ -104,6 +105,8 @@ class ModelRunner:
         last = torch.tensor([md.query_start_loc_cpu[i + 1] - 1 for i in rows], device=self.device)
         logits = self.model.compute_logits(hidden[last])
         reqs = [so.requests[i] for i in rows]
+        if any(r.matcher is not None for r in reqs):
+            apply_grammar_masks(logits, [r.matcher for r in reqs])
         batch = SamplingBatch.build(
             params=[r.sampling_params for r in reqs],
             prompt_ids=[r.prompt_token_ids for r in reqs],

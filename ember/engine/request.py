@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+    from llguidance import LLMatcher
 
     from ember.sampling_params import SamplingParams
 
@@ -54,6 +55,8 @@ class Request:
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)
     generator: torch.Generator | None = None
+    matcher: LLMatcher | None = None
+    """The structured-output grammar's state, when the request has one."""
     num_preemptions: int = 0
 
     def __post_init__(self) -> None:

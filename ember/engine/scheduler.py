@@ -169,6 +169,11 @@ class Scheduler:
     def _check_stop(self, req: Request) -> RequestStatus | None:
         tok = req.output_token_ids[-1]
         params = req.sampling_params
+        if req.matcher is not None:
+            req.matcher.consume_token(tok)
+            if req.matcher.is_stopped():  # the grammar is complete (or ended on EOS)
+                req.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and tok in req.eos_token_ids:
                 req.stop_reason = None

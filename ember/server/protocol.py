@@ -3,11 +3,12 @@ engine sampling parameters. Unknown fields are ignored, as OpenAI does."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ember.sampling_params import SamplingParams
+from ember.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class _Model(BaseModel):
@@ -87,6 +88,22 @@ class ChatMessage(_Model):
         return msg
 
 
+class StructuredOutputs(_Model):
+    """vLLM's extension: constrain the output to a JSON schema, a regex or a Lark grammar."""
+
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    grammar: str | None = None
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    def params(self) -> StructuredOutputsParams:
+        schema = self.json_schema
+        if isinstance(schema, dict):
+            schema = json.dumps(schema)
+        return StructuredOutputsParams(json=schema, regex=self.regex, lark=self.grammar)
+
+
 class StreamOptions(_Model):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -120,6 +137,7 @@ class _Sampling(_Model):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("stop")
     @classmethod
@@ -129,7 +147,11 @@ class _Sampling(_Model):
         return v
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, skip_special_tokens: bool | None = None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        skip_special_tokens: bool | None = None,
+        structured: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         return SamplingParams(
             n=self.n,
@@ -151,6 +173,8 @@ class _Sampling(_Model):
             skip_special_tokens=(
                 self.skip_special_tokens if skip_special_tokens is None else skip_special_tokens
             ),
+            structured_outputs=structured
+            or (self.structured_outputs.params() if self.structured_outputs else None),
         )
 
 

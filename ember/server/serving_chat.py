@@ -14,8 +14,9 @@ from starlette.responses import Response, StreamingResponse
 
 from ember.engine.async_llm import RequestStream
 from ember.outputs import CompletionOutput, RequestOutput
+from ember.sampling_params import StructuredOutputsParams
 from ember.server.errors import APIError
-from ember.server.protocol import ChatCompletionRequest
+from ember.server.protocol import ChatCompletionRequest, NamedToolChoice
 from ember.server.serving import (
     DONE,
     ServingContext,
@@ -70,7 +71,10 @@ class ChatHandler:
         if use_tools and self.parser_cls is not None:
             skip_special = self.parser_cls(tools).adjust_skip_special_tokens()
         try:
-            params = req.sampling_params(max_tokens, req.num_logprobs, skip_special)
+            structured = self._structured(req, tools)
+            params = req.sampling_params(max_tokens, req.num_logprobs, skip_special, structured)
+            if params.structured_outputs is not None:
+                self.ctx.engine.grammar.validate(params.structured_outputs)
         except ValueError as e:
             raise APIError(str(e)) from e
         rid = new_id("chatcmpl")
@@ -80,6 +84,41 @@ class ChatHandler:
             body = self._stream(req, model, rid, stream, raw, make_parser, stop_holdback(params))
             return StreamingResponse(body, media_type="text/event-stream")
         return await self._full(req, model, rid, stream, raw, make_parser)
+
+    def _structured(
+        self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None
+    ) -> StructuredOutputsParams | None:
+        """The grammar that `tool_choice` (required or named) or `response_format` imposes."""
+        choice = req.tool_choice
+        if tools and choice not in (None, "auto", "none"):
+            name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+            grammar = None
+            if self.parser_cls is not None:
+                parser = self.parser_cls(tools)
+                grammar = parser.forced_call_grammar(
+                    name,
+                    req.parallel_tool_calls is not False,
+                    token_id=self.ctx.engine.tokenizer.token_to_id,
+                )
+            if grammar is None:
+                raise APIError(
+                    f"tool_choice {choice if isinstance(choice, str) else 'naming a function'} "
+                    "is not supported with this server's tool-call format",
+                    param="tool_choice",
+                )
+            return StructuredOutputsParams(lark=grammar)
+        fmt = req.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json='{"type": "object"}')
+        schema = (fmt.json_schema or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise APIError(
+                "response_format json_schema needs json_schema.schema (an object)",
+                param="response_format",
+            )
+        return StructuredOutputsParams(json=orjson.dumps(schema).decode())
 
     async def _full(
         self,

@@ -57,6 +57,8 @@ class CompletionHandler:
                 max_tokens = ctx.resolve_max_tokens(len(ids), req.max_tokens or 16)
                 try:
                     params = req.sampling_params(max_tokens, req.logprobs)
+                    if params.structured_outputs is not None:
+                        ctx.engine.grammar.validate(params.structured_outputs)
                 except ValueError as e:
                     raise APIError(str(e)) from e
                 streams.append(await ctx.submit(f"{rid}-{i}", ids, params))

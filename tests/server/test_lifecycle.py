@@ -29,18 +29,18 @@ def test_disconnect_mid_stream_frees_everything_within_a_second(long_server: Ser
         "ignore_eos": True,
         "stream": True,
     }
-    with httpx.Client(timeout=30) as client:
-        with client.stream("POST", f"{server.base}/chat/completions", json=body) as r:
-            assert r.status_code == 200
-            # Keep the iterator referenced: dropping it would close the connection right here.
-            lines = r.iter_lines()
-            data = [
-                line for line, _ in zip(lines, range(10), strict=False) if line.startswith("data:")
-            ]
-            assert len(data) == 5
-            load = server.load()
-            assert load["running"] == 1 and load["free_blocks"] < load["total_blocks"]
-        # Leaving the block closes the connection mid-stream.
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", f"{server.base}/chat/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        # Keep the iterator referenced: dropping it would close the connection right here.
+        lines = r.iter_lines()
+        data = [line for line, _ in zip(lines, range(10), strict=False) if line.startswith("data:")]
+        assert len(data) == 5
+        load = server.load()
+        assert load["running"] == 1 and load["free_blocks"] < load["total_blocks"]
+    # Leaving the block closes the connection mid-stream.
     deadline = time.monotonic() + 1.0
     while True:
         load = server.load()
@@ -88,20 +88,22 @@ def test_sigterm_drains_in_flight_streams_then_exits(server_factory) -> None:
         "stream": True,
     }
     received = []
-    with httpx.Client(timeout=60) as client:
-        with client.stream("POST", f"{s.base}/completions", json=body) as r:
-            for i, line in enumerate(r.iter_lines()):
-                if i == 3:
-                    s.proc.send_signal(signal.SIGTERM)
-                    time.sleep(0.3)
-                    # New connections are refused (or told to go away) while draining.
-                    try:
-                        h = httpx.get(f"{s.url}/health", timeout=2)
-                        assert h.status_code == 503
-                    except httpx.TransportError:
-                        pass
-                if line:
-                    received.append(line)
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("POST", f"{s.base}/completions", json=body) as r,
+    ):
+        for i, line in enumerate(r.iter_lines()):
+            if i == 3:
+                s.proc.send_signal(signal.SIGTERM)
+                time.sleep(0.3)
+                # New connections are refused (or told to go away) while draining.
+                try:
+                    h = httpx.get(f"{s.url}/health", timeout=2)
+                    assert h.status_code == 503
+                except httpx.TransportError:
+                    pass
+            if line:
+                received.append(line)
     assert received[-1] == "data: [DONE]"
     texts = [json.loads(x[6:]) for x in received if x.startswith("data: {")]
     assert texts[-1]["choices"][0]["finish_reason"] == "length"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -179,6 +180,20 @@ class ToolParser(ABC):
         self._next_index = 0
         self._calls: list[ToolCall] = []
         self._out = StreamDelta()
+
+    def forced_call_grammar(
+        self,
+        name: str | None,
+        parallel: bool = True,
+        token_id: Callable[[str], int | None] | None = None,
+    ) -> str | None:
+        """A Lark grammar (llguidance dialect) that only admits tool calls in this format, for
+        `tool_choice` "required" (name None) or a named function; None if the format has none.
+
+        `token_id` maps a tag to its id when the tokenizer has it as one added token: the grammar
+        must then name that token (`<[id]>`), since llguidance matches added tokens as units.
+        """
+        return None
 
     def adjust_skip_special_tokens(self) -> bool | None:
         """What `skip_special_tokens` the server must detokenize with; None leaves it alone."""

@@ -7,6 +7,7 @@ import json
 import re
 import secrets
 import string
+from collections.abc import Callable
 
 from ember.server.tool_parsers.base import CallHead, OpenCall, ToolParser, json_object
 
@@ -27,6 +28,44 @@ class HermesToolParser(ToolParser):
 
     start_tag = "<tool_call>"
     end_tag = "</tool_call>"
+
+    def forced_call_grammar(
+        self,
+        name: str | None,
+        parallel: bool = True,
+        token_id: Callable[[str], int | None] | None = None,
+    ) -> str | None:
+        functions = [t.get("function", {}) for t in self.tools or []]
+        if name is not None:
+            functions = [f for f in functions if f.get("name") == name]
+        if not functions:
+            return None
+        call_schema = {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"const": f["name"]},
+                        "arguments": f.get("parameters") or {"type": "object"},
+                    },
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+                for f in functions
+            ],
+            "x-guidance": {"whitespace_flexible": False},
+        }
+
+        def tag(text: str) -> str:
+            tid = token_id(text) if token_id else None
+            return f"<[{tid}]>" if tid is not None else json.dumps(text)
+
+        repeat = '("\\n" call)*' if parallel and name is None else ""
+        return (
+            f"start: call {repeat}\n"
+            f'call: {tag(self.start_tag)} "\\n" body "\\n" {tag(self.end_tag)}\n'
+            f"body: %json {json.dumps(call_schema)}\n"
+        )
 
     def _find_end(self, body: str, call: OpenCall) -> int | None:
         scan = call.end_scan
