@@ -26,6 +26,8 @@ class AttentionMetadata:
     # Host copies, so reference code and the CPU path never sync on the device.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    num_decodes: int = 0
+    """The first `num_decodes` sequences have one query token each (the decode kernel's rows)."""
 
     @property
     def num_seqs(self) -> int:

@@ -24,6 +24,11 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 1 << 30
     enable_prefix_caching: bool = True
     seed: int = 0
+    gpu_memory_utilization: float = 0.9
+    """On a GPU: the share of its memory ember may take (weights, activations, KV cache)."""
+    enforce_eager: bool = False
+    """On a GPU: no CUDA graphs (every kernel launched from Python)."""
+    max_cuda_graph_batch: int = 256
     cpu_threads: int | None = None
     """Torch threads of a CPU engine core; None leaves one core free for the API process."""
 
@@ -32,6 +37,10 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if not 0.05 <= self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in [0.05, 1], got {self.gpu_memory_utilization}"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

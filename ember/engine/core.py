@@ -26,6 +26,15 @@ from ember.models.loader import load_model
 log = logging.getLogger(__name__)
 
 
+def default_backend(device: torch.device) -> AttentionBackend:
+    """Triton kernels on a GPU, the plain-PyTorch reference elsewhere."""
+    if device.type == "cuda":
+        from ember.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    return TorchAttentionBackend()
+
+
 class EngineCore:
     def __init__(
         self,
@@ -39,6 +48,10 @@ class EngineCore:
         r = self.resolved
         self.device = torch.device(config.device)
         torch.manual_seed(config.seed)
+        on_gpu = self.device.type == "cuda"
+        if on_gpu:
+            torch.cuda.set_device(self.device)
+            free0, total = torch.cuda.mem_get_info(self.device)
         model = load_model(
             config.model,
             self.model_config,
@@ -47,11 +60,24 @@ class EngineCore:
             load_format=config.load_format,
             max_position=r.max_model_len,
         )
+        self.runner = ModelRunner(
+            model,
+            self.model_config,
+            config.block_size,
+            r.dtype,
+            self.device,
+            backend or default_backend(self.device),
+        )
+        num_blocks = r.num_kv_blocks
+        if on_gpu and config.num_kv_blocks is None:
+            num_blocks = self._size_kv_cache(total - free0, total)
+        self.num_kv_blocks = num_blocks
+        self.runner.allocate_kv_cache(num_blocks)
         namespace = (
             f"{self.model_config.architecture}|{config.model}|{r.dtype}|bs={config.block_size}"
         )
         self.kv = KVCacheManager(
-            r.num_kv_blocks, config.block_size, config.enable_prefix_caching, namespace
+            num_blocks, config.block_size, config.enable_prefix_caching, namespace
         )
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, r.max_num_batched_tokens, r.max_model_len),
@@ -59,22 +85,43 @@ class EngineCore:
         )
         self.num_steps = 0
         self.grammar = GrammarCompiler.for_model(config.model, self.model_config)
-        self.runner = ModelRunner(
-            model,
-            self.model_config,
-            r.num_kv_blocks,
-            config.block_size,
-            r.dtype,
-            self.device,
-            backend or TorchAttentionBackend(),
-        )
+        if on_gpu and not config.enforce_eager:
+            self.runner.capture_cuda_graphs(
+                min(config.max_cuda_graph_batch, config.max_num_seqs), r.max_model_len
+            )
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
-            r.num_kv_blocks,
+            num_blocks,
             config.block_size,
-            r.num_kv_blocks * config.block_size,
-            r.num_kv_blocks * r.kv_block_bytes / 2**20,
+            num_blocks * config.block_size,
+            num_blocks * r.kv_block_bytes / 2**20,
         )
+
+    def _size_kv_cache(self, used_before: int, total: int) -> int:
+        """KV blocks that fit under gpu_memory_utilization after the weights and a profiled step."""
+        r, cfg = self.resolved, self.config
+        peak = self.runner.profile_peak_bytes(
+            r.max_num_batched_tokens, r.max_model_len, cfg.max_num_seqs
+        )
+        weights = torch.cuda.memory_allocated(self.device)
+        # CUDA graphs' own pools and the sampler's buffers: a fixed reserve, as vLLM keeps.
+        reserve = 512 << 20
+        budget = int(total * cfg.gpu_memory_utilization) - used_before - weights - peak - reserve
+        num_blocks = budget // r.kv_block_bytes
+        min_blocks = -(-r.max_model_len // cfg.block_size)
+        if num_blocks < min_blocks:
+            raise ValueError(
+                f"not enough GPU memory for the KV cache: {budget / 2**30:.2f} GiB left after "
+                f"weights ({weights / 2**30:.2f} GiB) and activations ({peak / 2**30:.2f} GiB) "
+                f"holds {max(num_blocks, 0)} blocks, one sequence of max_model_len="
+                f"{r.max_model_len} needs {min_blocks}; raise gpu_memory_utilization or lower "
+                "max_model_len / max_num_batched_tokens"
+            )
+        log.info(
+            "memory: weights %.2f GiB, activation peak %.2f GiB, KV cache %.2f GiB",
+            weights / 2**30, peak / 2**30, num_blocks * r.kv_block_bytes / 2**30,
+        )
+        return int(num_blocks)
 
     def add_request(self, msg: EngineCoreRequest) -> None:
         req = Request(

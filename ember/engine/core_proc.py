@@ -57,7 +57,7 @@ def engine_core_main(config: EngineConfig, input_addr: str, output_addr: str) ->
     out.send(
         enc.encode(
             EngineCoreReady(
-                r.num_kv_blocks, config.block_size, r.max_model_len, config.max_num_seqs
+                core.num_kv_blocks, config.block_size, r.max_model_len, config.max_num_seqs
             )
         )
     )

@@ -1,8 +1,10 @@
 """Turns a scheduled batch into one forward pass: flat inputs, paged-attention metadata, logits for
-the rows that sample, and the sampler. Owns the model and the KV cache tensor."""
+the rows that sample, and the sampler. Owns the model, the KV cache tensor and, on a GPU, the CUDA
+graphs that replay decode steps without per-kernel launch cost."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,6 +22,8 @@ if TYPE_CHECKING:
     from ember.engine.scheduler import SchedulerOutput
     from ember.models.config import ModelConfig
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
@@ -33,35 +37,73 @@ def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[
     return (num_blocks, cfg.num_hidden_layers, 2, block_size, cfg.num_key_value_heads, cfg.head_dim)
 
 
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim
+    return per_token * block_size * torch.tensor([], dtype=dtype).element_size()
+
+
+def cuda_graph_sizes(max_batch: int) -> list[int]:
+    """Batch sizes to capture: 1, 2, 4, then every 8 (a decode batch pads up to the next one)."""
+    sizes = [s for s in (1, 2, 4) if s <= max_batch]
+    sizes += list(range(8, max_batch + 1, 8))
+    if sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sizes
+
+
+@dataclass(slots=True)
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor
+
+
 class ModelRunner:
     def __init__(
         self,
         model: nn.Module,
         config: ModelConfig,
-        num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
         backend: AttentionBackend,
+        num_blocks: int | None = None,
     ) -> None:
         self.model = model
         self.config = config
         self.block_size = block_size
+        self.dtype = dtype
         self.device = device
         self.backend = backend
-        self.kv_cache = torch.zeros(
-            kv_cache_shape(config, num_blocks, block_size), dtype=dtype, device=device
-        )
+        self.kv_cache = torch.empty(0, device=device)
+        if num_blocks is not None:
+            self.allocate_kv_cache(num_blocks)
         self.sampler = Sampler()
+        self.graphs: dict[int, _Graph] = {}
+        self._pin = device.type == "cuda"
 
-    def prepare(self, so: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        shape = kv_cache_shape(self.config, num_blocks, self.block_size)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    # -- inputs ----------------------------------------------------------------------------
+
+    def _tensor(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype, pin_memory=self._pin)
+        return t.to(self.device, non_blocking=True)
+
+    def prepare(
+        self, so: SchedulerOutput, order: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flat inputs for the requests in `order` (decodes first, as the attention backend wants)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         qsl = [0]
         seq_lens: list[int] = []
-        for req, n, blocks in zip(so.requests, so.num_scheduled_tokens, so.block_ids, strict=True):
+        tables: list[list[int]] = []
+        for i in order:
+            req, n, blocks = so.requests[i], so.num_scheduled_tokens[i], so.block_ids[i]
             start = req.num_computed_tokens
             input_ids.extend(req.all_token_ids[start : start + n])
             pos = range(start, start + n)
@@ -69,42 +111,63 @@ class ModelRunner:
             slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
-        max_blocks = max(len(b) for b in so.block_ids)
-        table = torch.zeros(len(so.block_ids), max_blocks, dtype=torch.int32)
-        for i, b in enumerate(so.block_ids):
-            table[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
-        dev = self.device
+            tables.append(blocks)
+        width = max(len(b) for b in tables)
+        flat = [b + [0] * (width - len(b)) for b in tables]
         md = AttentionMetadata(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=table.to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=self._tensor(qsl, torch.int32),
+            seq_lens=self._tensor(seq_lens, torch.int32),
+            block_tables=self._tensor(flat, torch.int32),
+            slot_mapping=self._tensor(slots, torch.int64),
             max_query_len=max(so.num_scheduled_tokens),
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
+            num_decodes=sum(so.num_scheduled_tokens[i] == 1 for i in order),
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
-        return ids, pos_t, md
+        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), md
+
+    # -- one step ------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        ids, positions, md = self.prepare(so)
-        hidden = self.model(ids, positions, ForwardContext(md, self.kv_cache, self.backend))
+        n = len(so.requests)
+        # Decode rows first: the attention backend runs them through the decode kernel.
+        order = sorted(range(n), key=lambda i: so.num_scheduled_tokens[i] != 1)
         # Only rows whose step reaches the end of their known tokens sample a next token.
         rows = [
-            i
-            for i, (req, n) in enumerate(zip(so.requests, so.num_scheduled_tokens, strict=True))
-            if req.num_computed_tokens + n == req.num_tokens
+            j
+            for j, i in enumerate(order)
+            if so.requests[i].num_computed_tokens + so.num_scheduled_tokens[i]
+            == so.requests[i].num_tokens
         ]
-        sampled: list[int | None] = [None] * len(so.requests)
-        logprobs: list[list[tuple[int, float, int]] | None] = [None] * len(so.requests)
+        sampled: list[int | None] = [None] * n
+        logprobs: list[list[tuple[int, float, int]] | None] = [None] * n
+        all_decode = all(k == 1 for k in so.num_scheduled_tokens)
+        graph_bs = self._graph_size(n) if all_decode else None
+        if graph_bs is not None:
+            logits = self._replay(so, order, graph_bs)[rows]
+        else:
+            ids, positions, md = self.prepare(so, order)
+            hidden = self.model(ids, positions, ForwardContext(md, self.kv_cache, self.backend))
+            if not rows:
+                return ModelRunnerOutput(sampled, logprobs)
+            last = self._tensor([md.query_start_loc_cpu[j + 1] - 1 for j in rows], torch.int64)
+            logits = self.model.compute_logits(hidden[last])
         if not rows:
             return ModelRunnerOutput(sampled, logprobs)
-        last = torch.tensor([md.query_start_loc_cpu[i + 1] - 1 for i in rows], device=self.device)
-        logits = self.model.compute_logits(hidden[last])
-        reqs = [so.requests[i] for i in rows]
+        reqs = [so.requests[order[j]] for j in rows]
+        self._sample(logits, reqs, [order[j] for j in rows], sampled, logprobs)
+        return ModelRunnerOutput(sampled, logprobs)
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        reqs: list[Request],
+        index: list[int],
+        sampled: list[int | None],
+        logprobs: list[list[tuple[int, float, int]] | None],
+    ) -> None:
         if any(r.matcher is not None for r in reqs):
             apply_grammar_masks(logits, [r.matcher for r in reqs])
         batch = SamplingBatch.build(
@@ -117,18 +180,140 @@ class ModelRunner:
             device=self.device,
         )
         out = self.sampler(logits, batch)
-        tokens = out.sampled.tolist()
+        tokens = out.sampled.tolist()  # the step's one host sync
         lp = out.logprobs.tolist() if out.logprobs is not None else None
         lp_ids = out.logprob_token_ids.tolist() if out.logprob_token_ids is not None else None
         ranks = out.sampled_ranks.tolist() if out.sampled_ranks is not None else None
-        for j, i in enumerate(rows):
+        for j, i in enumerate(index):
             sampled[i] = tokens[j]
             want = reqs[j].sampling_params.logprobs
             if want is not None and lp is not None and lp_ids is not None and ranks is not None:
                 entries = [(lp_ids[j][0], lp[j][0], ranks[j])]
                 entries += [(lp_ids[j][k], lp[j][k], k) for k in range(1, want + 1)]
                 logprobs[i] = entries
-        return ModelRunnerOutput(sampled, logprobs)
+
+    # -- CUDA graphs -----------------------------------------------------------------------------
+
+    def _graph_size(self, n: int) -> int | None:
+        if not self.graphs:
+            return None
+        for size in self._graph_sizes:
+            if size >= n:
+                return size
+        return None
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """Capture one decode graph per batch size; replays pad a batch up to the next size."""
+        if self.device.type != "cuda":
+            return
+        max_blocks = -(-max_model_len // self.block_size)
+        dev = self.device
+        self._g_ids = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+        self._g_pos = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+        self._g_slots = torch.full((max_batch,), -1, dtype=torch.int64, device=dev)
+        self._g_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
+        self._g_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=dev)
+        self._g_qsl = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
+        self._g_max_len = max_model_len
+        self._graph_sizes = cuda_graph_sizes(max_batch)
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self._graph_sizes):
+            md = self._graph_metadata(size)
+            ctx = ForwardContext(md, self.kv_cache, self.backend)
+            for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
+                self.model.compute_logits(self.model(self._g_ids[:size], self._g_pos[:size], ctx))
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self.model(self._g_ids[:size], self._g_pos[:size], ctx)
+                logits = self.model.compute_logits(hidden)
+            self.graphs[size] = _Graph(graph, logits)
+        torch.cuda.synchronize()
+        log.info("captured %d CUDA graphs for decode batches up to %d", len(self.graphs), max_batch)
+
+    def _graph_metadata(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=self._g_qsl[: size + 1],
+            seq_lens=self._g_lens[:size],
+            block_tables=self._g_tables[:size],
+            slot_mapping=self._g_slots[:size],
+            max_query_len=1,
+            max_seq_len=self._g_max_len,
+            query_start_loc_cpu=list(range(size + 1)),
+            seq_lens_cpu=[1] * size,
+            num_decodes=size,
+        )
+
+    def _replay(self, so: SchedulerOutput, order: list[int], size: int) -> torch.Tensor:
+        n = len(order)
+        ids, positions, slots, lens = [], [], [], []
+        width = 0
+        bs = self.block_size
+        for i in order:
+            req, blocks = so.requests[i], so.block_ids[i]
+            p = req.num_computed_tokens
+            ids.append(req.all_token_ids[p])
+            positions.append(p)
+            slots.append(blocks[p // bs] * bs + p % bs)
+            lens.append(p + 1)
+            width = max(width, len(blocks))
+        pad = size - n
+        # Padding rows write nowhere (slot -1) and attend to one harmless slot.
+        self._g_ids[:size].copy_(self._tensor(ids + [0] * pad, torch.int64), non_blocking=True)
+        self._g_pos[:size].copy_(self._tensor(positions + [0] * pad, torch.int64), non_blocking=True)
+        self._g_slots[:size].copy_(self._tensor(slots + [-1] * pad, torch.int64), non_blocking=True)
+        self._g_lens[:size].copy_(self._tensor(lens + [1] * pad, torch.int32), non_blocking=True)
+        table = [so.block_ids[i] + [0] * (width - len(so.block_ids[i])) for i in order]
+        table += [[0] * width] * pad
+        self._g_tables[:size, :width].copy_(self._tensor(table, torch.int32), non_blocking=True)
+        g = self.graphs[size]
+        g.graph.replay()
+        return g.logits
+
+    # -- memory ----------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def profile_peak_bytes(self, num_tokens: int, max_model_len: int, max_seqs: int) -> int:
+        """Peak bytes a worst-case step takes beyond the weights (activations, logits, sampler)."""
+        seqs = max(1, min(max_seqs, -(-num_tokens // max_model_len)))
+        per_seq = [num_tokens // seqs + (i < num_tokens % seqs) for i in range(seqs)]
+        blocks_per_seq = [-(-n // self.block_size) for n in per_seq]
+        saved = self.kv_cache
+        self.allocate_kv_cache(sum(blocks_per_seq))
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        tables, start = [], 0
+        for nb in blocks_per_seq:
+            tables.append(list(range(start, start + nb)))
+            start += nb
+        qsl = [0]
+        for n in per_seq:
+            qsl.append(qsl[-1] + n)
+        slots = [t[p // self.block_size] * self.block_size + p % self.block_size
+                 for t, n in zip(tables, per_seq, strict=True) for p in range(n)]
+        width = max(blocks_per_seq)
+        md = AttentionMetadata(
+            query_start_loc=self._tensor(qsl, torch.int32),
+            seq_lens=self._tensor(per_seq, torch.int32),
+            block_tables=self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32),
+            slot_mapping=self._tensor(slots, torch.int64),
+            max_query_len=max(per_seq),
+            max_seq_len=max(per_seq),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=per_seq,
+        )
+        ids = torch.randint(0, self.config.vocab_size, (num_tokens,), device=self.device)
+        pos = torch.cat([torch.arange(n, device=self.device) for n in per_seq])
+        hidden = self.model(ids, pos, ForwardContext(md, self.kv_cache, self.backend))
+        logits = self.model.compute_logits(hidden[: min(max_seqs, num_tokens)])
+        torch.softmax(logits, dim=-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del hidden, logits
+        self.kv_cache = saved
+        torch.cuda.empty_cache()
+        return peak
 
 
 def _blocked_tokens(req: Request) -> list[int]:

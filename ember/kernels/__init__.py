@@ -1,0 +1,1 @@
+"""GPU kernels (Triton): KV-cache writes and paged attention for decode and prefill."""

@@ -1,0 +1,295 @@
+"""Paged decode attention (Triton): one new query token per sequence, flash-decoding split-K.
+
+Stage 1 runs one program per (sequence, KV head, split): it loads each K/V tile of its slice of the
+context once for all Hq/Hkv query heads of that KV head and writes a normalised partial output and
+its log-sum-exp. Stage 2 merges the splits. With one split, stage 1 writes the output directly.
+
+The two numbers, per step: bytes = sum(seq_lens) * Hkv * D * 2 (K and V) * itemsize, plus q and
+out (B * Hq * D * itemsize each) and the fp32 partials (B * Hq * splits * (D + 1) * 4, written and
+read once); flops = 4 * sum(seq_lens) * Hq * D. At under 1 flop/byte per query head this is bound
+by memory bandwidth (H100 ~3 TB/s measured, H200 ~4.3 TB/s), so the aim is that bandwidth.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+# A split shorter than this spends more on its prologue and partials than it saves in parallelism.
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 64
+# Keys per tile: a 64 x 128 bf16 K tile is 16 KB; with V and 2 pipeline stages, 64 KB of loads in
+# flight per program, well above the ~18 KB per SM that hides HBM latency at full bandwidth.
+_BLOCK_N = 64
+_LOG2E = 1.4426950408889634
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(
+    batch_size: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132
+) -> int:
+    """Splits per sequence so that stage 1 has about two programs per SM.
+
+    Never more than one split per MIN_TOKENS_PER_SPLIT tokens of the longest context: past that,
+    each split's fixed cost (q load, partials written and merged) outweighs the extra parallelism.
+    """
+    if batch_size <= 0 or num_kv_heads <= 0:
+        raise ValueError(f"batch_size {batch_size} and num_kv_heads {num_kv_heads} must be > 0")
+    want = triton.cdiv(2 * num_sms, batch_size * num_kv_heads)
+    by_len = triton.cdiv(max(max_seq_len, 1), MIN_TOKENS_PER_SPLIT)
+    return max(1, min(want, by_len, MAX_SPLITS))
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    kv_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    out_ptr,  # [B, Hq, S, D] fp32 partials, or the final [B, Hq, D] output when S == 1
+    lse_ptr,  # [B, Hq, S] fp32 (log2 domain); unused when WRITE_LSE is False
+    qk_scale,  # softmax scale * log2(e): the kernel works in exp2
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_cache_block,
+    stride_cache_kv,
+    stride_cache_tok,
+    stride_cache_head,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    # Each sequence cuts its own context into num_splits tile-aligned pieces, so a long context
+    # gets short pieces; for a short one the trailing splits are empty and write only lse = -inf.
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    heads = kv_head * GROUP + g
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    kv_base = kv_ptr + kv_head * stride_cache_head
+    table = block_tables_ptr + b.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        n_mask = pos < end
+        # Page lookup per key: a tile may span several blocks (or part of one), and the repeated
+        # table reads of one block hit L1.
+        block = tl.load(table + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        rows = block * stride_cache_block + (pos % PAGE_SIZE) * stride_cache_tok
+        ptrs = kv_base + rows[:, None] + d[None, :]
+        mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(ptrs, mask=mask, other=0.0).to(q.dtype)
+        v = tl.load(ptrs + stride_cache_kv, mask=mask, other=0.0).to(q.dtype)
+
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        # Every tile holds at least one unmasked key, so m_new is finite and alpha is never NaN.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # An empty split (l_i == 0, acc == 0, m_i == -inf) writes zeros and lse = -inf; stage 2 gives
+    # it weight 0, and a sequence with no context at all (a padding row) gets zeros, not NaN.
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    if WRITE_LSE:
+        lse = m_i + tl.log2(l_safe)
+        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    num_splits,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < num_splits
+    d_mask = d < HEAD_DIM
+    lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + s, mask=s_mask, other=float("-inf"))
+    live = lse > float("-inf")
+    # The floor keeps m finite when no split has keys, so exp2 gives 0 rather than NaN there.
+    m = tl.maximum(tl.max(lse, 0), -1e30)
+    w = tl.exp2(lse - m)
+    part = tl.load(
+        part_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
+        mask=live[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    num = tl.sum(w[:, None] * part, 0)
+    # The split holding the max has weight 1, so den >= 1 unless no split has keys (num == 0).
+    o = num / tl.maximum(tl.sum(w, 0), 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its whole paged context.
+
+    q: [B, Hq, D]; kv_cache: one layer's view [num_blocks, 2, block_size, Hkv, D]; seq_lens: [B]
+    context lengths including this token; block_tables: [B, W]. Returns out ([B, Hq, D], q's dtype).
+    CUDA-graph safe: nothing here reads device memory on the host. num_splits defaults to
+    choose_num_splits(), sized by max_seq_len (a host-side upper bound; W * block_size if None).
+    Any num_splits gives the same result, so a graph captured with one stays correct.
+    """
+    _check_inputs(q, kv_cache, seq_lens, block_tables)
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} must be {tuple(q.shape)}, contiguous in head_dim")
+    if batch == 0:
+        return out
+    if num_splits is None:
+        if max_seq_len is None:
+            max_seq_len = block_tables.shape[1] * block_size
+        num_sms = _num_sms(q.device.index or 0) if q.is_cuda else 132
+        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, num_sms)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+
+    group = num_heads // num_kv_heads
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    # tl.dot needs M >= 16; the padded query rows cost MMA work only, and decode is memory-bound.
+    block_g = max(16, triton.next_power_of_2(group))
+    if num_splits == 1:
+        target, lse = out, out  # lse is unused: WRITE_LSE is off
+        target_strides = (out.stride(0), out.stride(1), 0)
+        lse_strides = (0, 0)
+    else:
+        target = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        target_strides = target.stride()[:3]
+        lse_strides = lse.stride()[:2]
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q,
+        kv_cache,
+        seq_lens,
+        block_tables,
+        target,
+        lse,
+        scale * _LOG2E,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_tables.stride(0),
+        *target_strides,
+        *lse_strides,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_G=block_g,
+        BLOCK_D=block_d,
+        BLOCK_N=_BLOCK_N,
+        PAGE_SIZE=block_size,
+        WRITE_LSE=num_splits > 1,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4,
+        num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(batch, num_heads)](
+            target,
+            lse,
+            out,
+            num_splits,
+            *target.stride()[:3],
+            *lse.stride()[:2],
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d,
+            num_warps=1 if head_dim <= 64 else 2,
+        )
+    return out
+
+
+def _check_inputs(
+    q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor
+) -> None:
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        raise ValueError(f"kv_cache must be [num_blocks, 2, block_size, H, D], got {kv_cache.shape}")
+    if q.dim() != 3 or q.shape[2] != kv_cache.shape[4]:
+        raise ValueError(f"q {tuple(q.shape)} must be [B, Hq, {kv_cache.shape[4]}]")
+    if q.shape[1] % kv_cache.shape[3] != 0:
+        raise ValueError(f"{q.shape[1]} query heads is not a multiple of {kv_cache.shape[3]}")
+    if seq_lens.shape != (q.shape[0],) or block_tables.dim() != 2:
+        raise ValueError(
+            f"seq_lens {tuple(seq_lens.shape)} must be [{q.shape[0]}] and block_tables 2-D, "
+            f"got {tuple(block_tables.shape)}"
+        )
+    if block_tables.shape[0] != q.shape[0]:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {q.shape[0]} seqs")
+    for name, t in (("seq_lens", seq_lens), ("block_tables", block_tables)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+    if q.stride(-1) != 1 or kv_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
+        raise ValueError("q, kv_cache and block_tables must be contiguous in their last dim")

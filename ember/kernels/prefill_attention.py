@@ -1,0 +1,233 @@
+"""Paged varlen attention for prefill, chunked prefill and extend (Triton, flash-attention style).
+
+Each sequence's new queries (the last q_len of its seq_lens tokens) attend causally to its whole
+context, cached prefix and new tokens alike, read through its block table: write_kv has already
+put this step's K and V in the cache. One program per (query tile, query head), over the tiles
+of every sequence in the flat batch; GQA maps query head h to KV head h // (Hq / Hkv).
+
+The two numbers, per sequence of q_len queries over L keys (causal, L - q_len cached):
+flops ~= 4 * Hq * D * q_len * (L - q_len / 2); bytes = q and out (2 * q_len * Hq * D * itemsize)
+plus K and V (2 * L * Hkv * D * itemsize) once per query tile and head (mostly L2 hits between
+the heads of one KV group). For q_len in the hundreds this is compute-bound on the tensor cores;
+at q_len 1 it degenerates to decode, memory-bound, without decode's GQA packing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+def _tile_config(head_dim: int, max_query_len: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for H100/H200."""
+    # Short query runs (extend, spec decode, q_len-1 rows) waste less in a smaller tile.
+    block_m = min(128, max(16, triton.next_power_of_2(max(max_query_len, 1))))
+    if head_dim > 128:
+        block_m = min(block_m, 64)  # a 128 x 256 fp32 accumulator would spill
+    # 128 x 128 fp32 accumulator over 8 warps is 64 registers a thread; K and V tiles of
+    # 64 x 128 bf16 are 16 KB each, so 3 stages fit shared memory with room for q.
+    num_warps = 8 if block_m == 128 and head_dim >= 128 else 4
+    return block_m, 64, num_warps, 3
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
+    # Sequence i owns tiles [qsl[i] // BLOCK_M + i, qsl[i+1] // BLOCK_M + i + 1): at least
+    # cdiv(q_len, BLOCK_M) of them, and strictly increasing starts, so binary search works with
+    # no host-side prefix sum.
+    lo: tl.int32 = 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_M + mid <= tile:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    kv_ptr,
+    out_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    qk_scale,  # softmax scale * log2(e): the kernel works in exp2
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cache_block,
+    stride_cache_kv,
+    stride_cache_tok,
+    stride_cache_head,
+    stride_bt,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # Heads vary fastest, so the heads of one KV group run together and share K/V through L2.
+    pid = tl.program_id(0)
+    head = pid % NUM_HEADS
+    tile = pid // NUM_HEADS
+    seq = _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_M)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    m0 = (tile - (q_start // BLOCK_M + seq)) * BLOCK_M
+    if m0 >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first_pos = seq_len - q_len  # position of the sequence's first new query
+
+    rows = m0 + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    row_mask = rows < q_len
+    d_mask = d < HEAD_DIM
+    q_rows = (q_start + rows).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + d[None, :],
+        mask=row_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    q_pos = first_pos + rows
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    kv_base = kv_ptr + (head // GROUP) * stride_cache_head
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
+    # Keys before full_end are visible to every row of the tile: no causal or bounds mask.
+    full_end = (first_pos + m0 + 1) // BLOCK_N * BLOCK_N
+    for n0 in range(0, full_end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        block = tl.load(table + pos // PAGE_SIZE).to(tl.int64)
+        ptrs = kv_base + (block * stride_cache_block + (pos % PAGE_SIZE) * stride_cache_tok)[:, None]
+        k = tl.load(ptrs + d[None, :], mask=d_mask[None, :], other=0.0).to(q.dtype)
+        v = tl.load(ptrs + stride_cache_kv + d[None, :], mask=d_mask[None, :], other=0.0).to(q.dtype)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # The diagonal tiles; tiles wholly past the tile's last query are never visited.
+    kv_end = tl.minimum(seq_len, first_pos + m0 + BLOCK_M)
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        n_mask = pos < kv_end
+        block = tl.load(table + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        ptrs = kv_base + (block * stride_cache_block + (pos % PAGE_SIZE) * stride_cache_tok)[:, None]
+        mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(ptrs + d[None, :], mask=mask, other=0.0).to(q.dtype)
+        v = tl.load(ptrs + stride_cache_kv + d[None, :], mask=mask, other=0.0).to(q.dtype)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        # Key 0 is in the first tile visited and visible to every row, so no row is all -inf
+        # by the time it gets here, and alpha is never NaN.
+        visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    o = acc / l_i[:, None]
+    tl.store(
+        out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & d_mask[None, :],
+    )
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its whole paged context.
+
+    q: [T, Hq, D], sequence i's rows query_start_loc[i]:query_start_loc[i+1] ([B + 1]); kv_cache:
+    one layer's view [num_blocks, 2, block_size, Hkv, D] already holding this step's K and V;
+    seq_lens: [B] context lengths including the new tokens; block_tables: [B, W]. max_query_len
+    (a host-side int) only picks the tile size. Returns out ([T, Hq, D], q's dtype). No host sync.
+    """
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        raise ValueError(f"kv_cache must be [num_blocks, 2, block_size, H, D], got {kv_cache.shape}")
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    if q.dim() != 3 or q.shape[2] != head_dim:
+        raise ValueError(f"q {tuple(q.shape)} must be [T, Hq, {head_dim}]")
+    num_tokens, num_heads, _ = q.shape
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"{num_heads} query heads is not a multiple of {num_kv_heads}")
+    num_seqs = seq_lens.shape[0]
+    if seq_lens.dim() != 1 or query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(
+            f"query_start_loc {tuple(query_start_loc.shape)} must be [B + 1] for seq_lens "
+            f"{tuple(seq_lens.shape)} = [B]"
+        )
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} must be [{num_seqs}, W]")
+    for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_tables", block_tables)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+    if q.stride(-1) != 1 or kv_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
+        raise ValueError("q, kv_cache and block_tables must be contiguous in their last dim")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} must be {tuple(q.shape)}, contiguous in head_dim")
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+
+    block_m, block_n, num_warps, num_stages = _tile_config(head_dim, max_query_len)
+    num_tiles = num_tokens // block_m + num_seqs  # see _find_seq
+    _prefill_kernel[(num_tiles * num_heads,)](
+        q,
+        kv_cache,
+        out,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        scale * _LOG2E,
+        num_seqs,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_tables.stride(0),
+        NUM_HEADS=num_heads,
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        PAGE_SIZE=block_size,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out

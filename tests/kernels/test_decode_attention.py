@@ -1,0 +1,144 @@
+"""Split-K paged decode attention against paged_attention_ref, on fresh random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember.kernels.decode_attention import choose_num_splits, decode_attention
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _check(
+    make_paged_batch,
+    attention_reference,
+    assert_rel_close,
+    seq_lens: list[int],
+    heads: tuple[int, int, int],
+    block_size: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int,
+    num_splits: int | None,
+    tol: float,
+) -> None:
+    num_heads, num_kv_heads, head_dim = heads
+    batch = make_paged_batch(
+        [(n - 1, 1) for n in seq_lens], *heads, block_size, dtype, device, seed
+    )
+    md = batch.metadata
+    scale = head_dim**-0.5
+    out = torch.full_like(batch.q, float("nan"))
+    got = decode_attention(
+        batch.q,
+        batch.kv_cache,
+        md.seq_lens,
+        md.block_tables,
+        scale,
+        out=out,
+        num_splits=num_splits,
+        max_seq_len=md.max_seq_len,
+    )
+    assert got is out
+    assert_rel_close(out, attention_reference(batch, scale), tol)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize(
+    "heads,block_size",
+    [((2, 2, 16), 16), ((8, 2, 64), 16), ((8, 1, 32), 8), ((4, 4, 128), 32)],
+    ids=["gqa1-d16", "gqa4-d64", "gqa8-d32-bs8", "gqa1-d128-bs32"],
+)
+@pytest.mark.parametrize(
+    "seq_lens,num_splits",
+    [
+        # Many sequences, short and long: the short ones leave most of their splits empty.
+        ([1, 17, 40, 300, 651], 4),
+        ([1000], None),  # one sequence, splits from the heuristic
+        ([5, 130, 77], 1),  # one split: stage 1 writes the output directly
+    ],
+    ids=["many-split4", "one-auto", "few-split1"],
+)
+def test_decode_matches_reference(
+    make_paged_batch, attention_reference, assert_rel_close, seed, heads, block_size, seq_lens,
+    num_splits, device,
+) -> None:
+    _check(
+        make_paged_batch, attention_reference, assert_rel_close, seq_lens, heads, block_size,
+        torch.float32, device, seed, num_splits, 1e-5,
+    )
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_decode_more_splits_than_tiles(
+    make_paged_batch, attention_reference, assert_rel_close, seed, device
+) -> None:
+    # 16 splits over at most 3 tiles of keys: most splits of every sequence are empty.
+    _check(
+        make_paged_batch, attention_reference, assert_rel_close, [2, 64, 65, 190], (8, 2, 16), 16,
+        torch.float32, device, seed, 16, 1e-5,
+    )
+
+
+def test_decode_zero_length_row_gives_zeros(device: str) -> None:
+    # A CUDA-graph padding row with seq_len 0 must not produce NaN.
+    cache = torch.randn(4, 2, 16, 1, 16, device=device)
+    q = torch.randn(2, 2, 16, device=device)
+    seq_lens = torch.tensor([0, 3], dtype=torch.int32, device=device)
+    tables = torch.tensor([[0], [2]], dtype=torch.int32, device=device)
+    for splits in (1, 3):
+        out = decode_attention(q, cache, seq_lens, tables, 0.25, num_splits=splits)
+        assert torch.equal(out[0].cpu(), torch.zeros(2, 16))
+        assert not out.isnan().any()
+
+
+def test_choose_num_splits() -> None:
+    # Small batch, long context: enough splits to give 132 SMs two programs each.
+    assert choose_num_splits(1, 8, 32768) == 33
+    # Capped by the context: no split shorter than 256 tokens.
+    assert choose_num_splits(1, 8, 1000) == 4
+    assert choose_num_splits(4, 8, 1) == 1
+    # A batch that already fills the GPU gets one split.
+    assert choose_num_splits(64, 8, 4096) == 1
+    assert choose_num_splits(1, 1, 10**6) == 64
+    with pytest.raises(ValueError):
+        choose_num_splits(0, 8, 100)
+
+
+def test_decode_rejects_bad_heads(device: str) -> None:
+    cache = torch.zeros(4, 2, 16, 3, 16, device=device)
+    q = torch.zeros(1, 4, 16, device=device)
+    lens = torch.ones(1, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="multiple"):
+        decode_attention(q, cache, lens, lens[:, None], 1.0)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "heads", [(8, 8, 64), (32, 8, 128), (32, 4, 128)], ids=["gqa1", "gqa4", "gqa8"]
+)
+def test_decode_half_precision(
+    make_paged_batch, attention_reference, assert_rel_close, seed, dtype, heads
+) -> None:
+    _check(
+        make_paged_batch, attention_reference, assert_rel_close, [1, 33, 700, 1500, 2049], heads,
+        16, dtype, "cuda", seed, None, 1e-2,
+    )
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("batch_size", [1, 64])
+def test_decode_llama3_8b(
+    make_paged_batch, attention_reference, assert_rel_close, batch_size
+) -> None:
+    g = torch.Generator().manual_seed(batch_size)
+    seq_lens = torch.randint(1, 4097, (batch_size,), generator=g).tolist()
+    _check(
+        make_paged_batch, attention_reference, assert_rel_close, seq_lens, (32, 8, 128), 16,
+        torch.bfloat16, "cuda", batch_size, None, 1e-2,
+    )
