@@ -58,7 +58,7 @@ def _rms_norm_kernel(
             res_ptr + (i0 * r_s0 + i1 * r_s1)[:, None] + cols[None, :] * r_sn, mask=mask, other=0.0
         )
         # Rounded to the activation dtype first: the reference normalizes the rounded sum.
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        x = x.to(tl.float32) + r.to(tl.float32)
         tl.store(sum_ptr + (i0 * s_s0 + i1 * s_s1)[:, None] + cols[None, :] * s_sn, x, mask=mask)
     xf = x.to(tl.float32)
     # Masked lanes hold 0, so they add nothing to the sum of squares.

@@ -7,8 +7,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ember.kernels.dispatch import use_triton
+
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if use_triton(x):
+        from ember.kernels.activation import silu_and_mul as fused
+
+        return fused(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ember.kernels.dispatch import use_triton
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -51,6 +53,10 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D], positions: [T]."""
+        if use_triton(q):
+            from ember.kernels.rotary import apply_rotary
+
+            return apply_rotary(q, k, positions, self.cos_cache, self.sin_cache)
         cos = self.cos_cache[positions].unsqueeze(1)
         sin = self.sin_cache[positions].unsqueeze(1)
         q_out = (q.float() * cos + rotate_half(q.float()) * sin).to(q.dtype)

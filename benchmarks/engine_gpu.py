@@ -1,0 +1,364 @@
+"""ember's engine core on one GPU against the hardware's limits and HF transformers, in one run.
+
+Measures, in the same process: the ceilings (device-to-device copy bandwidth, bf16 8192^3 matmul);
+then for each model shape (Llama-3.1-8B, Qwen3-8B; dummy bf16 weights): startup (dummy init, KV
+sizing, graph capture), decode at batch 1 (128 in / 512 out), decode at batch 8..256 with 1k
+context, prefill 64 x 2048, the mixed load 256 x (1024 in, 256 out), host CPU share of a decode step
+at batch 64, and, on Llama, HF transformers eager on the same weights (decode batch 1, the mixed
+load) and the relative error of ember's logits against HF's. Prints a table, writes JSON to
+$OUT (or benchmarks/results/) named with the GPU.
+
+    python benchmarks/engine_gpu.py [--shapes llama,qwen3] [--skip-hf] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ember.engine.config import EngineConfig  # noqa: E402
+from ember.engine.core import EngineCore  # noqa: E402
+from ember.engine.messages import EngineCoreRequest  # noqa: E402
+from ember.sampling_params import SamplingParams  # noqa: E402
+
+SHAPES = {
+    "llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    },
+    "qwen3": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
+}
+
+
+def median_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _copy_bandwidth() -> float:
+    x = torch.randn((1 << 30) // 2, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    ms = median_ms(lambda: y.copy_(x))
+    return 2 * x.numel() * 2 / (ms / 1e3)
+
+
+def _matmul_flops() -> float:
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    ms = median_ms(lambda: a @ b)
+    return 2 * 8192**3 / (ms / 1e3)
+
+
+def ceilings() -> dict[str, float]:
+    out = {"copy_bytes_per_s": _copy_bandwidth(), "matmul_flops": _matmul_flops()}
+    torch.cuda.empty_cache()
+    return out
+
+
+def param_count(cfg: dict) -> int:
+    h, i, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim", h // heads)
+    attn = h * heads * d + 2 * h * kv * d + heads * d * h
+    mlp = 3 * h * i
+    embed = cfg["vocab_size"] * h * (1 if cfg["tie_word_embeddings"] else 2)
+    return layers * (attn + mlp + 2 * h) + embed + h
+
+
+def kv_bytes_per_token(cfg: dict) -> int:
+    d = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * d * 2
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 100, (n, length), generator=g).tolist()
+
+
+class Run:
+    """Submit requests to the core and step until all finish, timing every step."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.n = 0
+
+    def __call__(self, prompts: list[list[int]], max_tokens: int) -> dict[str, object]:
+        params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
+        for p in prompts:
+            self.n += 1
+            self.core.add_request(
+                EngineCoreRequest(f"r{self.n}", p, params, [], max_tokens=max_tokens)
+            )
+        steps: list[tuple[float, float, int, bool]] = []
+        t0 = time.perf_counter()
+        generated = 0
+        while self.core.has_unfinished_requests():
+            s0, c0 = time.perf_counter(), time.process_time()
+            so_decode = (
+                all(
+                    r.num_computed_tokens >= r.num_prompt_tokens
+                    for r in self.core.scheduler.running
+                )
+                and not self.core.scheduler.waiting
+            )
+            outs = self.core.step()
+            steps.append((time.perf_counter() - s0, time.process_time() - c0, len(outs), so_decode))
+            generated += len(outs)
+        wall = time.perf_counter() - t0
+        return {"wall_s": wall, "generated": generated, "steps": steps}
+
+
+def decode_steps(res: dict) -> list[tuple[float, float, int, bool]]:
+    return [s for s in res["steps"] if s[3]]
+
+
+def bench_shape(name: str, args: argparse.Namespace, ceil: dict[str, float]) -> dict[str, object]:
+    cfg = SHAPES[name]
+    weight_bytes = param_count(cfg) * 2
+    out: dict[str, object] = {"shape": name, "weight_bytes": weight_bytes}
+    tmp = Path(tempfile.mkdtemp())
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    hf_state = None
+    if name == "llama" and not args.skip_hf:
+        hf_state = bench_hf(tmp, cfg, out, args)
+    t0 = time.perf_counter()
+    core = EngineCore(
+        EngineConfig(
+            model=str(tmp),
+            device="cuda",
+            load_format="dummy",
+            dtype="bfloat16",
+            max_model_len=4096,
+            max_num_seqs=256,
+            max_num_batched_tokens=16384,
+            gpu_memory_utilization=0.9,
+        )
+    )
+    torch.cuda.synchronize()
+    out["startup_s"] = time.perf_counter() - t0
+    out["kv_blocks"] = core.num_kv_blocks
+    run = Run(core)
+    bw, peak = ceil["copy_bytes_per_s"], ceil["matmul_flops"]
+    vocab = cfg["vocab_size"]
+    if hf_state is not None:
+        core.runner.model.load_weights(hf_state.items())
+        prompt = random_prompts(1, 256, vocab, 7)[0]
+        ref = out.pop("hf_logits_ref")
+        seen = []
+        model = core.runner.model
+        orig = model.compute_logits
+        model.compute_logits = lambda h: seen.append(orig(h)) or seen[-1]
+        core.add_request(EngineCoreRequest("logits", prompt, SamplingParams(max_tokens=1), [], 1))
+        while core.has_unfinished_requests():
+            core.step()
+        del model.compute_logits
+        got = seen[0][0].float().cpu()
+        out["logits_rel_err_vs_hf"] = ((got - ref).norm() / ref.norm()).item()
+        del hf_state
+        gc.collect()
+
+    # decode batch 1: 128 in, 512 out; median of 3 runs of the median step
+    b1 = []
+    for rep in range(3):
+        res = run(random_prompts(1, 128, vocab, rep), 512 if not args.quick else 64)
+        b1.append(statistics.median(s[0] for s in decode_steps(res)))
+    step = statistics.median(b1)
+    out["decode_b1_ms_per_token"] = step * 1e3
+    out["decode_b1_tok_s"] = 1 / step
+    out["decode_b1_roofline_frac"] = (weight_bytes / bw) / step
+
+    kvpt = kv_bytes_per_token(cfg)
+    out["decode_batches"] = {}
+    for b in (8, 32, 64, 128, 256):
+        res = run(random_prompts(b, 1024, vocab, b), 64 if not args.quick else 16)
+        ds = [s for s in decode_steps(res) if s[2] == b]
+        t = statistics.median(s[0] for s in ds)
+        cpu = statistics.median(s[1] for s in ds)
+        kv_read = b * (1024 + 32) * kvpt
+        out["decode_batches"][b] = {
+            "tok_s": b / t,
+            "step_ms": t * 1e3,
+            "host_cpu_share": cpu / t,
+            "roofline_frac": ((weight_bytes + kv_read) / bw) / t,
+        }
+    out["host_cpu_share_b64"] = out["decode_batches"][64]["host_cpu_share"]
+
+    n_prefill = 64 if not args.quick else 8
+    res = run(random_prompts(n_prefill, 2048, vocab, 11), 1)
+    tps = n_prefill * 2048 / res["wall_s"]
+    out["prefill_tok_s"] = tps
+    out["prefill_matmul_frac"] = tps * 2 * (weight_bytes / 2) / peak
+
+    n_mixed = 256 if not args.quick else 32
+    res = run(random_prompts(n_mixed, 1024, vocab, 13), 256 if not args.quick else 32)
+    out["mixed_output_tok_s"] = res["generated"] / res["wall_s"]
+    out["mixed_wall_s"] = res["wall_s"]
+    if "hf_mixed_output_tok_s" in out:
+        out["mixed_vs_hf"] = out["mixed_output_tok_s"] / out["hf_mixed_output_tok_s"]
+    del core, run
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def bench_hf(path: Path, cfg: dict, out: dict, args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """HF transformers eager on the same shape; returns its weights (on the CPU) for ember."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(path), dtype=torch.bfloat16, attn_implementation="sdpa"
+        ).eval()
+    vocab = cfg["vocab_size"]
+    prompt = random_prompts(1, 256, vocab, 7)[0]
+    with torch.no_grad():
+        out["hf_logits_ref"] = hf(torch.tensor([prompt], device="cuda")).logits[0, -1].float().cpu()
+        ids = torch.tensor(random_prompts(1, 128, vocab, 0), device="cuda")
+        new = 64
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=True,
+            temperature=1.0,
+            pad_token_id=0,
+        )
+        torch.cuda.synchronize()
+        out["hf_decode_b1_tok_s"] = new / (time.perf_counter() - t0)
+        n, chunk = (256, 64) if not args.quick else (32, 32)
+        gen = 256 if not args.quick else 32
+        prompts = random_prompts(n, 1024, vocab, 13)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(0, n, chunk):
+            ids = torch.tensor(prompts[i : i + chunk], device="cuda")
+            hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=gen,
+                min_new_tokens=gen,
+                do_sample=True,
+                temperature=1.0,
+                pad_token_id=0,
+            )
+        torch.cuda.synchronize()
+        out["hf_mixed_output_tok_s"] = n * gen / (time.perf_counter() - t0)
+        out["hf_mixed_batch"] = chunk
+    state = {k: v.detach().cpu() for k, v in hf.state_dict().items()}
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    return state
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shapes", default="llama,qwen3")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="small sizes, to check the script")
+    args = ap.parse_args()
+    gpu = torch.cuda.get_device_name()
+    ceil = ceilings()
+    results = {"gpu": gpu, "torch": torch.__version__, "ceilings": ceil, "shapes": {}}
+    out_dir = Path(os.environ.get("OUT") or "benchmarks/results")
+    tag = gpu.replace(" ", "_").replace("/", "_")
+    for name in args.shapes.split(","):
+        results["shapes"][name] = bench_shape(name, args, ceil)
+        (out_dir / f"engine_gpu-{tag}.json").write_text(json.dumps(results, indent=2, default=str))
+    print(
+        f"GPU: {gpu}; copy {ceil['copy_bytes_per_s'] / 1e9:.0f} GB/s; "
+        f"bf16 matmul {ceil['matmul_flops'] / 1e12:.0f} TFLOP/s"
+    )
+    for name, r in results["shapes"].items():
+        print(f"\n## {name}  (startup {r['startup_s']:.1f} s, {r['kv_blocks']} KV blocks)")
+        print("| metric | value | target |")
+        print("|---|---|---|")
+        print(
+            f"| decode b1 | {r['decode_b1_tok_s']:.1f} tok/s, {r['decode_b1_ms_per_token']:.2f} ms,"
+            f" {r['decode_b1_roofline_frac']:.2f} of roofline | >= 0.85 |"
+        )
+        for b, d in r["decode_batches"].items():
+            print(
+                f"| decode b{b} (1k ctx) | {d['tok_s']:.0f} tok/s, {d['roofline_frac']:.2f} of "
+                f"roofline, host CPU {d['host_cpu_share']:.2f} | b128 >= 0.70 |"
+            )
+        print(
+            f"| prefill 64x2048 | {r['prefill_tok_s']:.0f} tok/s, {r['prefill_matmul_frac']:.2f} "
+            "of matmul peak | >= 0.85 |"
+        )
+        print(
+            f"| mixed 256x(1024,256) | {r['mixed_output_tok_s']:.0f} output tok/s | >= 0.9x vLLM |"
+        )
+        if "hf_mixed_output_tok_s" in r:
+            print(
+                f"| HF eager mixed (batch {r['hf_mixed_batch']}) | {r['hf_mixed_output_tok_s']:.0f} "
+                f"tok/s; ember {r['mixed_vs_hf']:.1f}x | >= 10x |"
+            )
+            print(f"| HF eager decode b1 | {r['hf_decode_b1_tok_s']:.1f} tok/s | |")
+            print(f"| logits rel err vs HF (bf16) | {r['logits_rel_err_vs_hf']:.2e} | < 1e-2 |")
+        print(f"| host CPU share, decode b64 | {r['host_cpu_share_b64']:.2f} | <= 0.20 |")
+        print(f"| startup | {r['startup_s']:.1f} s | <= 20 s |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# On a device machine: install the carried wheels, run every GPU test, then (optionally) the
+# engine benchmark. Usage: bash scripts/gpu_checks.sh [tests|bench|all] [bench args...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+what=${1:-all}; shift || true
+status=0
+if [[ $what == tests || $what == all ]]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests -x 2>&1 | tee "$OUT/gpu_tests.log"
+  status=${PIPESTATUS[0]}
+fi
+if [[ $what == bench || $what == all ]]; then
+  python3 benchmarks/engine_gpu.py "$@" 2>&1 | tee "$OUT/engine_gpu.log"
+  status=$(( status || PIPESTATUS[0] ))
+fi
+exit $status
