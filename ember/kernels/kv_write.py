@@ -62,7 +62,9 @@ def write_kv(
     strided across blocks (a slice of the all-layer cache) but its last dim must be contiguous.
     """
     if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
-        raise ValueError(f"kv_cache must be [num_blocks, 2, block_size, H, D], got {kv_cache.shape}")
+        raise ValueError(
+            f"kv_cache must be [num_blocks, 2, block_size, H, D], got {kv_cache.shape}"
+        )
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != (num_kv_heads, head_dim):
         raise ValueError(

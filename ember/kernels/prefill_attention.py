@@ -78,14 +78,18 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     # Heads vary fastest, so the heads of one KV group run together and share K/V through L2.
+    # Tiles go last to first: under the causal mask a sequence's later tiles see more keys, and
+    # starting the longest work first shortens the tail of the launch.
     pid = tl.program_id(0)
     head = pid % NUM_HEADS
-    tile = pid // NUM_HEADS
+    tile = tl.num_programs(0) // NUM_HEADS - 1 - pid // NUM_HEADS
     seq = _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_M)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     m0 = (tile - (q_start // BLOCK_M + seq)) * BLOCK_M
-    if m0 >= q_len:
+    # m0 < 0: a tile before the first sequence's, when query_start_loc[0] > 0 (decode rows at
+    # the front of q are another kernel's); m0 >= q_len: a sequence's spare tile.
+    if (m0 < 0) | (m0 >= q_len):
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     first_pos = seq_len - q_len  # position of the sequence's first new query
@@ -113,9 +117,13 @@ def _prefill_kernel(
     for n0 in range(0, full_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         block = tl.load(table + pos // PAGE_SIZE).to(tl.int64)
-        ptrs = kv_base + (block * stride_cache_block + (pos % PAGE_SIZE) * stride_cache_tok)[:, None]
+        ptrs = (
+            kv_base + (block * stride_cache_block + (pos % PAGE_SIZE) * stride_cache_tok)[:, None]
+        )
         k = tl.load(ptrs + d[None, :], mask=d_mask[None, :], other=0.0).to(q.dtype)
-        v = tl.load(ptrs + stride_cache_kv + d[None, :], mask=d_mask[None, :], other=0.0).to(q.dtype)
+        v = tl.load(ptrs + stride_cache_kv + d[None, :], mask=d_mask[None, :], other=0.0).to(
+            q.dtype
+        )
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -130,7 +138,9 @@ def _prefill_kernel(
         pos = n0 + tl.arange(0, BLOCK_N)
         n_mask = pos < kv_end
         block = tl.load(table + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        ptrs = kv_base + (block * stride_cache_block + (pos % PAGE_SIZE) * stride_cache_tok)[:, None]
+        ptrs = (
+            kv_base + (block * stride_cache_block + (pos % PAGE_SIZE) * stride_cache_tok)[:, None]
+        )
         mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(ptrs + d[None, :], mask=mask, other=0.0).to(q.dtype)
         v = tl.load(ptrs + stride_cache_kv + d[None, :], mask=mask, other=0.0).to(q.dtype)
@@ -170,9 +180,13 @@ def prefill_attention(
     one layer's view [num_blocks, 2, block_size, Hkv, D] already holding this step's K and V;
     seq_lens: [B] context lengths including the new tokens; block_tables: [B, W]. max_query_len
     (a host-side int) only picks the tile size. Returns out ([T, Hq, D], q's dtype). No host sync.
+    query_start_loc may start above 0 (a mixed batch with its decode rows first): rows outside
+    query_start_loc[0]:query_start_loc[-1] are neither read nor written.
     """
     if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
-        raise ValueError(f"kv_cache must be [num_blocks, 2, block_size, H, D], got {kv_cache.shape}")
+        raise ValueError(
+            f"kv_cache must be [num_blocks, 2, block_size, H, D], got {kv_cache.shape}"
+        )
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     if q.dim() != 3 or q.shape[2] != head_dim:
         raise ValueError(f"q {tuple(q.shape)} must be [T, Hq, {head_dim}]")
@@ -187,7 +201,11 @@ def prefill_attention(
         )
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables {tuple(block_tables.shape)} must be [{num_seqs}, W]")
-    for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_tables", block_tables)):
+    for name, t in (
+        ("query_start_loc", query_start_loc),
+        ("seq_lens", seq_lens),
+        ("block_tables", block_tables),
+    ):
         if t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
     if q.stride(-1) != 1 or kv_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
@@ -200,7 +218,8 @@ def prefill_attention(
         return out
 
     block_m, block_n, num_warps, num_stages = _tile_config(head_dim, max_query_len)
-    num_tiles = num_tokens // block_m + num_seqs  # see _find_seq
+    # Enough for every sequence's tiles when query_start_loc[-1] <= T (see _find_seq).
+    num_tiles = num_tokens // block_m + num_seqs
     _prefill_kernel[(num_tiles * num_heads,)](
         q,
         kv_cache,

@@ -52,13 +52,15 @@ def _rms_norm_kernel(
     # specializes, so the division folds away.
     i0 = rows // n_inner
     i1 = rows % n_inner
-    x = tl.load(x_ptr + (i0 * x_s0 + i1 * x_s1)[:, None] + cols[None, :] * x_sn, mask=mask, other=0.0)
+    x = tl.load(
+        x_ptr + (i0 * x_s0 + i1 * x_s1)[:, None] + cols[None, :] * x_sn, mask=mask, other=0.0
+    )
     if HAS_RESIDUAL:
         r = tl.load(
             res_ptr + (i0 * r_s0 + i1 * r_s1)[:, None] + cols[None, :] * r_sn, mask=mask, other=0.0
         )
         # Rounded to the activation dtype first: the reference normalizes the rounded sum.
-        x = x.to(tl.float32) + r.to(tl.float32)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(sum_ptr + (i0 * s_s0 + i1 * s_s1)[:, None] + cols[None, :] * s_sn, x, mask=mask)
     xf = x.to(tl.float32)
     # Masked lanes hold 0, so they add nothing to the sum of squares.

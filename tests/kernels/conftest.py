@@ -82,7 +82,9 @@ def _make_paged_batch(
         pos = torch.arange(total)
         # Mixed advanced indices around a slice put the token dim first: [total, 2, Hkv, D].
         cache[torch.tensor(table)[pos // block_size], :, pos % block_size] = kv.transpose(0, 1)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(cached, total)]
+        slots += [
+            table[p // block_size] * block_size + p % block_size for p in range(cached, total)
+        ]
         tables.append(table)
         qs.append(torch.randn(new, num_heads, head_dim, generator=g).to(dtype))
         query_start_loc.append(query_start_loc[-1] + new)

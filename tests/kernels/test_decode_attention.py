@@ -44,29 +44,46 @@ def _check(
     assert_rel_close(out, attention_reference(batch, scale), tol)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize(
     "heads,block_size",
-    [((2, 2, 16), 16), ((8, 2, 64), 16), ((8, 1, 32), 8), ((4, 4, 128), 32)],
+    # Few heads: the interpreter pays per program, and the kernel is the same for any count.
+    [((2, 2, 16), 16), ((4, 1, 64), 16), ((8, 1, 32), 8), ((1, 1, 128), 32)],
     ids=["gqa1-d16", "gqa4-d64", "gqa8-d32-bs8", "gqa1-d128-bs32"],
 )
 @pytest.mark.parametrize(
     "seq_lens,num_splits",
     [
         # Many sequences, short and long: the short ones leave most of their splits empty.
-        ([1, 17, 40, 300, 651], 4),
+        ([1, 40, 300, 651], 4),
         ([1000], None),  # one sequence, splits from the heuristic
         ([5, 130, 77], 1),  # one split: stage 1 writes the output directly
     ],
     ids=["many-split4", "one-auto", "few-split1"],
 )
 def test_decode_matches_reference(
-    make_paged_batch, attention_reference, assert_rel_close, seed, heads, block_size, seq_lens,
-    num_splits, device,
+    make_paged_batch,
+    attention_reference,
+    assert_rel_close,
+    seed,
+    heads,
+    block_size,
+    seq_lens,
+    num_splits,
+    device,
 ) -> None:
     _check(
-        make_paged_batch, attention_reference, assert_rel_close, seq_lens, heads, block_size,
-        torch.float32, device, seed, num_splits, 1e-5,
+        make_paged_batch,
+        attention_reference,
+        assert_rel_close,
+        seq_lens,
+        heads,
+        block_size,
+        torch.float32,
+        device,
+        seed,
+        num_splits,
+        1e-5,
     )
 
 
@@ -74,10 +91,19 @@ def test_decode_matches_reference(
 def test_decode_more_splits_than_tiles(
     make_paged_batch, attention_reference, assert_rel_close, seed, device
 ) -> None:
-    # 16 splits over at most 3 tiles of keys: most splits of every sequence are empty.
+    # 8 splits over at most 3 tiles of keys: most splits of every sequence are empty.
     _check(
-        make_paged_batch, attention_reference, assert_rel_close, [2, 64, 65, 190], (8, 2, 16), 16,
-        torch.float32, device, seed, 16, 1e-5,
+        make_paged_batch,
+        attention_reference,
+        assert_rel_close,
+        [2, 65, 190],
+        (4, 2, 16),
+        16,
+        torch.float32,
+        device,
+        seed,
+        8,
+        1e-5,
     )
 
 
@@ -125,8 +151,17 @@ def test_decode_half_precision(
     make_paged_batch, attention_reference, assert_rel_close, seed, dtype, heads
 ) -> None:
     _check(
-        make_paged_batch, attention_reference, assert_rel_close, [1, 33, 700, 1500, 2049], heads,
-        16, dtype, "cuda", seed, None, 1e-2,
+        make_paged_batch,
+        attention_reference,
+        assert_rel_close,
+        [1, 33, 700, 1500, 2049],
+        heads,
+        16,
+        dtype,
+        "cuda",
+        seed,
+        None,
+        1e-2,
     )
 
 
@@ -139,6 +174,15 @@ def test_decode_llama3_8b(
     g = torch.Generator().manual_seed(batch_size)
     seq_lens = torch.randint(1, 4097, (batch_size,), generator=g).tolist()
     _check(
-        make_paged_batch, attention_reference, assert_rel_close, seq_lens, (32, 8, 128), 16,
-        torch.bfloat16, "cuda", batch_size, None, 1e-2,
+        make_paged_batch,
+        attention_reference,
+        assert_rel_close,
+        seq_lens,
+        (32, 8, 128),
+        16,
+        torch.bfloat16,
+        "cuda",
+        batch_size,
+        None,
+        1e-2,
     )

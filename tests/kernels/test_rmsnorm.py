@@ -15,6 +15,14 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 # Fresh inputs every run (fixed under CI, as the hypothesis profile is); failures print the seed.
 BASE_SEED = 0 if os.environ.get("CI") else random.randrange(2**31)
+
+
+@pytest.fixture(autouse=True)
+def reference_in_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layers dispatch to these kernels on CUDA; the references must stay plain PyTorch."""
+    monkeypatch.setenv("EMBER_DISABLE_TRITON", "1")
+
+
 EPS = 1e-6
 
 
@@ -82,7 +90,9 @@ def test_matches_reference(
     dtype: torch.dtype, shape: tuple[int, ...], mode: str, case: int, device: str
 ) -> None:
     # fp16 rounds correctly in the interpreter too, so the rounding points are checked on CPU.
-    run_case(shape, dtype, mode, device, BASE_SEED + case, min_equal=0.99 if dtype.itemsize == 2 else 0)
+    run_case(
+        shape, dtype, mode, device, BASE_SEED + case, min_equal=0.99 if dtype.itemsize == 2 else 0
+    )
 
 
 def test_head_norm_in_place_on_strided_view(device: str) -> None:

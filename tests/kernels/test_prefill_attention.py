@@ -1,0 +1,187 @@
+"""Varlen paged prefill attention against paged_attention_ref, on fresh random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember.kernels.prefill_attention import prefill_attention
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _check(
+    make_paged_batch,
+    attention_reference,
+    assert_rel_close,
+    shapes: list[tuple[int, int]],
+    heads: tuple[int, int, int],
+    block_size: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int,
+    tol: float,
+) -> None:
+    batch = make_paged_batch(shapes, *heads, block_size, dtype, device, seed)
+    md = batch.metadata
+    scale = heads[2] ** -0.5
+    out = torch.full_like(batch.q, float("nan"))
+    got = prefill_attention(
+        batch.q,
+        batch.kv_cache,
+        md.query_start_loc,
+        md.seq_lens,
+        md.block_tables,
+        scale,
+        md.max_query_len,
+        out=out,
+    )
+    assert got is out
+    assert_rel_close(out, attention_reference(batch, scale), tol)
+
+
+def _random_shapes(n: int, max_cached: int, max_new: int, seed: int) -> list[tuple[int, int]]:
+    g = torch.Generator().manual_seed(seed)
+    cached = torch.randint(0, max_cached + 1, (n,), generator=g).tolist()
+    new = torch.randint(1, max_new + 1, (n,), generator=g).tolist()
+    return list(zip(cached, new, strict=True))
+
+
+# (cached prefix, new tokens) per sequence.
+SHAPES = {
+    # No prefix, a partial block, exactly one block, several blocks; q_len-1 rows mixed in.
+    # 62 cached puts the first query one key short of a full 64-key tile: the edge of the run
+    # of keys that every row of the tile sees.
+    "mixed": [(0, 37), (5, 1), (16, 20), (62, 9), (3, 1)],
+    # Two query tiles, each with a run of keys that needs no causal mask.
+    "one-long": [(63, 150)],
+    "decode-rows": [(33, 1), (0, 1), (70, 1)],
+}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize(
+    "heads,block_size",
+    # Few heads: the interpreter pays per program, and the kernel is the same for any count.
+    [((2, 2, 16), 16), ((4, 1, 64), 16), ((8, 1, 32), 8), ((1, 1, 128), 32)],
+    ids=["gqa1-d16", "gqa4-d64", "gqa8-d32-bs8", "gqa1-d128-bs32"],
+)
+@pytest.mark.parametrize("case", list(SHAPES))
+def test_prefill_matches_reference(
+    make_paged_batch, attention_reference, assert_rel_close, seed, heads, block_size, case, device
+) -> None:
+    _check(
+        make_paged_batch,
+        attention_reference,
+        assert_rel_close,
+        SHAPES[case],
+        heads,
+        block_size,
+        torch.float32,
+        device,
+        seed,
+        1e-5,
+    )
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_prefill_many_sequences(
+    make_paged_batch, attention_reference, assert_rel_close, seed, device
+) -> None:
+    shapes = _random_shapes(12, 80, 20, seed)
+    _check(
+        make_paged_batch,
+        attention_reference,
+        assert_rel_close,
+        shapes,
+        (2, 1, 16),
+        16,
+        torch.float32,
+        device,
+        seed,
+        1e-5,
+    )
+
+
+@pytest.mark.parametrize("seed", [5, 6])
+def test_prefill_after_decode_rows(
+    make_paged_batch, attention_reference, assert_rel_close, seed, device
+) -> None:
+    # A mixed batch with its decode rows first: the prefill kernel gets the tail of the metadata,
+    # whose query offsets start above 0, and must leave the decode rows' output alone. More
+    # decode rows than a 16-row tile, so whole tiles of the grid fall before the first sequence.
+    nd = 20
+    shapes = [(3 * i, 1) for i in range(nd)] + [(0, 13), (62, 9)]
+    batch = make_paged_batch(shapes, 4, 2, 16, 16, torch.float32, device, seed)
+    md, scale = batch.metadata, 0.25
+    out = torch.full_like(batch.q, float("nan"))
+    # Not NaN, which a stray write of 0/0 would leave looking untouched.
+    out[:nd] = decode_out = torch.randn(out[:nd].shape, device=device)
+    prefill_attention(
+        batch.q,
+        batch.kv_cache,
+        md.query_start_loc[nd:],
+        md.seq_lens[nd:],
+        md.block_tables[nd:],
+        scale,
+        max_query_len=13,
+        out=out,
+    )
+    assert torch.equal(out[:nd], decode_out)
+    assert_rel_close(out[nd:], attention_reference(batch, scale)[nd:], 1e-5)
+
+
+def test_prefill_rejects_bad_metadata(device: str) -> None:
+    cache = torch.zeros(4, 2, 16, 1, 16, device=device)
+    q = torch.zeros(3, 2, 16, device=device)
+    lens = torch.tensor([3], dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, 3], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        prefill_attention(q, cache, qsl[:1], lens, lens[:, None], 1.0, 3)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        prefill_attention(q, cache, qsl.float(), lens, lens[:, None], 1.0, 3)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "heads", [(8, 8, 64), (32, 8, 128), (32, 4, 128)], ids=["gqa1", "gqa4", "gqa8"]
+)
+@pytest.mark.parametrize("case", list(SHAPES))
+def test_prefill_half_precision(
+    make_paged_batch, attention_reference, assert_rel_close, seed, dtype, heads, case
+) -> None:
+    _check(
+        make_paged_batch,
+        attention_reference,
+        assert_rel_close,
+        SHAPES[case],
+        heads,
+        16,
+        dtype,
+        "cuda",
+        seed,
+        1e-2,
+    )
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("seed", [0, 1])
+def test_prefill_llama3_8b(make_paged_batch, attention_reference, assert_rel_close, seed) -> None:
+    # Chunked prefill next to decode rows: prefixes up to 3k, chunks up to 1k, q_len-1 rows.
+    shapes = _random_shapes(6, 3072, 1024, seed) + [(4000, 1), (0, 1), (17, 1)]
+    _check(
+        make_paged_batch,
+        attention_reference,
+        assert_rel_close,
+        shapes,
+        (32, 8, 128),
+        16,
+        torch.bfloat16,
+        "cuda",
+        seed,
+        1e-2,
+    )
