@@ -49,6 +49,8 @@ class EngineCore:
         self.device = torch.device(config.device)
         torch.manual_seed(config.seed)
         on_gpu = self.device.type == "cuda"
+        if on_gpu and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if on_gpu:
             torch.cuda.set_device(self.device)
             free0, total = torch.cuda.mem_get_info(self.device)
@@ -119,7 +121,9 @@ class EngineCore:
             )
         log.info(
             "memory: weights %.2f GiB, activation peak %.2f GiB, KV cache %.2f GiB",
-            weights / 2**30, peak / 2**30, num_blocks * r.kv_block_bytes / 2**30,
+            weights / 2**30,
+            peak / 2**30,
+            num_blocks * r.kv_block_bytes / 2**30,
         )
         return int(num_blocks)
 

@@ -5,6 +5,7 @@ graphs that replay decode steps without per-kernel launch cost."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -79,6 +80,8 @@ class ModelRunner:
             self.allocate_kv_cache(num_blocks)
         self.sampler = Sampler()
         self.graphs: dict[int, _Graph] = {}
+        self.sync_wait_s = 0.0
+        """Wall time spent blocked on the GPU (the host's idle share of each step)."""
         self._pin = device.type == "cuda"
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -180,7 +183,9 @@ class ModelRunner:
             device=self.device,
         )
         out = self.sampler(logits, batch)
+        t0 = time.perf_counter()
         tokens = out.sampled.tolist()  # the step's one host sync
+        self.sync_wait_s += time.perf_counter() - t0
         lp = out.logprobs.tolist() if out.logprobs is not None else None
         lp_ids = out.logprob_token_ids.tolist() if out.logprob_token_ids is not None else None
         ranks = out.sampled_ranks.tolist() if out.sampled_ranks is not None else None
@@ -261,7 +266,9 @@ class ModelRunner:
         pad = size - n
         # Padding rows write nowhere (slot -1) and attend to one harmless slot.
         self._g_ids[:size].copy_(self._tensor(ids + [0] * pad, torch.int64), non_blocking=True)
-        self._g_pos[:size].copy_(self._tensor(positions + [0] * pad, torch.int64), non_blocking=True)
+        self._g_pos[:size].copy_(
+            self._tensor(positions + [0] * pad, torch.int64), non_blocking=True
+        )
         self._g_slots[:size].copy_(self._tensor(slots + [-1] * pad, torch.int64), non_blocking=True)
         self._g_lens[:size].copy_(self._tensor(lens + [1] * pad, torch.int32), non_blocking=True)
         table = [so.block_ids[i] + [0] * (width - len(so.block_ids[i])) for i in order]
@@ -290,8 +297,11 @@ class ModelRunner:
         qsl = [0]
         for n in per_seq:
             qsl.append(qsl[-1] + n)
-        slots = [t[p // self.block_size] * self.block_size + p % self.block_size
-                 for t, n in zip(tables, per_seq, strict=True) for p in range(n)]
+        slots = [
+            t[p // self.block_size] * self.block_size + p % self.block_size
+            for t, n in zip(tables, per_seq, strict=True)
+            for p in range(n)
+        ]
         width = max(blocks_per_seq)
         md = AttentionMetadata(
             query_start_loc=self._tensor(qsl, torch.int32),

@@ -20,12 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
-# A split shorter than this spends more on its prologue and partials than it saves in parallelism.
+# A split shorter than this spends more on its prologue and partials than it saves in parallelism:
+# at 256 tokens its partials (Hq/Hkv * (D + 1) fp32, written and read) are ~3% of its K/V bytes.
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
-# Keys per tile: a 64 x 128 bf16 K tile is 16 KB; with V and 2 pipeline stages, 64 KB of loads in
-# flight per program, well above the ~18 KB per SM that hides HBM latency at full bandwidth.
-_BLOCK_N = 64
+# Stage-1 programs wanted per SM: about three fit at once (~70 KB of shared memory each, see
+# _block_n), and one more evens out a batch of uneven contexts, where one split's work is
+# proportional to its sequence's length.
+PROGRAMS_PER_SM = 4
 _LOG2E = 1.4426950408889634
 
 
@@ -37,16 +39,23 @@ def _num_sms(device_index: int) -> int:
 def choose_num_splits(
     batch_size: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132
 ) -> int:
-    """Splits per sequence so that stage 1 has about two programs per SM.
+    """Splits per sequence so that stage 1 has about PROGRAMS_PER_SM programs per SM.
 
     Never more than one split per MIN_TOKENS_PER_SPLIT tokens of the longest context: past that,
     each split's fixed cost (q load, partials written and merged) outweighs the extra parallelism.
     """
     if batch_size <= 0 or num_kv_heads <= 0:
         raise ValueError(f"batch_size {batch_size} and num_kv_heads {num_kv_heads} must be > 0")
-    want = triton.cdiv(2 * num_sms, batch_size * num_kv_heads)
+    want = triton.cdiv(PROGRAMS_PER_SM * num_sms, batch_size * num_kv_heads)
     by_len = triton.cdiv(max(max_seq_len, 1), MIN_TOKENS_PER_SPLIT)
     return max(1, min(want, by_len, MAX_SPLITS))
+
+
+def _block_n(head_dim: int) -> int:
+    # Keys per tile: a 64 x 128 bf16 K tile is 16 KB; with V and 2 pipeline stages, 64 KB of
+    # loads in flight per program, well above the ~20 KB per SM that hides HBM latency at full
+    # bandwidth. Wider heads take fewer keys to keep three programs per SM.
+    return 64 if head_dim <= 128 else 32
 
 
 @triton.jit
@@ -253,7 +262,7 @@ def decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_G=block_g,
         BLOCK_D=block_d,
-        BLOCK_N=_BLOCK_N,
+        BLOCK_N=_block_n(head_dim),
         PAGE_SIZE=block_size,
         WRITE_LSE=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

@@ -131,6 +131,25 @@ def test_prefill_after_decode_rows(
     assert_rel_close(out[nd:], attention_reference(batch, scale)[nd:], 1e-5)
 
 
+@pytest.mark.parametrize("seed", [7, 8])
+def test_prefill_fp16(
+    make_paged_batch, attention_reference, assert_rel_close, seed, device
+) -> None:
+    # fp16 runs in the interpreter too (its bf16 tl.dot is wrong in triton 3.6: GPU tests only).
+    _check(
+        make_paged_batch,
+        attention_reference,
+        assert_rel_close,
+        SHAPES["mixed"],
+        (4, 2, 64),
+        16,
+        torch.float16,
+        device,
+        seed,
+        1e-2,
+    )
+
+
 def test_prefill_rejects_bad_metadata(device: str) -> None:
     cache = torch.zeros(4, 2, 16, 1, 16, device=device)
     q = torch.zeros(3, 2, 16, device=device)
