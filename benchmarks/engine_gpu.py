@@ -151,7 +151,6 @@ class Run:
         generated = 0
         while self.core.has_unfinished_requests():
             s0 = time.perf_counter()
-            w0 = self.core.runner.sync_wait_s
             so_decode = (
                 all(
                     r.num_computed_tokens >= r.num_prompt_tokens
@@ -161,7 +160,8 @@ class Run:
             )
             outs = self.core.step()
             wall_s = time.perf_counter() - s0
-            host_s = wall_s - (self.core.runner.sync_wait_s - w0)
+            # Host share: the part of the step the GPU's forward pass does not cover.
+            host_s = wall_s - self.core.runner.last_forward_ms / 1e3
             steps.append((wall_s, host_s, len(outs), so_decode))
             generated += len(outs)
         wall = time.perf_counter() - t0
@@ -197,6 +197,7 @@ def bench_shape(name: str, args: argparse.Namespace, ceil: dict[str, float]) -> 
     torch.cuda.synchronize()
     out["startup_s"] = time.perf_counter() - t0
     out["kv_blocks"] = core.num_kv_blocks
+    core.runner.gpu_timing = True
     run = Run(core)
     bw, peak = ceil["copy_bytes_per_s"], ceil["matmul_flops"]
     vocab = cfg["vocab_size"]
@@ -225,6 +226,8 @@ def bench_shape(name: str, args: argparse.Namespace, ceil: dict[str, float]) -> 
         b1_host.append(statistics.median(s[1] / s[0] for s in decode_steps(res)))
     out["decode_b1_host_share"] = statistics.median(b1_host)
     step = statistics.median(b1)
+    gpu_step = step * (1 - out["decode_b1_host_share"])
+    out["decode_b1_gpu_forward_roofline_frac"] = (weight_bytes / bw) / gpu_step
     out["decode_b1_ms_per_token"] = step * 1e3
     out["decode_b1_tok_s"] = 1 / step
     out["decode_b1_roofline_frac"] = (weight_bytes / bw) / step

@@ -82,6 +82,14 @@ class ModelRunner:
         self.graphs: dict[int, _Graph] = {}
         self.sync_wait_s = 0.0
         """Wall time spent blocked on the GPU (the host's idle share of each step)."""
+        self.gpu_timing = False
+        """Benchmarks: time each step's forward pass on the GPU with events (last_forward_ms)."""
+        self.last_forward_ms = 0.0
+        self._events = (
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            if device.type == "cuda"
+            else ()
+        )
         self._pin = device.type == "cuda"
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -148,8 +156,12 @@ class ModelRunner:
         logprobs: list[list[tuple[int, float, int]] | None] = [None] * n
         all_decode = all(k == 1 for k in so.num_scheduled_tokens)
         graph_bs = self._graph_size(n) if all_decode else None
+        if self.gpu_timing:
+            self._events[0].record()
         if graph_bs is not None:
-            logits = self._replay(so, order, graph_bs)[rows]
+            logits = self._replay(so, order, graph_bs)
+            # A slice when every row samples; never index with a host list (a hidden sync).
+            logits = logits[:n] if len(rows) == n else logits[self._tensor(rows, torch.int64)]
         else:
             ids, positions, md = self.prepare(so, order)
             hidden = self.model(ids, positions, ForwardContext(md, self.kv_cache, self.backend))
@@ -157,6 +169,8 @@ class ModelRunner:
                 return ModelRunnerOutput(sampled, logprobs)
             last = self._tensor([md.query_start_loc_cpu[j + 1] - 1 for j in rows], torch.int64)
             logits = self.model.compute_logits(hidden[last])
+        if self.gpu_timing:
+            self._events[1].record()
         if not rows:
             return ModelRunnerOutput(sampled, logprobs)
         reqs = [so.requests[order[j]] for j in rows]
@@ -186,6 +200,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         tokens = out.sampled.tolist()  # the step's one host sync
         self.sync_wait_s += time.perf_counter() - t0
+        if self.gpu_timing:
+            self.last_forward_ms = self._events[0].elapsed_time(self._events[1])
         lp = out.logprobs.tolist() if out.logprobs is not None else None
         lp_ids = out.logprob_token_ids.tolist() if out.logprob_token_ids is not None else None
         ranks = out.sampled_ranks.tolist() if out.sampled_ranks is not None else None

@@ -14,7 +14,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if use_triton(x):
         from ember.kernels.activation import silu_and_mul as fused
 
-        return fused(x)
+        if x.dim() == 2:
+            return fused(x)
+        return fused(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], x.shape[-1] // 2)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
