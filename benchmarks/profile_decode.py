@@ -74,8 +74,10 @@ def main() -> None:
         launches = table.pop("(kernel launches per step)")
         total = sum(table.values())
         result["tables"][f"b{batch}"] = {"total_ms": total, "launches": launches, "kernels": table}
-        print(f"\n## decode batch {batch}, context {context}: {total:.3f} ms of kernels, "
-              f"{launches:.0f} launches per step")
+        print(
+            f"\n## decode batch {batch}, context {context}: {total:.3f} ms of kernels, "
+            f"{launches:.0f} launches per step"
+        )
         print("| kernel | ms/step | share |")
         print("|---|---|---|")
         for name, ms in list(table.items())[:14]:

@@ -1,0 +1,123 @@
+"""The attention kernels alone, against their floors and a baseline, on the Llama-3-8B attention
+shape (32 query heads, 8 KV heads, head_dim 128, bf16, block size 16):
+
+- prefill: 8 sequences x 2048 tokens, causal, TFLOP/s of ember's kernel (each tile config tried)
+  against torch's scaled_dot_product_attention (flash) on the same, unpaged, tensors;
+- decode: batch 1 x 512, 1 x 4096, 64 x 1024 and 128 x 1024 contexts: GB/s of K/V read.
+
+Prints tables and writes JSON to $OUT (or benchmarks/results/), named with the GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import ember.kernels.prefill_attention as pa  # noqa: E402
+from ember.kernels.decode_attention import decode_attention  # noqa: E402
+from ember.kernels.prefill_attention import prefill_attention  # noqa: E402
+
+HQ, HKV, D, BS = 32, 8, 128, 16
+
+
+def bench(fn, iters: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts) / 1e3
+
+
+def paged(seq_lens: list[int]):
+    blocks = [-(-n // BS) for n in seq_lens]
+    total = sum(blocks)
+    cache = torch.randn(total, 2, BS, HKV, D, dtype=torch.bfloat16, device="cuda")
+    perm = torch.randperm(total, device="cuda").to(torch.int32)
+    width = max(blocks)
+    table = torch.zeros(len(seq_lens), width, dtype=torch.int32, device="cuda")
+    start = 0
+    for i, nb in enumerate(blocks):
+        table[i, :nb] = perm[start : start + nb]
+        start += nb
+    return cache, table
+
+
+def prefill_rows(out: dict) -> None:
+    n, L = 8, 2048
+    cache, table = paged([L] * n)
+    q = torch.randn(n * L, HQ, D, dtype=torch.bfloat16, device="cuda")
+    qsl = torch.arange(0, (n + 1) * L, L, dtype=torch.int32, device="cuda")
+    lens = torch.full((n,), L, dtype=torch.int32, device="cuda")
+    flops = n * 4 * (L * L / 2) * HQ * D
+    base = pa._tile_config
+    rows = {}
+    for bn, warps, stages in ((64, 8, 3), (128, 8, 2), (64, 4, 3), (128, 8, 3), (64, 8, 2)):
+        pa._tile_config = lambda h, m, bn=bn, w=warps, s=stages: (128, bn, w, s)
+        try:
+            t = bench(lambda: prefill_attention(q, cache, qsl, lens, table, D**-0.5, L))
+            rows[f"BLOCK_N={bn} warps={warps} stages={stages}"] = flops / t / 1e12
+        except Exception as e:  # a config that does not fit shared memory
+            rows[f"BLOCK_N={bn} warps={warps} stages={stages}"] = f"failed: {type(e).__name__}"
+    pa._tile_config = base
+    qd = torch.randn(n, HQ, L, D, dtype=torch.bfloat16, device="cuda")
+    kd = torch.randn(n, HKV, L, D, dtype=torch.bfloat16, device="cuda")
+    vd = torch.randn(n, HKV, L, D, dtype=torch.bfloat16, device="cuda")
+    t = bench(lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True))
+    rows["torch sdpa (unpaged, causal)"] = flops / t / 1e12
+    out["prefill_tflops"] = rows
+    print("\n| prefill 8 x 2048 causal | TFLOP/s |\n|---|---|")
+    for k, v in rows.items():
+        print(f"| {k} | {v if isinstance(v, str) else f'{v:.0f}'} |")
+
+
+def decode_rows(out: dict, bw: float) -> None:
+    rows = {}
+    print("\n| decode | us | K/V GB/s | of copy bandwidth |\n|---|---|---|---|")
+    for b, ctx in ((1, 512), (1, 4096), (64, 1024), (128, 1024)):
+        cache, table = paged([ctx] * b)
+        q = torch.randn(b, HQ, D, dtype=torch.bfloat16, device="cuda")
+        lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+        t = bench(
+            lambda q=q, c=cache, n=lens, tb=table: decode_attention(
+                q, c, n, tb, D**-0.5, max_seq_len=4096
+            )
+        )
+        nbytes = b * ctx * HKV * D * 2 * 2
+        rows[f"b{b} x {ctx}"] = {"us": t * 1e6, "gb_s": nbytes / t / 1e9}
+        print(f"| b{b} x {ctx} | {t * 1e6:.1f} | {nbytes / t / 1e9:.0f} | {nbytes / t / bw:.2f} |")
+    out["decode"] = rows
+
+
+def copy_bandwidth() -> float:
+    x = torch.randn(1 << 29, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    return 2 * x.numel() * 2 / bench(lambda: y.copy_(x))
+
+
+def main() -> None:
+    gpu = torch.cuda.get_device_name()
+    bw = copy_bandwidth()
+    out: dict = {"gpu": gpu, "copy_bytes_per_s": bw}
+    print(f"GPU: {gpu}; copy {bw / 1e9:.0f} GB/s")
+    prefill_rows(out)
+    decode_rows(out, bw)
+    dest = Path(os.environ.get("OUT") or "benchmarks/results")
+    (dest / f"attention_kernels-{gpu.replace(' ', '_')}.json").write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
