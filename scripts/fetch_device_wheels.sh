@@ -5,11 +5,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl
-for pkg in msgspec==0.22.0 llguidance==1.9.1 pytest==9.2.0 pluggy iniconfig pygments packaging \
+for pkg in msgspec==0.22.0 llguidance==1.9.1 pyzmq==27.3.0 pytest==9.2.0 pluggy iniconfig pygments packaging \
            hypothesis==6.170.17 sortedcontainers attrs; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    --platform manylinux_2_31_x86_64 --platform any -d .whl "$pkg"
+    --platform manylinux_2_31_x86_64 --platform manylinux_2_26_x86_64 --platform any -d .whl "$pkg"
 done
 ls .whl
