@@ -51,7 +51,9 @@ def test_regex_and_lark(llm: LLM) -> None:
 
 def test_batch_mixes_constrained_and_free_rows(llm: LLM) -> None:
     free = SamplingParams(max_tokens=10, seed=1, ignore_eos=True)
-    json_row = SamplingParams(max_tokens=120, seed=2, structured_outputs=SO(json=json.dumps(SCHEMA)))
+    json_row = SamplingParams(
+        max_tokens=120, seed=2, structured_outputs=SO(json=json.dumps(SCHEMA))
+    )
     alone = llm.generate("hi", free)[0].outputs[0].token_ids
     outs = llm.generate(["hi", "hi"], [free, json_row])
     assert outs[0].outputs[0].token_ids == alone  # the mask touched only its own row
@@ -83,7 +85,9 @@ def test_mask_matches_llguidance_logit_bias(tiny_model_dir) -> None:
     logits = torch.randn(2, compiler.vocab_size)
     masked = logits.clone()
     apply_grammar_masks(masked, [m, None])
-    bias = torch.frombuffer(bytearray(m.compute_logit_bias()), dtype=torch.uint8)[: compiler.vocab_size]
+    bias = torch.frombuffer(bytearray(m.compute_logit_bias()), dtype=torch.uint8)[
+        : compiler.vocab_size
+    ]
     allowed = bias > 0
     assert allowed.any() and not allowed.all()
     assert torch.equal(torch.isfinite(masked[0]), allowed)
