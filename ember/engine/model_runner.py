@@ -230,11 +230,17 @@ class ModelRunner:
             return
         max_blocks = -(-max_model_len // self.block_size)
         dev = self.device
-        self._g_ids = torch.zeros(max_batch, dtype=torch.int64, device=dev)
-        self._g_pos = torch.zeros(max_batch, dtype=torch.int64, device=dev)
-        self._g_slots = torch.full((max_batch,), -1, dtype=torch.int64, device=dev)
-        self._g_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
+        # One static buffer for the per-row inputs (ids, positions, slots, context lengths) and
+        # one for the block tables, each filled from a pinned twin by a single copy per step.
+        self._g_rows = torch.zeros(4, max_batch, dtype=torch.int64, device=dev)
+        self._g_rows[2].fill_(-1)
+        self._g_rows[3].fill_(1)
+        self._g_ids, self._g_pos, self._g_slots, self._g_lens = self._g_rows.unbind(0)
         self._g_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=dev)
+        self._h_rows = torch.zeros(4, max_batch, dtype=torch.int64, pin_memory=True)
+        self._h_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=True)
+        self._staged = torch.cuda.Event()
+        self._staged.record()
         self._g_qsl = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self._g_max_len = max_model_len
         self._graph_sizes = cuda_graph_sizes(max_batch)
@@ -267,29 +273,30 @@ class ModelRunner:
         )
 
     def _replay(self, so: SchedulerOutput, order: list[int], size: int) -> torch.Tensor:
-        n = len(order)
-        ids, positions, slots, lens = [], [], [], []
-        width = 0
+        # The pinned staging buffers are reused every step: wait until their last copy is done
+        # (normally already true: a step ends by syncing on its sampled tokens).
+        self._staged.synchronize()
+        rows = self._h_rows.numpy()
+        tables = self._h_tables.numpy()
         bs = self.block_size
-        for i in order:
+        for j, i in enumerate(order):
             req, blocks = so.requests[i], so.block_ids[i]
             p = req.num_computed_tokens
-            ids.append(req.all_token_ids[p])
-            positions.append(p)
-            slots.append(blocks[p // bs] * bs + p % bs)
-            lens.append(p + 1)
-            width = max(width, len(blocks))
-        pad = size - n
+            rows[0, j] = req.all_token_ids[p]
+            rows[1, j] = p
+            rows[2, j] = blocks[p // bs] * bs + p % bs
+            rows[3, j] = p + 1
+            tables[j, : len(blocks)] = blocks
+        n = len(order)
         # Padding rows write nowhere (slot -1) and attend to one harmless slot.
-        self._g_ids[:size].copy_(self._tensor(ids + [0] * pad, torch.int64), non_blocking=True)
-        self._g_pos[:size].copy_(
-            self._tensor(positions + [0] * pad, torch.int64), non_blocking=True
-        )
-        self._g_slots[:size].copy_(self._tensor(slots + [-1] * pad, torch.int64), non_blocking=True)
-        self._g_lens[:size].copy_(self._tensor(lens + [1] * pad, torch.int32), non_blocking=True)
-        table = [so.block_ids[i] + [0] * (width - len(so.block_ids[i])) for i in order]
-        table += [[0] * width] * pad
-        self._g_tables[:size, :width].copy_(self._tensor(table, torch.int32), non_blocking=True)
+        rows[0, n:size] = 0
+        rows[1, n:size] = 0
+        rows[2, n:size] = -1
+        rows[3, n:size] = 1
+        tables[n:size, 0] = 0
+        self._g_rows.copy_(self._h_rows, non_blocking=True)
+        self._g_tables[:size].copy_(self._h_tables[:size], non_blocking=True)
+        self._staged.record()
         g = self.graphs[size]
         g.graph.replay()
         return g.logits
