@@ -38,11 +38,6 @@ def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[
     return (num_blocks, cfg.num_hidden_layers, 2, block_size, cfg.num_key_value_heads, cfg.head_dim)
 
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim
-    return per_token * block_size * torch.tensor([], dtype=dtype).element_size()
-
-
 def cuda_graph_sizes(max_batch: int) -> list[int]:
     """Batch sizes to capture: 1, 2, 4, then every 8 (a decode batch pads up to the next one)."""
     sizes = [s for s in (1, 2, 4) if s <= max_batch]
