@@ -37,14 +37,17 @@ class InputProcessor:
             raise ValueError("a prompt must be a string or a list of integer token ids")
         return None, list(prompt)
 
+    def check_token_ids(self, ids: list[int]) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+
     def validate(self, ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
         if not ids:
             raise ValueError("prompt is empty: it must contain at least one token")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        self.check_token_ids(ids)
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt is {len(ids)} tokens long; max_model_len is {self.max_model_len}, "

@@ -36,17 +36,16 @@ class CompletionHandler:
         model = ctx.check_model(req.model)
         ctx.check_capacity()
         tok = ctx.engine.tokenizer
-        vocab = ctx.engine.model_config.vocab_size
         prompts: list[tuple[str, list[int]]] = []
         for p in req.prompts():
             if isinstance(p, str):
                 prompts.append((p, tok.encode(p)))
                 continue
-            bad = [t for t in p if not 0 <= t < vocab]
-            if bad:
-                raise APIError(
-                    f"prompt token ids out of range [0, {vocab}): {bad[:5]}", param="prompt"
-                )
+            # Checked before decoding for echo, which cannot take ids outside the vocabulary.
+            try:
+                ctx.engine.inputs.check_token_ids(p)
+            except ValueError as e:
+                raise APIError(str(e), param="prompt") from e
             prompts.append((tok.decode(p, skip_special_tokens=False) if req.echo else "", p))
         rid = new_id("cmpl")
         streams: list[RequestStream] = []
