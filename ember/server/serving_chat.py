@@ -67,11 +67,10 @@ class ChatHandler:
         ids = tok.encode(text, add_special_tokens=False)
         max_tokens = ctx.resolve_max_tokens(len(ids), req.requested_max_tokens)
         use_tools = bool(req.tools) and req.tool_choice != "none" and self.parser_cls is not None
-        skip_special = None
-        if use_tools and self.parser_cls is not None:
-            skip_special = self.parser_cls(tools).adjust_skip_special_tokens()
+        parser = self.parser_cls(tools) if use_tools and self.parser_cls is not None else None
+        skip_special = parser.adjust_skip_special_tokens() if parser is not None else None
         try:
-            structured = self._structured(req, tools)
+            structured = self._structured(req, parser)
             params = req.sampling_params(max_tokens, req.num_logprobs, skip_special, structured)
             if params.structured_outputs is not None:
                 self.ctx.engine.grammar.validate(params.structured_outputs)
@@ -79,22 +78,22 @@ class ChatHandler:
             raise APIError(str(e)) from e
         rid = new_id("chatcmpl")
         stream = await ctx.submit(rid, ids, params)
-        make_parser = (lambda: self.parser_cls(tools)) if use_tools and self.parser_cls else None
+        # Each choice streams through a parser of its own (they keep state).
+        make_parser = (lambda: type(parser)(tools)) if parser is not None else None
         if req.stream:
             body = self._stream(req, model, rid, stream, raw, make_parser, stop_holdback(params))
             return StreamingResponse(body, media_type="text/event-stream")
         return await self._full(req, model, rid, stream, raw, make_parser)
 
     def _structured(
-        self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None
+        self, req: ChatCompletionRequest, parser: ToolParser | None
     ) -> StructuredOutputsParams | None:
         """The grammar that `tool_choice` (required or named) or `response_format` imposes."""
         choice = req.tool_choice
-        if tools and choice not in (None, "auto", "none"):
+        if req.tools and choice not in (None, "auto", "none"):
             name = choice.function.name if isinstance(choice, NamedToolChoice) else None
             grammar = None
-            if self.parser_cls is not None:
-                parser = self.parser_cls(tools)
+            if parser is not None:
                 grammar = parser.forced_call_grammar(
                     name,
                     req.parallel_tool_calls is not False,
