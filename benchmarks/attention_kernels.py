@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -20,6 +19,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine_gpu import copy_bandwidth, median_ms  # noqa: E402
 
 import ember.kernels.prefill_attention as pa  # noqa: E402
 from ember.kernels.decode_attention import decode_attention  # noqa: E402
@@ -28,18 +30,9 @@ from ember.kernels.prefill_attention import prefill_attention  # noqa: E402
 HQ, HKV, D, BS = 32, 8, 128, 16
 
 
-def bench(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts) / 1e3
+def bench(fn) -> float:
+    """Median seconds of one call (CUDA events), as the engine benchmark times."""
+    return median_ms(fn) / 1e3
 
 
 def paged(seq_lens: list[int]):
@@ -100,12 +93,6 @@ def decode_rows(out: dict, bw: float) -> None:
         rows[f"b{b} x {ctx}"] = {"us": t * 1e6, "gb_s": nbytes / t / 1e9}
         print(f"| b{b} x {ctx} | {t * 1e6:.1f} | {nbytes / t / 1e9:.0f} | {nbytes / t / bw:.2f} |")
     out["decode"] = rows
-
-
-def copy_bandwidth() -> float:
-    x = torch.randn(1 << 29, dtype=torch.bfloat16, device="cuda")
-    y = torch.empty_like(x)
-    return 2 * x.numel() * 2 / bench(lambda: y.copy_(x))
 
 
 def main() -> None:

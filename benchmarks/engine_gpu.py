@@ -92,7 +92,7 @@ def median_ms(fn, iters: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def _copy_bandwidth() -> float:
+def copy_bandwidth() -> float:
     x = torch.randn((1 << 30) // 2, dtype=torch.bfloat16, device="cuda")
     y = torch.empty_like(x)
     ms = median_ms(lambda: y.copy_(x))
@@ -107,9 +107,31 @@ def _matmul_flops() -> float:
 
 
 def ceilings() -> dict[str, float]:
-    out = {"copy_bytes_per_s": _copy_bandwidth(), "matmul_flops": _matmul_flops()}
+    out = {"copy_bytes_per_s": copy_bandwidth(), "matmul_flops": _matmul_flops()}
     torch.cuda.empty_cache()
     return out
+
+
+def shape_dir(name: str) -> Path:
+    """A model directory holding only the shape's config.json (the weights are dummy)."""
+    tmp = Path(tempfile.mkdtemp())
+    (tmp / "config.json").write_text(json.dumps(SHAPES[name]))
+    return tmp
+
+
+def engine_config(model_dir: Path, **overrides: object) -> EngineConfig:
+    """The engine settings every GPU benchmark uses (vLLM's offline defaults, where it has them)."""
+    settings: dict[str, object] = dict(
+        model=str(model_dir),
+        device="cuda",
+        load_format="dummy",
+        dtype="bfloat16",
+        max_model_len=4096,
+        max_num_seqs=256,
+        max_num_batched_tokens=16384,
+        gpu_memory_utilization=0.9,
+    )
+    return EngineConfig(**{**settings, **overrides})
 
 
 def param_count(cfg: dict) -> int:
@@ -176,24 +198,12 @@ def bench_shape(name: str, args: argparse.Namespace, ceil: dict[str, float]) -> 
     cfg = SHAPES[name]
     weight_bytes = param_count(cfg) * 2
     out: dict[str, object] = {"shape": name, "weight_bytes": weight_bytes}
-    tmp = Path(tempfile.mkdtemp())
-    (tmp / "config.json").write_text(json.dumps(cfg))
+    tmp = shape_dir(name)
     hf_state = None
     if name == "llama" and not args.skip_hf:
         hf_state = bench_hf(tmp, cfg, out, args)
     t0 = time.perf_counter()
-    core = EngineCore(
-        EngineConfig(
-            model=str(tmp),
-            device="cuda",
-            load_format="dummy",
-            dtype="bfloat16",
-            max_model_len=4096,
-            max_num_seqs=256,
-            max_num_batched_tokens=16384,
-            gpu_memory_utilization=0.9,
-        )
-    )
+    core = EngineCore(engine_config(tmp))
     torch.cuda.synchronize()
     out["startup_s"] = time.perf_counter() - t0
     out["kv_blocks"] = core.num_kv_blocks

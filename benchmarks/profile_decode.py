@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -21,9 +20,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_gpu import SHAPES, random_prompts  # noqa: E402
+from engine_gpu import engine_config, random_prompts, shape_dir  # noqa: E402
 
-from ember.engine.config import EngineConfig  # noqa: E402
 from ember.engine.core import EngineCore  # noqa: E402
 from ember.engine.messages import EngineCoreRequest  # noqa: E402
 from ember.sampling_params import SamplingParams  # noqa: E402
@@ -53,20 +51,8 @@ def kernel_table(core: EngineCore, batch: int, context: int, steps: int = 8) -> 
 
 
 def main() -> None:
-    tmp = Path(tempfile.mkdtemp())
-    (tmp / "config.json").write_text(json.dumps(SHAPES["llama"]))
-    core = EngineCore(
-        EngineConfig(
-            model=str(tmp),
-            device="cuda",
-            load_format="dummy",
-            dtype="bfloat16",
-            max_model_len=4096,
-            max_num_seqs=256,
-            max_num_batched_tokens=16384,
-            enforce_eager=True,
-        )
-    )
+    # Eager, so that the profiler can name every kernel.
+    core = EngineCore(engine_config(shape_dir("llama"), enforce_eager=True))
     gpu = torch.cuda.get_device_name()
     result = {"gpu": gpu, "tables": {}}
     for batch, context in ((1, 512), (128, 1024)):
