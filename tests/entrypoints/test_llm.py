@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams
+from tests.capture import captured_logits
 
 
 @pytest.fixture(scope="module")
@@ -114,14 +115,8 @@ def test_eos_stops_unless_ignored(qwen3: Path) -> None:
 
 
 def test_logprobs_are_raw_log_softmax_with_top_alternatives(llm: LLM) -> None:
-    model = llm.engine.core.runner.model
-    seen: list[torch.Tensor] = []
-    original = model.compute_logits
-    model.compute_logits = lambda h: seen.append(original(h)) or seen[-1]
-    try:
+    with captured_logits(llm) as seen:
         out = llm.generate(prompts(1)[0], greedy(4, logprobs=3))[0].outputs[0]
-    finally:
-        del model.compute_logits
     assert out.logprobs is not None and len(out.logprobs) == 4
     total = 0.0
     for step, tok, logits in zip(out.logprobs, out.token_ids, seen, strict=True):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams
+from tests.capture import captured_logits
 
 pytestmark = [
     pytest.mark.gpu,
@@ -46,27 +47,25 @@ def test_gpu_logits_and_greedy_match_transformers(tiny_model_dir, arch: str, eag
         max_num_seqs=16,
         num_kv_blocks=2048,
     )
-    model = llm.engine.core.runner.model
-    seen: list[torch.Tensor] = []
-    original = model.compute_logits
-    # Eager steps call compute_logits from Python; graph replays do not (only the prefill does).
-    model.compute_logits = lambda h: seen.append(original(h).clone()) or seen[-1]
     g = torch.Generator().manual_seed(0)
     cfg = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    for n in (5, 37, 70):
-        prompt = torch.randint(10, 3000, (n,), generator=g).tolist()
-        seen.clear()
-        tokens = llm.generate(prompt, params)[0].outputs[0].token_ids
-        ids = torch.tensor([prompt], device="cuda")
-        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
-        assert tokens == ref[0, n:].tolist()
-        with torch.no_grad():
-            ref_logits = hf(torch.tensor([prompt + tokens], device="cuda")).logits[0, n - 1 : -1]
-        assert len(seen) == (8 if eager else 1)
-        for k, logits in enumerate(seen):
-            assert rel_err(logits[0], ref_logits[k]) < 1e-3, f"step {k}"
-    del model.compute_logits
+    # Eager steps call compute_logits from Python; graph replays do not (only the prefill does).
+    with captured_logits(llm) as seen:
+        for n in (5, 37, 70):
+            prompt = torch.randint(10, 3000, (n,), generator=g).tolist()
+            seen.clear()
+            tokens = llm.generate(prompt, params)[0].outputs[0].token_ids
+            ids = torch.tensor([prompt], device="cuda")
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
+            assert tokens == ref[0, n:].tolist()
+            with torch.no_grad():
+                ref_logits = hf(torch.tensor([prompt + tokens], device="cuda")).logits[
+                    0, n - 1 : -1
+                ]
+            assert len(seen) == (8 if eager else 1)
+            for k, logits in enumerate(seen):
+                assert rel_err(logits[0], ref_logits[k]) < 1e-3, f"step {k}"
 
 
 def test_bf16_prefill_logits_close_to_transformers(tiny_model_dir) -> None:
@@ -82,12 +81,9 @@ def test_bf16_prefill_logits_close_to_transformers(tiny_model_dir) -> None:
         num_kv_blocks=2048,
         max_num_seqs=8,
     )
-    model = llm.engine.core.runner.model
-    seen: list[torch.Tensor] = []
-    original = model.compute_logits
-    model.compute_logits = lambda h: seen.append(original(h)) or seen[-1]
     prompt = torch.randint(10, 3000, (200,), generator=torch.Generator().manual_seed(1)).tolist()
-    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1))
+    with captured_logits(llm) as seen:
+        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1))
     with torch.no_grad():
         ref = hf(torch.tensor([prompt], device="cuda")).logits[0, -1].float()
     assert rel_err(seen[0][0], ref) < 1e-2
@@ -110,15 +106,11 @@ def test_long_fresh_prefill_path_matches_transformers(tiny_model_dir, chunk: int
         num_kv_blocks=2048,
         max_num_seqs=8,
     )
-    model = llm.engine.core.runner.model
-    seen: list[torch.Tensor] = []
-    original = model.compute_logits
-    model.compute_logits = lambda h: seen.append(original(h).clone()) or seen[-1]
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(10, 3000, (n,), generator=g).tolist() for n in (700, 400)]
     params = SamplingParams(temperature=0, max_tokens=1)
-    outs = llm.generate(prompts, params)
-    del model.compute_logits
+    with captured_logits(llm) as seen:
+        outs = llm.generate(prompts, params)
     rows = torch.cat(seen)
     for j, p in enumerate(prompts):
         with torch.no_grad():

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from ember import LLM, SamplingParams
 from ember.models.tiny import make_tiny
+from tests.capture import captured_logits
 
 ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
 ATOL = 1e-4
@@ -57,21 +58,6 @@ def hf_logits(model, tokens: list[int]) -> torch.Tensor:
     return model(torch.tensor([tokens])).logits[0].float()
 
 
-def capture_logits(llm: LLM) -> list[torch.Tensor]:
-    """Record every logits tensor the engine samples from."""
-    model = llm.engine.core.runner.model
-    seen: list[torch.Tensor] = []
-    original = model.compute_logits
-
-    def wrapped(hidden: torch.Tensor) -> torch.Tensor:
-        logits = original(hidden)
-        seen.append(logits.detach().clone())
-        return logits
-
-    model.compute_logits = wrapped
-    return seen
-
-
 def random_prompt(seed: int, length: int, vocab: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(10, vocab, (length,), generator=g).tolist()
@@ -99,35 +85,35 @@ def test_logits_match_transformers_every_step(model_dirs, arch: str, chunk: int 
         max_model_len=256,
         max_num_batched_tokens=chunk,
     )
-    steps = capture_logits(llm)
-    prompt = random_prompt(1, 45 if arch != "llama_rope_scaled" else 150, vocab)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    out = llm.generate(prompt, params)[0]
-    tokens = out.outputs[0].token_ids
-    assert tokens == hf_greedy(hf, prompt, NEW_TOKENS)
-    check_steps(steps, hf_logits(hf, prompt + tokens), len(prompt))
+    with captured_logits(llm) as steps:
+        prompt = random_prompt(1, 45 if arch != "llama_rope_scaled" else 150, vocab)
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        out = llm.generate(prompt, params)[0]
+        tokens = out.outputs[0].token_ids
+        assert tokens == hf_greedy(hf, prompt, NEW_TOKENS)
+        check_steps(steps, hf_logits(hf, prompt + tokens), len(prompt))
 
-    # A second request sharing a long prefix starts from the cache and still matches.
-    steps.clear()
-    prompt2 = prompt[:33] + random_prompt(2, 9, vocab)
-    out2 = llm.generate(prompt2, params)[0]
-    assert out2.num_cached_tokens == 32  # eight full blocks of four
-    tokens2 = out2.outputs[0].token_ids
-    assert tokens2 == hf_greedy(hf, prompt2, NEW_TOKENS)
-    check_steps(steps, hf_logits(hf, prompt2 + tokens2), len(prompt2))
+        # A second request sharing a long prefix starts from the cache and still matches.
+        steps.clear()
+        prompt2 = prompt[:33] + random_prompt(2, 9, vocab)
+        out2 = llm.generate(prompt2, params)[0]
+        assert out2.num_cached_tokens == 32  # eight full blocks of four
+        tokens2 = out2.outputs[0].token_ids
+        assert tokens2 == hf_greedy(hf, prompt2, NEW_TOKENS)
+        check_steps(steps, hf_logits(hf, prompt2 + tokens2), len(prompt2))
 
-    # Same blocks after a different first block: the hash chain must not match them.
-    steps.clear()
-    prompt3 = random_prompt(3, 4, vocab) + prompt[4:33] + random_prompt(4, 5, vocab)
-    out3 = llm.generate(prompt3, params)[0]
-    assert out3.num_cached_tokens == 0
-    tokens3 = out3.outputs[0].token_ids
-    check_steps(steps, hf_logits(hf, prompt3 + tokens3), len(prompt3))
-    # Run again: its own blocks hit, never the first request's equal-content ones.
-    steps.clear()
-    out3b = llm.generate(prompt3, params)[0]
-    assert out3b.num_cached_tokens == 36 and out3b.outputs[0].token_ids == tokens3
-    check_steps(steps, hf_logits(hf, prompt3 + tokens3), len(prompt3))
+        # Same blocks after a different first block: the hash chain must not match them.
+        steps.clear()
+        prompt3 = random_prompt(3, 4, vocab) + prompt[4:33] + random_prompt(4, 5, vocab)
+        out3 = llm.generate(prompt3, params)[0]
+        assert out3.num_cached_tokens == 0
+        tokens3 = out3.outputs[0].token_ids
+        check_steps(steps, hf_logits(hf, prompt3 + tokens3), len(prompt3))
+        # Run again: its own blocks hit, never the first request's equal-content ones.
+        steps.clear()
+        out3b = llm.generate(prompt3, params)[0]
+        assert out3b.num_cached_tokens == 36 and out3b.outputs[0].token_ids == tokens3
+        check_steps(steps, hf_logits(hf, prompt3 + tokens3), len(prompt3))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
