@@ -29,6 +29,9 @@ class EngineConfig:
     enforce_eager: bool = False
     """On a GPU: no CUDA graphs (every kernel launched from Python)."""
     max_cuda_graph_batch: int = 256
+    async_scheduling: bool | None = None
+    """Schedule and launch step N+1 while step N runs; None turns it on for a GPU only (on the CPU
+    the forward pass blocks the host, so there is nothing to overlap)."""
     cpu_threads: int | None = None
     """Torch threads of a CPU engine core; None leaves one core free for the API process."""
 

@@ -14,10 +14,10 @@ from ember.attention.backend import AttentionBackend
 from ember.attention.torch_backend import TorchAttentionBackend
 from ember.engine.config import EngineConfig, ResolvedConfig
 from ember.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
-from ember.engine.model_runner import ModelRunner
+from ember.engine.model_runner import ModelRunner, PendingStep
 from ember.engine.request import Request, RequestStatus
 from ember.engine.sampler import make_generator
-from ember.engine.scheduler import Scheduler, SchedulerConfig
+from ember.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ember.engine.structured_output import GrammarCompiler
 from ember.kv.kv_cache_manager import KVCacheManager
 from ember.models.config import ModelConfig
@@ -69,6 +69,7 @@ class EngineCore:
             r.dtype,
             self.device,
             backend or default_backend(self.device),
+            max_num_seqs=config.max_num_seqs,
         )
         num_blocks = r.num_kv_blocks
         if on_gpu and config.num_kv_blocks is None:
@@ -86,6 +87,10 @@ class EngineCore:
             self.kv,
         )
         self.num_steps = 0
+        self.async_scheduling = (
+            on_gpu if config.async_scheduling is None else config.async_scheduling
+        )
+        self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
         self.grammar = GrammarCompiler.for_model(config.model, self.model_config)
         if on_gpu and not config.enforce_eager:
             self.runner.capture_cuda_graphs(
@@ -148,7 +153,7 @@ class EngineCore:
         return self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def stats(self) -> SchedulerStats:
         s, pool = self.scheduler, self.kv.pool
@@ -174,11 +179,38 @@ class EngineCore:
         )
 
     def step(self) -> list[EngineCoreOutput]:
+        """Schedule and launch a step; return the outputs of the step that finished.
+
+        With async scheduling the step launched here is collected by the next call, so the host
+        schedules and prepares step N+1 while the GPU runs step N; without it, by this call.
+        """
+        outputs: list[EngineCoreOutput] = []
+        if self._in_flight is not None and self._must_wait():
+            outputs += self._collect()
         so = self.scheduler.schedule()
-        if so.is_empty:
+        launched = None
+        if not so.is_empty:
+            launched = (so, self.runner.launch(so))
+            self.num_steps += 1
+        if self._in_flight is not None:
+            outputs += self._collect()
+        self._in_flight = launched
+        if not self.async_scheduling and launched is not None:
+            outputs += self._collect()
+        return outputs
+
+    def _must_wait(self) -> bool:
+        """The next step needs the tokens of the one in flight on the host (grammar, penalties)."""
+        return not self.async_scheduling or any(
+            r.needs_known_tokens for r in self.scheduler.running
+        )
+
+    def _collect(self) -> list[EngineCoreOutput]:
+        if self._in_flight is None:
             return []
-        result = self.runner.execute(so)
-        self.num_steps += 1
+        so, pending = self._in_flight
+        self._in_flight = None
+        result = self.runner.finish(pending)
         progressed, _ = self.scheduler.update_from_output(so, result.sampled)
         logprobs_of = {
             req.request_id: lp

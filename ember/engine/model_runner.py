@@ -1,6 +1,10 @@
 """Turns a scheduled batch into one forward pass: flat inputs, paged-attention metadata, logits for
 the rows that sample, and the sampler. Owns the model, the KV cache tensor and, on a GPU, the CUDA
-graphs that replay decode steps without per-kernel launch cost."""
+graphs that replay decode steps without per-kernel launch cost.
+
+A step is launched (`launch`) and collected (`finish`) separately, so the engine can schedule and
+launch the next step while this one runs; the tokens it samples stay on the GPU for the next step's
+inputs (`prev_tokens`) and travel to the host in one asynchronous copy."""
 
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ import torch
 
 from ember.attention.backend import AttentionBackend
 from ember.attention.metadata import AttentionMetadata, ForwardContext
-from ember.engine.sampler import Sampler, SamplingBatch
+from ember.engine.cuda_graphs import DecodeGraphs, feed_input_ids, feed_row
+from ember.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from ember.engine.structured_output import apply_grammar_masks
 
 if TYPE_CHECKING:
@@ -34,23 +39,24 @@ class ModelRunnerOutput:
     """Per row: (token id, logprob, rank), the sampled token first, then the top alternatives."""
 
 
+@dataclass(slots=True)
+class PendingStep:
+    """A launched step: its sampled tokens (and logprobs) are being copied to host memory."""
+
+    num_requests: int
+    index: list[int]
+    """Batch position of each sampling row."""
+    num_logprobs: list[int | None]
+    tokens: torch.Tensor | None
+    logprobs: torch.Tensor | None = None
+    logprob_ids: torch.Tensor | None = None
+    ranks: torch.Tensor | None = None
+    done: torch.cuda.Event | None = None
+    timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+
+
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
     return (num_blocks, cfg.num_hidden_layers, 2, block_size, cfg.num_key_value_heads, cfg.head_dim)
-
-
-def cuda_graph_sizes(max_batch: int) -> list[int]:
-    """Batch sizes to capture: 1, 2, 4, then every 8 (a decode batch pads up to the next one)."""
-    sizes = [s for s in (1, 2, 4) if s <= max_batch]
-    sizes += list(range(8, max_batch + 1, 8))
-    if sizes[-1] != max_batch:
-        sizes.append(max_batch)
-    return sizes
-
-
-@dataclass(slots=True)
-class _Graph:
-    graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor
 
 
 class ModelRunner:
@@ -63,6 +69,7 @@ class ModelRunner:
         device: torch.device,
         backend: AttentionBackend,
         num_blocks: int | None = None,
+        max_num_seqs: int = 256,
     ) -> None:
         self.model = model
         self.config = config
@@ -74,18 +81,16 @@ class ModelRunner:
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)
         self.sampler = Sampler()
-        self.graphs: dict[int, _Graph] = {}
+        self.prev_tokens = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        """The last launched step's sampled tokens, in its sampling-row order."""
+        self._prev_rows: dict[str, int] = {}
+        self.graphs = DecodeGraphs(model, backend, block_size, self.prev_tokens, device)
         self.sync_wait_s = 0.0
         """Wall time spent blocked on the GPU (the host's idle share of each step)."""
         self.gpu_timing = False
         """Benchmarks: time each step's forward pass on the GPU with events (last_forward_ms)."""
         self.last_forward_ms = 0.0
-        self._events = (
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            if device.type == "cuda"
-            else ()
-        )
-        self._pin = device.type == "cuda"
+        self._cuda = device.type == "cuda"
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = kv_cache_shape(self.config, num_blocks, self.block_size)
@@ -94,7 +99,7 @@ class ModelRunner:
     # -- inputs ----------------------------------------------------------------------------
 
     def _tensor(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype, pin_memory=self._pin)
+        t = torch.tensor(data, dtype=dtype, pin_memory=self._cuda)
         return t.to(self.device, non_blocking=True)
 
     def prepare(
@@ -108,10 +113,19 @@ class ModelRunner:
         qsl = [0]
         seq_lens: list[int] = []
         tables: list[list[int]] = []
+        fed: list[int] = []  # flat positions whose token the previous step sampled on the GPU
+        fed_from: list[int] = []
         for i in order:
             req, n, blocks = so.requests[i], so.num_scheduled_tokens[i], so.block_ids[i]
-            start = req.num_computed_tokens
-            input_ids.extend(req.all_token_ids[start : start + n])
+            start = so.num_computed_tokens[i]
+            known = req.all_token_ids[start : start + n]
+            input_ids.extend(known)
+            if len(known) < n:
+                if len(known) != n - 1:
+                    raise RuntimeError(f"request {req.request_id}: more than one token in flight")
+                fed.append(len(input_ids))
+                fed_from.append(feed_row(self._prev_rows, req.request_id))
+                input_ids.append(0)
             pos = range(start, start + n)
             positions.extend(pos)
             slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
@@ -131,55 +145,91 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             num_decodes=sum(so.num_scheduled_tokens[i] == 1 for i in order),
         )
-        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), md
+        ids = self._tensor(input_ids, torch.int64)
+        if fed:
+            src = [-1] * len(input_ids)
+            for dst, row in zip(fed, fed_from, strict=True):
+                src[dst] = row
+            ids = feed_input_ids(ids, self._tensor(src, torch.int64), self.prev_tokens)
+        return ids, self._tensor(positions, torch.int64), md
 
     # -- one step ------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its tokens."""
+        return self.finish(self.launch(so))
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput) -> PendingStep:
+        """Queue one step's forward pass and sampling on the device; returns without waiting."""
         n = len(so.requests)
         # Decode rows first: the attention backend runs them through the decode kernel.
         order = sorted(range(n), key=lambda i: so.num_scheduled_tokens[i] != 1)
-        # Only rows whose step reaches the end of their known tokens sample a next token.
-        rows = [
-            j
-            for j, i in enumerate(order)
-            if so.requests[i].num_computed_tokens + so.num_scheduled_tokens[i]
-            == so.requests[i].num_tokens
-        ]
-        sampled: list[int | None] = [None] * n
-        logprobs: list[list[tuple[int, float, int]] | None] = [None] * n
+        rows = [j for j, i in enumerate(order) if so.samples[i]]
         all_decode = all(k == 1 for k in so.num_scheduled_tokens)
-        graph_bs = self._graph_size(n) if all_decode else None
-        if self.gpu_timing:
-            self._events[0].record()
+        graph_bs = self.graphs.size_for(n) if all_decode and self.graphs.graphs else None
+        timing = self._timing_events() if self.gpu_timing else None
+        if timing is not None:
+            timing[0].record()
         if graph_bs is not None:
-            logits = self._replay(so, order, graph_bs)
+            logits = self.graphs.replay(so, order, graph_bs, self._prev_rows)
             # A slice when every row samples; never index with a host list (a hidden sync).
             logits = logits[:n] if len(rows) == n else logits[self._tensor(rows, torch.int64)]
         else:
             ids, positions, md = self.prepare(so, order)
             hidden = self.model(ids, positions, ForwardContext(md, self.kv_cache, self.backend))
             if not rows:
-                return ModelRunnerOutput(sampled, logprobs)
+                self._prev_rows = {}
+                return PendingStep(n, [], [], None)
             last = self._tensor([md.query_start_loc_cpu[j + 1] - 1 for j in rows], torch.int64)
             logits = self.model.compute_logits(hidden[last])
-        if self.gpu_timing:
-            self._events[1].record()
-        if not rows:
-            return ModelRunnerOutput(sampled, logprobs)
+        if timing is not None:
+            timing[1].record()
         reqs = [so.requests[order[j]] for j in rows]
-        self._sample(logits, reqs, [order[j] for j in rows], sampled, logprobs)
+        out = self._sample(logits, reqs)
+        self.prev_tokens[: len(reqs)].copy_(out.sampled)
+        self._prev_rows = {r.request_id: j for j, r in enumerate(reqs)}
+        step = PendingStep(
+            n,
+            [order[j] for j in rows],
+            [r.sampling_params.logprobs for r in reqs],
+            self._to_host(out.sampled),
+            self._to_host(out.logprobs),
+            self._to_host(out.logprob_token_ids),
+            self._to_host(out.sampled_ranks),
+            timing=timing,
+        )
+        if self._cuda:
+            step.done = torch.cuda.Event()
+            step.done.record()
+        return step
+
+    def finish(self, step: PendingStep) -> ModelRunnerOutput:
+        """Wait for a launched step's tokens (the step's one host sync) and hand them out."""
+        sampled: list[int | None] = [None] * step.num_requests
+        logprobs: list[list[tuple[int, float, int]] | None] = [None] * step.num_requests
+        if step.tokens is None:
+            return ModelRunnerOutput(sampled, logprobs)
+        if step.done is not None:
+            t0 = time.perf_counter()
+            step.done.synchronize()
+            self.sync_wait_s += time.perf_counter() - t0
+        if step.timing is not None:
+            self.last_forward_ms = step.timing[0].elapsed_time(step.timing[1])
+        tokens = step.tokens.tolist()
+        lp = step.logprobs.tolist() if step.logprobs is not None else None
+        lp_ids = step.logprob_ids.tolist() if step.logprob_ids is not None else None
+        ranks = step.ranks.tolist() if step.ranks is not None else None
+        for j, i in enumerate(step.index):
+            sampled[i] = tokens[j]
+            want = step.num_logprobs[j]
+            if want is not None and lp is not None and lp_ids is not None and ranks is not None:
+                entries = [(lp_ids[j][0], lp[j][0], ranks[j])]
+                entries += [(lp_ids[j][k], lp[j][k], k) for k in range(1, want + 1)]
+                logprobs[i] = entries
         return ModelRunnerOutput(sampled, logprobs)
 
-    def _sample(
-        self,
-        logits: torch.Tensor,
-        reqs: list[Request],
-        index: list[int],
-        sampled: list[int | None],
-        logprobs: list[list[tuple[int, float, int]] | None],
-    ) -> None:
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         if any(r.matcher is not None for r in reqs):
             apply_grammar_masks(logits, [r.matcher for r in reqs])
         batch = SamplingBatch.build(
@@ -191,110 +241,26 @@ class ModelRunner:
             vocab_size=logits.shape[-1],
             device=self.device,
         )
-        out = self.sampler(logits, batch)
-        t0 = time.perf_counter()
-        tokens = out.sampled.tolist()  # the step's one host sync
-        self.sync_wait_s += time.perf_counter() - t0
-        if self.gpu_timing:
-            self.last_forward_ms = self._events[0].elapsed_time(self._events[1])
-        lp = out.logprobs.tolist() if out.logprobs is not None else None
-        lp_ids = out.logprob_token_ids.tolist() if out.logprob_token_ids is not None else None
-        ranks = out.sampled_ranks.tolist() if out.sampled_ranks is not None else None
-        for j, i in enumerate(index):
-            sampled[i] = tokens[j]
-            want = reqs[j].sampling_params.logprobs
-            if want is not None and lp is not None and lp_ids is not None and ranks is not None:
-                entries = [(lp_ids[j][0], lp[j][0], ranks[j])]
-                entries += [(lp_ids[j][k], lp[j][k], k) for k in range(1, want + 1)]
-                logprobs[i] = entries
+        return self.sampler(logits, batch)
+
+    def _to_host(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """An asynchronous copy into pinned memory; read it only after the step's event."""
+        if t is None or not self._cuda:
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return host.copy_(t, non_blocking=True)
+
+    def _timing_events(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+        if not self._cuda:
+            return None
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     # -- CUDA graphs -----------------------------------------------------------------------------
 
-    def _graph_size(self, n: int) -> int | None:
-        if not self.graphs:
-            return None
-        for size in self._graph_sizes:
-            if size >= n:
-                return size
-        return None
-
-    @torch.inference_mode()
     def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
         """Capture one decode graph per batch size; replays pad a batch up to the next size."""
-        if self.device.type != "cuda":
-            return
-        max_blocks = -(-max_model_len // self.block_size)
-        dev = self.device
-        # One static buffer for the per-row inputs (ids, positions, slots, context lengths) and
-        # one for the block tables, each filled from a pinned twin by a single copy per step.
-        self._g_rows = torch.zeros(4, max_batch, dtype=torch.int64, device=dev)
-        self._g_rows[2].fill_(-1)
-        self._g_rows[3].fill_(1)
-        self._g_ids, self._g_pos, self._g_slots, self._g_lens = self._g_rows.unbind(0)
-        self._g_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=dev)
-        self._h_rows = torch.zeros(4, max_batch, dtype=torch.int64, pin_memory=True)
-        self._h_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=True)
-        self._staged = torch.cuda.Event()
-        self._staged.record()
-        self._g_qsl = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
-        self._g_max_len = max_model_len
-        self._graph_sizes = cuda_graph_sizes(max_batch)
-        pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self._graph_sizes):
-            md = self._graph_metadata(size)
-            ctx = ForwardContext(md, self.kv_cache, self.backend)
-            for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
-                self.model.compute_logits(self.model(self._g_ids[:size], self._g_pos[:size], ctx))
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                hidden = self.model(self._g_ids[:size], self._g_pos[:size], ctx)
-                logits = self.model.compute_logits(hidden)
-            self.graphs[size] = _Graph(graph, logits)
-        torch.cuda.synchronize()
-        log.info("captured %d CUDA graphs for decode batches up to %d", len(self.graphs), max_batch)
-
-    def _graph_metadata(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            query_start_loc=self._g_qsl[: size + 1],
-            seq_lens=self._g_lens[:size],
-            block_tables=self._g_tables[:size],
-            slot_mapping=self._g_slots[:size],
-            max_query_len=1,
-            max_seq_len=self._g_max_len,
-            query_start_loc_cpu=list(range(size + 1)),
-            seq_lens_cpu=[1] * size,
-            num_decodes=size,
-        )
-
-    def _replay(self, so: SchedulerOutput, order: list[int], size: int) -> torch.Tensor:
-        # The pinned staging buffers are reused every step: wait until their last copy is done
-        # (normally already true: a step ends by syncing on its sampled tokens).
-        self._staged.synchronize()
-        rows = self._h_rows.numpy()
-        tables = self._h_tables.numpy()
-        bs = self.block_size
-        for j, i in enumerate(order):
-            req, blocks = so.requests[i], so.block_ids[i]
-            p = req.num_computed_tokens
-            rows[0, j] = req.all_token_ids[p]
-            rows[1, j] = p
-            rows[2, j] = blocks[p // bs] * bs + p % bs
-            rows[3, j] = p + 1
-            tables[j, : len(blocks)] = blocks
-        n = len(order)
-        # Padding rows write nowhere (slot -1) and attend to one harmless slot.
-        rows[0, n:size] = 0
-        rows[1, n:size] = 0
-        rows[2, n:size] = -1
-        rows[3, n:size] = 1
-        tables[n:size, 0] = 0
-        self._g_rows.copy_(self._h_rows, non_blocking=True)
-        self._g_tables[:size].copy_(self._h_tables[:size], non_blocking=True)
-        self._staged.record()
-        g = self.graphs[size]
-        g.graph.replay()
-        return g.logits
+        if self._cuda:
+            self.graphs.capture(self.kv_cache, min(max_batch, len(self.prev_tokens)), max_model_len)
 
     # -- memory ----------------------------------------------------------------------------------
 
@@ -347,7 +313,8 @@ class ModelRunner:
 def _blocked_tokens(req: Request) -> list[int]:
     """EOS and stop ids may not be sampled before `min_tokens` outputs."""
     params = req.sampling_params
-    if req.num_output_tokens >= params.min_tokens:
+    # Outputs before the one this step samples: its own placeholder is already counted.
+    if req.num_output_tokens + req.num_output_placeholders - 1 >= params.min_tokens:
         return []
     eos = () if params.ignore_eos else req.eos_token_ids
     return sorted(set(eos) | set(params.stop_token_ids or ()))

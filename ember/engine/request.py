@@ -48,7 +48,11 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    """Tokens whose KV is in the cache (or is being written in the step now running)."""
+    """Tokens whose KV is in the cache or is being written by a scheduled step (the scheduler
+    advances it when it schedules a step, not when the step returns)."""
+    num_output_placeholders: int = 0
+    """Tokens sampled by scheduled steps that have not come back to the host yet. The scheduler
+    may schedule a decode on such a token: the model runner feeds it from the GPU."""
     num_cached_tokens: int = -1
     """Prompt tokens found in the prefix cache when first scheduled (-1: not yet scheduled)."""
     status: RequestStatus = RequestStatus.WAITING
@@ -74,6 +78,18 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_known_tokens(self) -> bool:
+        """Sampling reads this request's own tokens on the host (a grammar, penalties), so its next
+        step cannot be scheduled before the last one's token is back."""
+        p = self.sampling_params
+        return (
+            self.matcher is not None
+            or p.repetition_penalty != 1.0
+            or p.presence_penalty != 0.0
+            or p.frequency_penalty != 0.0
+        )
 
     @property
     def is_finished(self) -> bool:

@@ -1,5 +1,9 @@
 """Continuous-batching scheduler, vLLM-V1 style: a token budget per step, running requests first
-(decodes and unfinished prefill chunks), then new requests, preemption by recompute when full."""
+(decodes and unfinished prefill chunks), then new requests, preemption by recompute when full.
+
+Scheduling a step advances each request's `num_computed_tokens` at once and counts the token it will
+sample as a placeholder, so the next step can be scheduled while this one still runs on the GPU
+(async scheduling); `update_from_output` later fills the placeholder with the real token."""
 
 from __future__ import annotations
 
@@ -30,6 +34,10 @@ class SchedulerOutput:
     num_scheduled_tokens: list[int] = field(default_factory=list)
     block_ids: list[list[int]] = field(default_factory=list)
     """Each scheduled request's block table, so the model runner needs no view of the KV manager."""
+    num_computed_tokens: list[int] = field(default_factory=list)
+    """Where each request's scheduled tokens start (its computed tokens before this step)."""
+    samples: list[bool] = field(default_factory=list)
+    """Whether the step reaches the end of a request's tokens and so samples its next one."""
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -75,10 +83,7 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.is_finished:
                 continue
-            if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
-            else:
-                self.waiting.remove(req)
+            self._remove(req)
             self._finish(req, status)
             done.append(req)
         return done
@@ -98,7 +103,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self._at_limit(req):  # its last token is in flight; the request ends when it lands
+                i += 1
+                continue
+            ahead = req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
+            num_new = min(ahead, budget)
             scheduled = True
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running.pop()
@@ -109,8 +118,7 @@ class Scheduler:
                     break
             if not scheduled:
                 break
-            out.requests.append(req)
-            out.num_scheduled_tokens.append(num_new)
+            self._add(out, req, num_new)
             budget -= num_new
             i += 1
 
@@ -122,6 +130,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
+            if req.num_output_placeholders:  # preempted with a token in flight: wait for it
+                break
             hits, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(req, num_new, hits):
@@ -134,32 +144,54 @@ class Scheduler:
                 self.prefix_hits += num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.requests.append(req)
-            out.num_scheduled_tokens.append(num_new)
+            self._add(out, req, num_new)
             budget -= num_new
         out.block_ids = [self.kv.block_ids(r.request_id) for r in out.requests]
         return out
 
+    def _add(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
+        start = req.num_computed_tokens
+        samples = start + num_new == req.num_tokens + req.num_output_placeholders
+        out.requests.append(req)
+        out.num_scheduled_tokens.append(num_new)
+        out.num_computed_tokens.append(start)
+        out.samples.append(samples)
+        req.num_computed_tokens = start + num_new
+        if samples:
+            req.num_output_placeholders += 1
+
+    def _at_limit(self, req: Request) -> bool:
+        """Tokens in flight already take the request to max_tokens or the context length."""
+        ahead = req.num_output_placeholders
+        return ahead > 0 and (
+            req.num_output_tokens + ahead >= req.max_tokens
+            or req.num_tokens + ahead >= self.config.max_model_len
+        )
+
     def update_from_output(
         self, out: SchedulerOutput, sampled: list[int | None]
     ) -> tuple[list[Request], list[Request]]:
-        """Advance each scheduled request; returns (requests that got a token, those that finished).
+        """Fill each sampled placeholder with its token; returns (requests that got a token, those
+        that finished).
 
         `sampled[i]` is the token sampled for `out.requests[i]`, or None for a prefill chunk that
-        did not reach the end of its tokens.
+        did not reach the end of its tokens. A request preempted since `out` was scheduled still
+        takes its token: its KV was computed before its blocks could be reused.
         """
         progressed, finished = [], []
-        for req, n, tok in zip(out.requests, out.num_scheduled_tokens, sampled, strict=True):
-            if req.is_finished:  # stopped from outside between schedule and now
+        for req, samples, tok in zip(out.requests, out.samples, sampled, strict=True):
+            if req.is_finished:  # stopped from outside, or by an earlier token, since scheduling
                 continue
-            req.num_computed_tokens += n
+            if not samples:
+                continue
             if tok is None:
-                continue
+                raise RuntimeError(f"request {req.request_id} was to sample but got no token")
+            req.num_output_placeholders -= 1
             req.append_output_token(tok)
             progressed.append(req)
             status = self._check_stop(req)
             if status is not None:
-                self.running.remove(req)
+                self._remove(req)
                 self._finish(req, status)
                 finished.append(req)
         return progressed, finished
@@ -184,6 +216,12 @@ class Scheduler:
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _remove(self, req: Request) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

@@ -98,7 +98,9 @@ class KVCacheManager:
     def _publish(self, req: Request, blocks: list[KVBlock], num_tokens: int) -> None:
         if not self.enable_prefix_caching:
             return
-        full = num_tokens // self.block_size
+        # A block whose last token is still in flight (a placeholder) has no hash yet: it is
+        # published by a later step, once the token is known.
+        full = min(num_tokens, req.num_tokens) // self.block_size
         start = self._num_published.get(req.request_id, 0)
         if full <= start:
             return

@@ -192,6 +192,9 @@ def run_server(args: argparse.Namespace) -> int:
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
         cpu_threads=args.cpu_threads,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
     )
     engine = AsyncLLM(config)
     parser = None if args.tool_call_parser in (None, "", "none") else args.tool_call_parser

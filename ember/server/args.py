@@ -28,6 +28,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="torch threads of a CPU engine core (default: all cores but one)",
     )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="share of the GPU's memory for weights, activations and the KV cache",
+    )
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule step N+1 while the GPU runs step N (default: on for a GPU)",
+    )
     p.add_argument("--tool-call-parser", default="hermes", help="hermes | kimi_k2 | none")
     p.add_argument(
         "--max-waiting",

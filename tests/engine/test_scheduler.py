@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ember.engine.request import Request, RequestStatus
-from ember.engine.scheduler import Scheduler, SchedulerConfig
+from ember.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ember.kv.kv_cache_manager import KVCacheManager
 from ember.sampling_params import SamplingParams
 
@@ -46,17 +46,48 @@ def check_invariants(s: Scheduler) -> None:
 
 
 def run_step(s: Scheduler, rng: random.Random) -> None:
-    out = s.schedule()
-    total = sum(out.num_scheduled_tokens)
-    assert total <= s.config.max_num_batched_tokens
-    assert len(s.running) <= s.config.max_num_seqs
-    sampled = []
-    for req, n in zip(out.requests, out.num_scheduled_tokens, strict=True):
-        assert n >= 1
-        assert req.num_computed_tokens + n <= req.num_tokens
-        ends = req.num_computed_tokens + n == req.num_tokens
-        sampled.append(rng.randrange(1, 50) if ends else None)
-    s.update_from_output(out, sampled)
+    Stepper(s, rng).step()
+
+
+class Stepper:
+    """Schedules steps and feeds their sampled tokens back; with `lag`, one step later, as async
+    scheduling does (step N+1 is scheduled before step N's tokens are known)."""
+
+    def __init__(self, s: Scheduler, rng: random.Random, lag: bool = False) -> None:
+        self.s, self.rng, self.lag = s, rng, lag
+        self.pending: tuple[SchedulerOutput, list[int | None]] | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.s.has_unfinished_requests() or self.pending is not None
+
+    def step(self) -> None:
+        s = self.s
+        out = s.schedule()
+        total = sum(out.num_scheduled_tokens)
+        assert total <= s.config.max_num_batched_tokens
+        assert len(s.running) <= s.config.max_num_seqs
+        sampled: list[int | None] = []
+        for req, n, start, samples in zip(
+            out.requests,
+            out.num_scheduled_tokens,
+            out.num_computed_tokens,
+            out.samples,
+            strict=True,
+        ):
+            assert n >= 1
+            assert req.num_computed_tokens == start + n
+            unknown = start + n - req.num_tokens  # inputs whose token is still in flight
+            assert unknown <= 1 and (unknown <= 0 or n == 1), "scheduled past the known tokens"
+            if not self.lag:
+                assert unknown <= 0
+            sampled.append(self.rng.randrange(1, 50) if samples else None)
+        if not self.lag:
+            s.update_from_output(out, sampled)
+            return
+        if self.pending is not None:
+            s.update_from_output(*self.pending)
+        self.pending = (out, sampled) if out.requests else None
 
 
 ops = st.lists(
@@ -78,11 +109,13 @@ ops = st.lists(
     max_seqs=st.integers(1, 6),
     caching=st.booleans(),
     seed=st.integers(0, 2**16),
+    lag=st.booleans(),
 )
-def test_random_operations_never_leak_blocks(ops, num_blocks, budget, max_seqs, caching, seed):
+def test_random_operations_never_leak_blocks(ops, num_blocks, budget, max_seqs, caching, seed, lag):
     rng = random.Random(seed)
     kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=caching)
     s = Scheduler(SchedulerConfig(max_seqs, budget, max_model_len=num_blocks * BLOCK), kv)
+    stepper = Stepper(s, rng, lag)
     prefixes = [[rng.randrange(1, 50) for _ in range(20)] for _ in range(4)]
     n = 0
     for op in ops:
@@ -93,7 +126,7 @@ def test_random_operations_never_leak_blocks(ops, num_blocks, budget, max_seqs, 
             s.add_request(make_request(str(n), prompt, max_tokens))
             n += 1
         elif op[0] == "step":
-            run_step(s, rng)
+            stepper.step()
         else:
             live = list(s.requests)
             if live:
@@ -107,11 +140,11 @@ def test_random_operations_never_leak_blocks(ops, num_blocks, budget, max_seqs, 
         check_invariants(s)
     # Drain: everything finishes (no deadlock) and every block comes back.
     for _ in range(10_000):
-        if not s.has_unfinished_requests():
+        if not stepper.busy:
             break
-        run_step(s, rng)
+        stepper.step()
         check_invariants(s)
-    assert not s.has_unfinished_requests(), "scheduler stalled"
+    assert not stepper.busy, "scheduler stalled"
     assert kv.pool.num_free_blocks == num_blocks
 
 
@@ -155,19 +188,49 @@ def test_chunked_prefill_respects_budget_and_decodes_go_first() -> None:
     assert out.num_scheduled_tokens == [1, 9]
 
 
-def test_preemption_by_recompute_when_blocks_run_out() -> None:
+@pytest.mark.parametrize("lag", [False, True], ids=["sync", "async"])
+def test_preemption_by_recompute_when_blocks_run_out(lag: bool) -> None:
     kv = KVCacheManager(6, BLOCK, enable_prefix_caching=False)
     s = Scheduler(SchedulerConfig(4, 64, 24), kv)
-    rng = random.Random(0)
-    s.add_request(make_request("a", list(range(1, 9)), 12))
-    s.add_request(make_request("b", list(range(11, 19)), 12))
+    stepper = Stepper(s, random.Random(0), lag)
+    a = make_request("a", list(range(1, 9)), 12)
+    b = make_request("b", list(range(11, 19)), 12)
+    s.add_request(a)
+    s.add_request(b)
     for _ in range(200):
-        if not s.has_unfinished_requests():
+        if not stepper.busy:
             break
-        run_step(s, rng)
+        stepper.step()
         check_invariants(s)
     assert s.num_preemptions > 0
     assert kv.pool.num_free_blocks == 6
+    assert a.num_output_tokens == b.num_output_tokens == 12  # nothing lost to the preemption
+
+
+def test_async_steps_stop_at_max_tokens_and_drop_tokens_past_a_stop() -> None:
+    kv = KVCacheManager(32, BLOCK)
+    s = Scheduler(SchedulerConfig(4, 64, 128), kv)
+    req = Request("a", [5, 6, 7], SamplingParams(max_tokens=3), frozenset({EOS}), max_tokens=3)
+    s.add_request(req)
+    first = s.schedule()  # prefill: samples output 1
+    second = s.schedule()  # scheduled on output 1 while it is in flight
+    assert second.num_scheduled_tokens == [1] and req.num_output_placeholders == 2
+    s.update_from_output(first, [9])
+    third = s.schedule()
+    s.update_from_output(second, [10])
+    # Outputs 1..3 are known or in flight: max_tokens=3 allows no fourth step.
+    assert s.schedule().is_empty
+    s.update_from_output(third, [11])
+    assert req.output_token_ids == [9, 10, 11] and req.status == RequestStatus.FINISHED_LENGTH
+    assert kv.pool.num_free_blocks == 32
+
+    eos = Request("b", [5, 6, 7], SamplingParams(max_tokens=8), frozenset({EOS}), max_tokens=8)
+    s.add_request(eos)
+    first, second = s.schedule(), s.schedule()
+    s.update_from_output(first, [EOS])  # stops; the step in flight computed one token too many
+    s.update_from_output(second, [12])
+    assert eos.output_token_ids == [EOS] and eos.status == RequestStatus.FINISHED_STOPPED
+    assert kv.pool.num_free_blocks == 32
 
 
 def test_prompt_too_long_is_rejected_with_a_clear_message() -> None:

@@ -1,0 +1,166 @@
+"""CUDA graphs for decode steps: one graph per batch size, replayed on static input buffers that a
+step fills with two host-to-device copies, so a decode step costs one launch instead of hundreds."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ember.attention.metadata import AttentionMetadata, ForwardContext
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ember.attention.backend import AttentionBackend
+    from ember.engine.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+def cuda_graph_sizes(max_batch: int) -> list[int]:
+    """Batch sizes to capture: 1, 2, 4, then every 8 (a decode batch pads up to the next one)."""
+    sizes = [s for s in (1, 2, 4) if s <= max_batch]
+    sizes += list(range(8, max_batch + 1, 8))
+    if sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sizes
+
+
+def feed_input_ids(ids: torch.Tensor, src: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+    """Input ids with the rows whose token is still on the GPU (src >= 0) taken from `prev_tokens`,
+    the tokens the previous step sampled: async scheduling launches a step before the host has
+    seen the token it decodes."""
+    return torch.where(src >= 0, prev_tokens[src.clamp(min=0)], ids)
+
+
+def feed_row(prev_rows: dict[str, int], request_id: str) -> int:
+    row = prev_rows.get(request_id)
+    if row is None:
+        raise RuntimeError(
+            f"request {request_id} decodes a token that the previous step did not sample"
+        )
+    return row
+
+
+@dataclass(slots=True)
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor
+
+
+class DecodeGraphs:
+    """Captured decode steps and their static inputs (ids, positions, slots, context lengths, the
+    feed index of async scheduling, block tables)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        backend: AttentionBackend,
+        block_size: int,
+        prev_tokens: torch.Tensor,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.block_size = block_size
+        self.prev_tokens = prev_tokens
+        self.device = device
+        self.graphs: dict[int, _Graph] = {}
+        self.sizes: list[int] = []
+
+    def size_for(self, n: int) -> int | None:
+        """The captured batch size a decode batch of `n` pads up to; None if there is none."""
+        for size in self.sizes:
+            if size >= n:
+                return size
+        return None
+
+    @torch.inference_mode()
+    def capture(self, kv_cache: torch.Tensor, max_batch: int, max_model_len: int) -> None:
+        max_blocks = -(-max_model_len // self.block_size)
+        dev = self.device
+        # One static buffer for the per-row inputs and one for the block tables, each filled from
+        # a pinned twin by a single copy per step.
+        self._rows = torch.zeros(5, max_batch, dtype=torch.int64, device=dev)
+        self._rows[2].fill_(-1)
+        self._rows[3].fill_(1)
+        self._rows[4].fill_(-1)
+        self._ids, self._pos, self._slots, self._lens, self._src = self._rows.unbind(0)
+        self._tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=dev)
+        self._h_rows = torch.zeros(5, max_batch, dtype=torch.int64, pin_memory=True)
+        self._h_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=True)
+        self._staged = torch.cuda.Event()
+        self._staged.record()
+        self._qsl = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
+        self._max_len = max_model_len
+        self.sizes = cuda_graph_sizes(max_batch)
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            ctx = ForwardContext(self._metadata(size), kv_cache, self.backend)
+            for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
+                self._forward(size, ctx)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(size, ctx)
+            self.graphs[size] = _Graph(graph, logits)
+        torch.cuda.synchronize()
+        log.info("captured %d CUDA graphs for decode batches up to %d", len(self.graphs), max_batch)
+
+    def _forward(self, size: int, ctx: ForwardContext) -> torch.Tensor:
+        ids = feed_input_ids(self._ids[:size], self._src[:size], self.prev_tokens)
+        return self.model.compute_logits(self.model(ids, self._pos[:size], ctx))
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=self._qsl[: size + 1],
+            seq_lens=self._lens[:size],
+            block_tables=self._tables[:size],
+            slot_mapping=self._slots[:size],
+            max_query_len=1,
+            max_seq_len=self._max_len,
+            query_start_loc_cpu=list(range(size + 1)),
+            seq_lens_cpu=[1] * size,
+            num_decodes=size,
+        )
+
+    def replay(
+        self, so: SchedulerOutput, order: list[int], size: int, prev_rows: dict[str, int]
+    ) -> torch.Tensor:
+        """Run the decode batch `order` of `so` padded to `size`; returns the graph's logits."""
+        # The pinned staging buffers are reused every step: wait until their last copy is done
+        # (normally long done: it was queued before the previous step's graph).
+        self._staged.synchronize()
+        rows = self._h_rows.numpy()
+        tables = self._h_tables.numpy()
+        bs = self.block_size
+        for j, i in enumerate(order):
+            req, blocks = so.requests[i], so.block_ids[i]
+            p = so.num_computed_tokens[i]
+            if p < req.num_tokens:
+                rows[0, j] = req.all_token_ids[p]
+                rows[4, j] = -1
+            else:  # the token is the one the previous step sampled for this request
+                rows[0, j] = 0
+                rows[4, j] = feed_row(prev_rows, req.request_id)
+            rows[1, j] = p
+            rows[2, j] = blocks[p // bs] * bs + p % bs
+            rows[3, j] = p + 1
+            tables[j, : len(blocks)] = blocks
+        n = len(order)
+        # Padding rows write nowhere (slot -1) and attend to one harmless slot.
+        rows[0, n:size] = 0
+        rows[1, n:size] = 0
+        rows[2, n:size] = -1
+        rows[3, n:size] = 1
+        rows[4, n:size] = -1
+        tables[n:size, 0] = 0
+        self._rows.copy_(self._h_rows, non_blocking=True)
+        self._tables[:size].copy_(self._h_tables[:size], non_blocking=True)
+        self._staged.record()
+        g = self.graphs[size]
+        g.graph.replay()
+        return g.logits
