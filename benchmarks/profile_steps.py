@@ -1,0 +1,115 @@
+"""Where a step's GPU time goes, kernel by kernel (torch.profiler), on the Llama-3.1-8B shape with
+dummy weights: decode at batch 1 (512-token context) and batch 128 (1k context), and one prefill
+step of 8 x 2048 tokens; eager mode so that each kernel is attributed. Each table also gives the
+step's wall time, so the time between kernels shows. Prints a table per case and writes JSON
+beside the engine benchmark's.
+
+    python benchmarks/profile_steps.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine_gpu import engine_config, random_prompts, shape_dir  # noqa: E402
+
+from ember.engine.core import EngineCore  # noqa: E402
+from ember.engine.messages import EngineCoreRequest  # noqa: E402
+from ember.sampling_params import SamplingParams  # noqa: E402
+
+
+def kernels_of(prof: profile, steps: int) -> dict[str, float]:
+    totals: dict[str, float] = defaultdict(float)
+    launches = 0
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            totals[ev.name[:90]] += ev.device_time_total / 1e3 / steps  # ms per step
+            launches += 1
+    totals["(kernel launches per step)"] = launches / steps
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def decode_table(core: EngineCore, batch: int, context: int, steps: int = 8) -> dict[str, float]:
+    params = SamplingParams(temperature=1.0, max_tokens=steps + 4, ignore_eos=True)
+    for i, p in enumerate(random_prompts(batch, context, 128256, batch)):
+        core.add_request(EngineCoreRequest(f"p{batch}-{i}", p, params, [], steps + 4))
+    for _ in range(3):  # prefill (chunked if needed) and a first decode step, unprofiled
+        core.step()
+    while core.scheduler.waiting:
+        core.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            core.step()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3 / steps
+    while core.has_unfinished_requests():
+        core.step()
+    return {"(wall ms per step)": wall, **kernels_of(prof, steps)}
+
+
+def prefill_table(core: EngineCore, n: int = 8, length: int = 2048) -> dict[str, float]:
+    params = SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True)
+    for rep in ("warm", "run"):
+        for i, p in enumerate(random_prompts(n, length, 128256, 100 + len(rep))):
+            core.add_request(EngineCoreRequest(f"{rep}-{i}", p, params, [], 1))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            steps = 0
+            while core.has_unfinished_requests():
+                core.step()
+                steps += 1
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3
+    prefill_steps = -(-n * length // core.resolved.max_num_batched_tokens)
+    return {"(wall ms per step)": wall / prefill_steps, **kernels_of(prof, prefill_steps)}
+
+
+def main() -> None:
+    # Eager, so that the profiler can name every kernel.
+    core = EngineCore(engine_config(shape_dir("llama"), enforce_eager=True))
+    gpu = torch.cuda.get_device_name()
+    result = {"gpu": gpu, "tables": {}}
+    cases = {
+        "b1": ("decode batch 1, context 512", lambda: decode_table(core, 1, 512)),
+        "b128": ("decode batch 128, context 1024", lambda: decode_table(core, 128, 1024)),
+        "prefill": ("prefill 8 x 2048 in one step", lambda: prefill_table(core)),
+    }
+    for key, (title, measure) in cases.items():
+        table = measure()
+        wall = table.pop("(wall ms per step)")
+        launches = table.pop("(kernel launches per step)")
+        total = sum(table.values())
+        result["tables"][key] = {
+            "total_ms": total,
+            "wall_ms": wall,
+            "launches": launches,
+            "kernels": table,
+        }
+        print(
+            f"\n## {title}: {total:.3f} ms of kernels in {wall:.3f} ms of wall time, "
+            f"{launches:.0f} launches per step"
+        )
+        print("| kernel | ms/step | share |")
+        print("|---|---|---|")
+        for name, ms in list(table.items())[:16]:
+            print(f"| {name} | {ms:.3f} | {ms / total:.1%} |")
+    out = Path(os.environ.get("OUT") or "benchmarks/results")
+    (out / f"profile_steps-{gpu.replace(' ', '_')}.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
