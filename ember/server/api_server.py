@@ -177,9 +177,8 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def run_server(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    config = EngineConfig(
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
         model=args.model,
         dtype=args.dtype,
         device=args.device,
@@ -196,6 +195,11 @@ def run_server(args: argparse.Namespace) -> int:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
     )
+
+
+def run_server(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    config = engine_config_from_args(args)
     engine = AsyncLLM(config)
     parser = None if args.tool_call_parser in (None, "", "none") else args.tool_call_parser
     app = build_app(
