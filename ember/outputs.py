@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ember.engine.messages import KVTransferParams
 
 
 @dataclass(slots=True)
@@ -41,3 +45,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    kv_transfer_params: KVTransferParams | None = None
+    """Prefill role: where the prompt's KV waits for a decode engine (on the final output)."""

@@ -4,15 +4,26 @@ an engine-core process. Each request gets a queue; one task fans the core's outp
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from ember.engine.config import EngineConfig
 from ember.engine.core_client import CoreClient, EngineDeadError
 from ember.engine.input_processor import InputProcessor, PromptType
-from ember.engine.messages import AbortRequests, EngineCoreOutputs, EngineCoreReady, SchedulerStats
+from ember.engine.messages import (
+    AbortRequests,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    KVEvents,
+    KVTransferParams,
+    ReleaseLease,
+    SchedulerStats,
+)
 from ember.engine.output_processor import OutputProcessor
 from ember.engine.structured_output import GrammarCompiler
 from ember.models.config import ModelConfig
@@ -21,6 +32,9 @@ from ember.sampling_params import SamplingParams
 from ember.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+KV_EVENTS_KEPT = 200_000
 
 
 class AsyncLLM:
@@ -43,6 +57,10 @@ class AsyncLLM:
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._client: CoreClient | None = None
         self._loop_task: asyncio.Task[None] | None = None
+        self._lease_replies: dict[str, asyncio.Future[bool]] = {}
+        # The prefix cache's block events, numbered, for routers that poll /kv_events.
+        self.kv_events: deque[tuple[int, str, str]] = deque(maxlen=KV_EVENTS_KEPT)
+        self.kv_event_seq = 0
 
     async def start(self, timeout_s: float = 600.0) -> None:
         """Spawn the engine core and wait until its model is loaded."""
@@ -75,24 +93,35 @@ class AsyncLLM:
         prompt: PromptType,
         params: SamplingParams,
         cache_salt: str | None = None,
+        kv_transfer: KVTransferParams | None = None,
     ) -> RequestStream:
         """Validate and submit a request; iterate the returned stream for its outputs.
 
         Bad input raises ValueError here, before anything is queued. The caller must iterate the
         stream to the end or `aclose()` it; closing early aborts the request in the core.
+        A decode leg (`kv_transfer.do_remote_prefill`) streams the prefill engine's first token at
+        once, before its KV is read: the client has it one hop after the prefill leg returned.
         """
         if self.dead is not None or self._client is None:
             raise EngineDeadError(self.dead or "engine not started")
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
-        state, core_reqs = self.inputs.process(request_id, prompt, params, cache_salt)
+        state, core_reqs = self.inputs.process(request_id, prompt, params, cache_salt, kv_transfer)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         self.processor.add_request(state)
         stream = RequestStream(self, request_id, queue)
+        stopped: list[str] = []
+        if kv_transfer is not None and kv_transfer.do_remote_prefill:
+            first = EngineCoreOutput(core_reqs[0].request_id, [kv_transfer.first_token_id])
+            outputs, stopped = self.processor.process([first])
+            for out in outputs:
+                queue.put_nowait(out)
         try:
             for r in core_reqs:
                 await self._client.send(r)
+            if stopped:  # the first token already ended it on a stop string
+                await self._client.send(AbortRequests(stopped, stopped=True))
         except BaseException:
             await stream.aclose()
             raise
@@ -112,6 +141,34 @@ class AsyncLLM:
                 yield out
         finally:
             await stream.aclose()
+
+    async def release_lease(self, lease_id: str, timeout_s: float = 5.0) -> bool:
+        """Free a prefill lease's blocks; True if it was still held (so its KV was intact)."""
+        if self._client is None or self.dead is not None:
+            raise EngineDeadError(self.dead or "engine not started")
+        fut = self._lease_replies.get(lease_id)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            self._lease_replies[lease_id] = fut
+            await self._client.send(ReleaseLease(lease_id))
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+        finally:
+            if fut.done():
+                self._lease_replies.pop(lease_id, None)
+
+    def events_since(self, seq: int) -> tuple[int, bool, list[tuple[int, str, str]]]:
+        """(newest seq, whether events after `seq` were dropped, the events after `seq`)."""
+        events = self.kv_events
+        if not events or seq >= self.kv_event_seq:
+            return self.kv_event_seq, False, []
+        idx = seq + 1 - events[0][0]
+        return self.kv_event_seq, idx < 0, list(itertools.islice(events, max(idx, 0), None))
+
+    def _record_events(self, ev: KVEvents) -> None:
+        for kind, h in ev.events:
+            self.kv_event_seq += 1
+            self.kv_events.append((self.kv_event_seq, kind, h.hex()))
 
     async def abort(self, request_id: str) -> None:
         children = self.processor.child_ids(request_id)
@@ -133,6 +190,12 @@ class AsyncLLM:
                 if not isinstance(msg, EngineCoreOutputs):
                     raise EngineDeadError(f"engine core failed: {getattr(msg, 'error', msg)}")
                 self.stats = msg.stats
+                if msg.kv_events is not None:
+                    self._record_events(msg.kv_events)
+                for lease_id, released in msg.lease_replies or ():
+                    fut = self._lease_replies.pop(lease_id, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(released)
                 if not msg.outputs:
                     continue
                 outputs, to_stop = self.processor.process(msg.outputs)

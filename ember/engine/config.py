@@ -34,6 +34,18 @@ class EngineConfig:
     the forward pass blocks the host, so there is nothing to overlap)."""
     cpu_threads: int | None = None
     """Torch threads of a CPU engine core; None leaves one core free for the API process."""
+    kv_role: str = "both"
+    """Disaggregation: "prefill" leases finished prompts' KV to decode engines, "decode" reads it
+    from them, "both" does everything itself."""
+    kv_transport: str = "mooncake"
+    """How KV moves between engines: "mooncake" (TCP here, RDMA/NVLink on GPU clusters) or
+    "cuda_ipc" (two GPUs of one node)."""
+    kv_host: str = "127.0.0.1"
+    """The address this engine's KV transport listens on, as peers reach it."""
+    kv_lease_s: float = 30.0
+    """How long a prefill engine holds a prompt's KV for a decode engine that does not come."""
+    kv_events: bool = False
+    """Record the prefix cache's stored/evicted block hashes for the router's prefix index."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -44,6 +56,10 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in [0.05, 1], got {self.gpu_memory_utilization}"
             )
+        if self.kv_role not in ("both", "prefill", "decode"):
+            raise ValueError(f"kv_role must be both, prefill or decode, got {self.kv_role!r}")
+        if self.kv_lease_s <= 0:
+            raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -7,13 +7,22 @@ server can run the core in its own process.
 from __future__ import annotations
 
 import logging
+import time
+import uuid
 
 import torch
 
 from ember.attention.backend import AttentionBackend
 from ember.attention.torch_backend import TorchAttentionBackend
 from ember.engine.config import EngineConfig, ResolvedConfig
-from ember.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from ember.engine.kv_connector import KVConnector
+from ember.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    KVEvents,
+    KVTransferParams,
+    SchedulerStats,
+)
 from ember.engine.model_runner import ModelRunner, PendingStep
 from ember.engine.request import Request, RequestStatus
 from ember.engine.sampler import make_generator
@@ -80,11 +89,26 @@ class EngineCore:
             f"{self.model_config.architecture}|{config.model}|{r.dtype}|bs={config.block_size}"
         )
         self.kv = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, namespace
+            num_blocks, config.block_size, config.enable_prefix_caching, namespace, config.kv_events
         )
+        self.engine_id = uuid.uuid4().hex[:12]
+        self.connector: KVConnector | None = None
+        if config.kv_role != "both":
+            from ember.kv.transport import make_transport
+
+            transport = make_transport(config.kv_transport, config.kv_host)
+            self.connector = KVConnector(
+                config.kv_role,
+                self.kv,
+                self.runner.kv_cache,
+                transport,
+                self.engine_id,
+                config.kv_lease_s,
+            )
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, r.max_num_batched_tokens, r.max_model_len),
             self.kv,
+            self.connector,
         )
         self.num_steps = 0
         self.async_scheduling = (
@@ -142,7 +166,22 @@ class EngineCore:
             arrival_time=msg.arrival_time,
             cache_salt=msg.cache_salt,
             generator=None if msg.seed is None else make_generator(msg.seed, self.device),
+            kv_transfer=msg.kv_transfer,
         )
+        kvt = msg.kv_transfer
+        if kvt is not None and kvt.do_remote_prefill:
+            # A decode leg: the prefill engine sampled the first token; decoding goes on from it.
+            if not 0 <= kvt.first_token_id < self.model_config.vocab_size:
+                raise ValueError(
+                    f"kv_transfer_params.first_token_id {kvt.first_token_id} is invalid"
+                )
+            req.append_output_token(kvt.first_token_id)
+            if (
+                self.connector is None
+                or self.connector.role != "decode"
+                or kvt.num_prompt_tokens != len(msg.prompt_token_ids)
+            ):
+                req.kv_transfer = None  # nothing to read it with, or not our prompt: prefill here
         if msg.sampling_params.structured_outputs is not None:
             req.matcher = self.grammar.matcher(msg.sampling_params.structured_outputs)
         self.scheduler.add_request(req)
@@ -152,11 +191,33 @@ class EngineCore:
     ) -> list[Request]:
         return self.scheduler.finish_requests(request_ids, status)
 
+    def _lease_of(self, req: Request) -> KVTransferParams | None:
+        """A finished prefill-role request's lease, for its last output."""
+        c = self.connector
+        if c is None or c.role != "prefill" or not req.is_finished or req.kv_transfer is None:
+            return None
+        return req.kv_transfer if req.kv_transfer.lease_id else None
+
+    def release_lease(self, lease_id: str) -> bool:
+        return self.connector is not None and self.connector.release(lease_id)
+
+    def expire_leases(self) -> None:
+        if self.connector is not None and self.connector.role == "prefill":
+            self.connector.expire()
+
+    def drain_kv_events(self) -> KVEvents | None:
+        events = self.kv.pool.drain_events()
+        return KVEvents(events) if events else None
+
+    def close(self) -> None:
+        if self.connector is not None:
+            self.connector.close()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def stats(self) -> SchedulerStats:
-        s, pool = self.scheduler, self.kv.pool
+        s, pool, c = self.scheduler, self.kv.pool, self.connector
         prefill = sum(r.num_prompt_tokens - r.num_computed_tokens for r in s.waiting)
         decode = 0
         for r in s.running:
@@ -176,6 +237,10 @@ class EngineCore:
             prefix_hits=s.prefix_hits,
             num_preemptions=s.num_preemptions,
             num_steps=self.num_steps,
+            num_leases=len(c.leases) if c else 0,
+            lease_expiries=c.lease_expiries if c else 0,
+            remote_kv_loads=c.loads if c else 0,
+            remote_kv_failures=c.load_failures if c else 0,
         )
 
     def step(self) -> list[EngineCoreOutput]:
@@ -192,6 +257,8 @@ class EngineCore:
         if not so.is_empty:
             launched = (so, self.runner.launch(so))
             self.num_steps += 1
+        elif self._in_flight is None and self.scheduler.loading:
+            time.sleep(0.001)  # only remote KV reads pending: let their threads run
         if self._in_flight is not None:
             outputs += self._collect()
         self._in_flight = launched
@@ -228,6 +295,7 @@ class EngineCore:
                     finish_reason=req.status.finish_reason,
                     stop_reason=req.stop_reason,
                     num_cached_tokens=max(req.num_cached_tokens, 0),
+                    kv_transfer_params=self._lease_of(req),
                 )
             )
         return outputs

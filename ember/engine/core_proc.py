@@ -22,6 +22,7 @@ from ember.engine.messages import (
     EngineCoreOutputs,
     EngineCoreReady,
     EngineCoreRequest,
+    ReleaseLease,
     SchedulerStats,
     Shutdown,
 )
@@ -57,7 +58,13 @@ def engine_core_main(config: EngineConfig, input_addr: str, output_addr: str) ->
     out.send(
         enc.encode(
             EngineCoreReady(
-                core.num_kv_blocks, config.block_size, r.max_model_len, config.max_num_seqs
+                core.num_kv_blocks,
+                config.block_size,
+                r.max_model_len,
+                config.max_num_seqs,
+                engine_id=core.engine_id,
+                kv_root_hash=core.kv.root,
+                transfer_address=core.connector.transport.address if core.connector else "",
             )
         )
     )
@@ -67,6 +74,7 @@ def engine_core_main(config: EngineConfig, input_addr: str, output_addr: str) ->
         out.send(enc.encode(EngineCoreFailed(traceback.format_exc())))
         raise
     finally:
+        core.close()
         inp.close(linger=0)
         out.close(linger=1000)
         ctx.term()
@@ -84,12 +92,14 @@ class EngineCoreLoop:
         self.parent = os.getppid()
         self.last_stats: SchedulerStats | None = None
         self.rejected: list[EngineCoreOutput] = []
+        self.lease_replies: list[tuple[str, bool]] = []
 
     def run(self) -> None:
         while True:
             busy = self.core.has_unfinished_requests()
             if not self.drain_inputs(0 if busy else IDLE_POLL_MS):
                 return
+            self.core.expire_leases()
             outputs = self.core.step() if self.core.has_unfinished_requests() else []
             self.publish(self.rejected + outputs)
             self.rejected = []
@@ -120,12 +130,16 @@ class EngineCoreLoop:
                     else RequestStatus.FINISHED_ABORTED
                 )
                 self.core.abort_requests(msg.request_ids, status)
+            elif isinstance(msg, ReleaseLease):
+                self.lease_replies.append((msg.lease_id, self.core.release_lease(msg.lease_id)))
             elif isinstance(msg, Shutdown):
                 return False
         return True
 
     def publish(self, outputs: list[EngineCoreOutput]) -> None:
         stats = self.core.stats()
-        if outputs or stats != self.last_stats:
-            self.out.send(self.enc.encode(EngineCoreOutputs(outputs, stats)))
+        events = self.core.drain_kv_events()
+        replies, self.lease_replies = self.lease_replies or None, []
+        if outputs or events or replies or stats != self.last_stats:
+            self.out.send(self.enc.encode(EngineCoreOutputs(outputs, stats, events, replies)))
             self.last_stats = stats

@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ember.engine.messages import EngineCoreRequest
+from ember.engine.messages import EngineCoreRequest, KVTransferParams
 from ember.engine.output_processor import RequestState, SampleState
 from ember.sampling_params import SamplingParams
 from ember.tokenizer.detokenizer import IncrementalDetokenizer
@@ -60,12 +60,23 @@ class InputProcessor:
         prompt: PromptType,
         params: SamplingParams,
         cache_salt: str | None = None,
+        kv_transfer: KVTransferParams | None = None,
     ) -> tuple[RequestState, list[EngineCoreRequest]]:
         text, ids = self.tokenize(prompt)
         self.validate(ids, params)
         max_tokens = self.max_model_len - len(ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
+        if kv_transfer is not None:
+            if params.n != 1:
+                raise ValueError("kv_transfer_params needs n=1")
+            if kv_transfer.do_remote_decode:
+                max_tokens = 1  # the prefill leg samples the first token; min_tokens still holds
+            if (
+                kv_transfer.do_remote_prefill
+                and not 0 <= kv_transfer.first_token_id < self.vocab_size
+            ):
+                raise ValueError("kv_transfer_params.first_token_id is not a token id")
         now = time.monotonic()
         eos = sorted(self.tokenizer.eos_token_ids)
         samples: dict[str, SampleState] = {}
@@ -82,6 +93,7 @@ class InputProcessor:
                     seed=None if params.seed is None else params.seed + i,
                     cache_salt=cache_salt,
                     arrival_time=now,
+                    kv_transfer=kv_transfer,
                 )
             )
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)

@@ -7,6 +7,33 @@ import msgspec
 from ember.sampling_params import SamplingParams
 
 
+class KVTransferParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """Prefill/decode disaggregation, vLLM's `kv_transfer_params` in shape.
+
+    To a prefill engine a request brings `do_remote_decode`; its answer carries the rest (where the
+    prompt's KV blocks are, under which lease, and the first token). A decode engine gets that
+    answer back with `do_remote_prefill`, reads the blocks, releases the lease and decodes on.
+    """
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    engine_id: str = ""
+    lease_id: str = ""
+    block_ids: list[int] = msgspec.field(default_factory=list)
+    transfer_address: str = ""
+    """The prefill engine's KV transport address ("host:port" for Mooncake)."""
+    kv_base_addr: int = 0
+    """Address of the prefill engine's registered KV cache; block i starts at base + i * block_bytes."""
+    block_bytes: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    first_token_id: int = -1
+    lease_s: float = 0.0
+    """Seconds the prefill engine holds the blocks unless released first."""
+    release_url: str = ""
+    """Where the decode side POSTs {"lease_id": ...} once it has read the blocks."""
+
+
 class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True):
     """One sample of one request, tokenized and validated; the core makes a Request of it."""
 
@@ -19,6 +46,11 @@ class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True, omit_default
     """This sample's own seed (a request's seed + its index among the n samples)."""
     cache_salt: str | None = None
     arrival_time: float = 0.0
+    kv_transfer: KVTransferParams | None = None
+
+
+class ReleaseLease(msgspec.Struct, tag="release", array_like=True):
+    lease_id: str
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -31,7 +63,7 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
-CoreInput = EngineCoreRequest | AbortRequests | Shutdown
+CoreInput = EngineCoreRequest | AbortRequests | ReleaseLease | Shutdown
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -41,6 +73,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    kv_transfer_params: KVTransferParams | None = None
+    """Set on a prefill-role request's last output: where its KV waits for the decode side."""
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
@@ -59,11 +93,28 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     prefix_hits: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
+    num_leases: int = 0
+    """Prefill role: requests whose KV blocks wait, leased, for a decode engine to read them."""
+    lease_expiries: int = 0
+    remote_kv_loads: int = 0
+    """Decode role: prompts whose KV was read from a prefill engine."""
+    remote_kv_failures: int = 0
+    """Decode role: reads that failed, so the prompt was prefilled here instead."""
+
+
+class KVEvents(msgspec.Struct, array_like=True):
+    """Block hashes the prefix cache published ("stored") and evicted ("removed") since the last
+    message, in order."""
+
+    events: list[tuple[str, bytes]]
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats
+    kv_events: KVEvents | None = None
+    lease_replies: list[tuple[str, bool]] | None = None
+    """Answers to ReleaseLease: (lease id, whether it was still held)."""
 
 
 class EngineCoreReady(msgspec.Struct, tag="ready", array_like=True):
@@ -71,6 +122,10 @@ class EngineCoreReady(msgspec.Struct, tag="ready", array_like=True):
     block_size: int
     max_model_len: int
     max_num_seqs: int
+    engine_id: str = ""
+    kv_root_hash: bytes = b""
+    """Parent hash of every sequence's first block: the router hashes prompts the same way."""
+    transfer_address: str = ""
 
 
 class EngineCoreFailed(msgspec.Struct, tag="failed", array_like=True):

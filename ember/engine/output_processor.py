@@ -11,7 +11,7 @@ from ember.outputs import CompletionOutput, Logprob, RequestOutput
 from ember.tokenizer.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
-    from ember.engine.messages import EngineCoreOutput
+    from ember.engine.messages import EngineCoreOutput, KVTransferParams
     from ember.sampling_params import SamplingParams
     from ember.tokenizer.tokenizer import Tokenizer
 
@@ -39,6 +39,7 @@ class RequestState:
     samples: dict[str, SampleState]
     num_cached_tokens: int = 0
     arrival_time: float = 0.0
+    kv_transfer_params: KVTransferParams | None = None
 
     @property
     def finished(self) -> bool:
@@ -64,6 +65,7 @@ class RequestState:
             outs,
             self.finished,
             self.num_cached_tokens,
+            kv_transfer_params=self.kv_transfer_params,
         )
 
 
@@ -101,6 +103,8 @@ class OutputProcessor:
             if sample.finish_reason is not None:
                 continue
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if out.kv_transfer_params is not None:
+                state.kv_transfer_params = out.kv_transfer_params
             if self._apply(sample, out) and out.finish_reason is None:
                 to_stop.append(out.request_id)
             touched[parent_id] = state

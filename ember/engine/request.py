@@ -11,11 +11,13 @@ if TYPE_CHECKING:
     import torch
     from llguidance import LLMatcher
 
+    from ember.engine.messages import KVTransferParams
     from ember.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -62,6 +64,9 @@ class Request:
     matcher: LLMatcher | None = None
     """The structured-output grammar's state, when the request has one."""
     num_preemptions: int = 0
+    kv_transfer: KVTransferParams | None = None
+    """Disaggregation: `do_remote_decode` (hold the KV for a decode engine when done) or
+    `do_remote_prefill` (read the prompt's KV from a prefill engine before decoding)."""
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

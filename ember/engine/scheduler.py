@@ -10,9 +10,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ember.engine.request import Request, RequestStatus
 from ember.kv.kv_cache_manager import KVCacheManager
+
+if TYPE_CHECKING:
+    from ember.engine.kv_connector import KVConnector
 
 
 @dataclass(slots=True)
@@ -50,11 +54,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, connector: KVConnector | None = None
+    ) -> None:
         self.config = config
         self.kv = kv
+        self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: dict[str, Request] = {}
+        """Decode role: requests whose prompt KV is being read from a prefill engine."""
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.prefix_queries = 0
@@ -90,14 +99,16 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.loading)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     # -- one step ------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        if self.connector is not None:
+            self._collect_loads()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         i = 0
@@ -127,11 +138,15 @@ class Scheduler:
             self.waiting
             and budget > 0
             and not out.preempted
-            and len(self.running) < self.config.max_num_seqs
+            and len(self.running) + len(self.loading) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
             if req.num_output_placeholders:  # preempted with a token in flight: wait for it
                 break
+            if self._reads_remote_kv(req):
+                if not self._start_load(req):
+                    break
+                continue
             hits, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(req, num_new, hits):
@@ -196,6 +211,52 @@ class Scheduler:
                 finished.append(req)
         return progressed, finished
 
+    # -- disaggregation ------------------------------------------------------------------------
+
+    def _reads_remote_kv(self, req: Request) -> bool:
+        return (
+            self.connector is not None
+            and self.connector.role == "decode"
+            and req.kv_transfer is not None
+            and req.kv_transfer.do_remote_prefill
+        )
+
+    def _start_load(self, req: Request) -> bool:
+        """Allocate the prompt's blocks and read its KV from the prefill engine (not published in
+        the prefix cache until the read is confirmed)."""
+        if self.connector is None or req.kv_transfer is None:
+            raise RuntimeError("a remote KV load needs a connector and transfer params")
+        if not self.kv.allocate_slots(req, req.kv_transfer.num_prompt_tokens, publish=False):
+            return False
+        self.waiting.popleft()
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = 0
+        self.loading[req.request_id] = req
+        self.connector.start_load(req)
+        return True
+
+    def _collect_loads(self) -> None:
+        if self.connector is None:
+            return
+        for req, ok in self.connector.poll_loads():
+            self.loading.pop(req.request_id, None)
+            if req.is_finished:  # aborted while its blocks were being written: free them now
+                self.kv.free(req)
+                continue
+            params = req.kv_transfer
+            if ok and params is not None:
+                req.num_computed_tokens = params.num_prompt_tokens
+                self.kv.publish(req, params.num_prompt_tokens)
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+            else:  # prefill here instead: slower, never wrong
+                self.kv.free(req)
+                req.kv_transfer = None
+                req.num_computed_tokens = 0
+                req.status = RequestStatus.WAITING
+                self.waiting.appendleft(req)
+
     # -- internals -----------------------------------------------------------------------------
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
@@ -220,7 +281,7 @@ class Scheduler:
     def _remove(self, req: Request) -> None:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-        else:
+        elif req.status != RequestStatus.WAITING_FOR_REMOTE_KV:  # loads end in _collect_loads
             self.waiting.remove(req)
 
     def _preempt(self, req: Request) -> None:
@@ -232,6 +293,21 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        loading = req.status == RequestStatus.WAITING_FOR_REMOTE_KV
         req.status = status
-        self.kv.free(req)
+        if self.connector is not None and self._leases(req, status):
+            req.kv_transfer = self.connector.hold(req)
+        elif not loading:  # a read into a loading request's blocks may still be running
+            self.kv.free(req)
         del self.requests[req.request_id]
+
+    def _leases(self, req: Request, status: RequestStatus) -> bool:
+        """A prefill-role prompt that ended on its length limit waits for its decode engine."""
+        return (
+            self.connector is not None
+            and self.connector.role == "prefill"
+            and req.kv_transfer is not None
+            and req.kv_transfer.do_remote_decode
+            and status == RequestStatus.FINISHED_LENGTH
+            and req.num_output_tokens > 0
+        )

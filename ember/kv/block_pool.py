@@ -25,7 +25,9 @@ class KVBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, record_events: bool = False
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -35,6 +37,10 @@ class BlockPool:
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
+        # KV events for the router's prefix index: hashes published and evicted, in order.
+        self.record_events = record_events
+        self.events: list[tuple[str, BlockHash]] = []
+        """("stored" | "removed", hash), in the order they happened."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -83,12 +89,22 @@ class BlockPool:
         if not self.enable_caching or block.block_hash is not None:
             return
         block.block_hash = block_hash
-        self._cached.setdefault(block_hash, block)
+        if block_hash not in self._cached:
+            self._cached[block_hash] = block
+            if self.record_events:
+                self.events.append(("stored", block_hash))
+
+    def drain_events(self) -> list[tuple[str, BlockHash]]:
+        """The events since the last call."""
+        out, self.events = self.events, []
+        return out
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed when no block is in use."""
         if len(self._free) != self.num_blocks:
             return False
+        if self.record_events:
+            self.events.extend(("removed", h) for h in self._cached)
         for b in self.blocks:
             b.block_hash = None
         self._cached.clear()
@@ -100,4 +116,6 @@ class BlockPool:
         if self._cached.get(b.block_hash) is b:
             del self._cached[b.block_hash]
             self.num_evictions += 1
+            if self.record_events:
+                self.events.append(("removed", b.block_hash))
         b.block_hash = None

@@ -18,12 +18,13 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         namespace: str = "",
+        record_events: bool = False,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, record_events)
         self.root = root_hash(namespace)
         self._blocks: dict[str, list[KVBlock]] = {}
         # How many of a request's blocks are already published in the prefix index.
@@ -64,12 +65,17 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def allocate_slots(
-        self, req: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] | None = None
+        self,
+        req: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVBlock] | None = None,
+        publish: bool = True,
     ) -> bool:
         """Make room for `num_new_tokens` after the computed ones; False (and no change) if full.
 
         Blocks that the step will fill completely are published in the prefix index at once: their
-        KV is written before any attention reads it within the same forward pass.
+        KV is written before any attention reads it within the same forward pass. Blocks filled
+        some other way (read from a remote engine) pass publish=False and `publish` once written.
         """
         hits = new_computed_blocks or []
         blocks = self._blocks.get(req.request_id, [])
@@ -85,8 +91,13 @@ class KVCacheManager:
         blocks.extend(hits)
         if need > 0:
             blocks.extend(self.pool.allocate(need))
-        self._publish(req, blocks, total)
+        if publish:
+            self._publish(req, blocks, total)
         return True
+
+    def publish(self, req: Request, num_tokens: int) -> None:
+        """Publish the full blocks of the first `num_tokens` tokens, now that their KV is written."""
+        self._publish(req, self._blocks.get(req.request_id, []), num_tokens)
 
     def free(self, req: Request) -> None:
         """Release every block of `req`; tail blocks go to the eviction queue first."""

@@ -1,5 +1,7 @@
 """`ember serve`: the OpenAI-compatible HTTP server (FastAPI on uvicorn) in front of an engine-core
-process. Routes: /v1/chat/completions, /v1/completions, /v1/models, /health, /load, /metrics."""
+process. Routes: /v1/chat/completions, /v1/completions, /v1/models, /health, /load, /metrics, and
+for disaggregation /kv/release (a decode engine frees a prefill lease) and /kv_events (the prefix
+cache's block events, for a router's prefix index)."""
 
 from __future__ import annotations
 
@@ -115,7 +117,7 @@ def build_app(
 
     @app.get("/load")
     async def load() -> dict[str, Any]:
-        s = engine.stats
+        s, ready = engine.stats, engine.ready
         return {
             "ready": engine.is_ready,
             "running": s.num_running,
@@ -128,7 +130,31 @@ def build_app(
             "total_blocks": s.num_blocks,
             "prefix_cache_queries": s.prefix_queries,
             "prefix_cache_hits": s.prefix_hits,
+            "role": engine.config.kv_role,
+            "engine_id": ready.engine_id if ready else "",
+            "block_size": engine.config.block_size,
+            "kv_root_hash": ready.kv_root_hash.hex() if ready else "",
+            "kv_event_seq": engine.kv_event_seq,
+            "leases": s.num_leases,
+            "lease_expiries": s.lease_expiries,
+            "remote_kv_loads": s.remote_kv_loads,
+            "remote_kv_failures": s.remote_kv_failures,
         }
+
+    @app.post("/kv/release")
+    async def release(request: Request) -> dict[str, Any]:
+        try:
+            lease_id = (await request.json())["lease_id"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise APIError('the body must be {"lease_id": "..."}', param="lease_id") from e
+        if not isinstance(lease_id, str):
+            raise APIError("lease_id must be a string", param="lease_id")
+        return {"lease_id": lease_id, "released": await engine.release_lease(lease_id)}
+
+    @app.get("/kv_events")
+    async def kv_events(since: int = 0) -> dict[str, Any]:
+        seq, lost, events = engine.events_since(since)
+        return {"seq": seq, "lost": lost, "events": [[k, h] for _, k, h in events]}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -194,6 +220,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
+        kv_role=args.role,
+        kv_transport=args.kv_transport,
+        kv_host=args.kv_host,
+        kv_lease_s=args.kv_lease_s,
+        kv_events=True,
     )
 
 

@@ -41,6 +41,22 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="schedule step N+1 while the GPU runs step N (default: on for a GPU)",
     )
+    p.add_argument(
+        "--role",
+        default="both",
+        choices=["both", "prefill", "decode"],
+        help="disaggregation: prefill leases prompts' KV to decode engines, decode reads it",
+    )
+    p.add_argument("--kv-transport", default="mooncake", choices=["mooncake", "cuda_ipc"])
+    p.add_argument(
+        "--kv-host", default="127.0.0.1", help="address peers reach this engine's KV transport at"
+    )
+    p.add_argument(
+        "--kv-lease-s",
+        type=float,
+        default=30.0,
+        help="seconds a prefill engine holds a prompt's KV for a decode engine",
+    )
     p.add_argument("--tool-call-parser", default="hermes", help="hermes | kimi_k2 | none")
     p.add_argument(
         "--max-waiting",

@@ -138,6 +138,8 @@ class _Sampling(_Model):
     include_stop_str_in_output: bool = False
     user: str | None = None
     structured_outputs: StructuredOutputs | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """Prefill/decode disaggregation (vLLM's field): set by the router, see KVTransferParams."""
 
     @field_validator("stop")
     @classmethod

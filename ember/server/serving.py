@@ -11,11 +11,13 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import orjson
 from starlette.requests import Request
 
 from ember.engine.async_llm import AsyncLLM, RequestStream
 from ember.engine.core_client import EngineDeadError
+from ember.engine.messages import KVTransferParams
 from ember.outputs import CompletionOutput, RequestOutput
 from ember.sampling_params import SamplingParams
 from ember.server.errors import APIError
@@ -113,13 +115,36 @@ class ServingContext:
         prompt: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        kv_transfer: KVTransferParams | None = None,
     ) -> RequestStream:
         """Submit to the engine; bad input raises APIError now. The caller owns the stream and
         must `aclose()` it (which aborts the request if it has not finished)."""
         try:
-            return await self.engine.add_request(request_id, prompt, params, cache_salt)
+            return await self.engine.add_request(
+                request_id, prompt, params, cache_salt, kv_transfer
+            )
         except ValueError as e:
             raise APIError(str(e)) from e
+
+
+def parse_kv_transfer(raw: dict[str, Any] | None) -> KVTransferParams | None:
+    """The request's `kv_transfer_params`, checked; None when absent."""
+    if raw is None:
+        return None
+    try:
+        return msgspec.convert(raw, KVTransferParams)
+    except msgspec.ValidationError as e:
+        raise APIError(f"kv_transfer_params: {e}", param="kv_transfer_params") from e
+
+
+def kv_transfer_body(out: RequestOutput, raw: Request) -> dict[str, Any] | None:
+    """A prefill leg's answer: where its KV waits, and the URL that releases it."""
+    params = out.kv_transfer_params
+    if params is None:
+        return None
+    body = msgspec.to_builtins(params)
+    body["release_url"] = str(raw.base_url) + "kv/release"
+    return body
 
     async def observe(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
         """The stream's outputs, observed for TTFT, ITL, end-to-end latency and token counts."""

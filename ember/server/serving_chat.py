@@ -21,7 +21,9 @@ from ember.server.serving import (
     DONE,
     ServingContext,
     chat_logprobs,
+    kv_transfer_body,
     new_id,
+    parse_kv_transfer,
     sse,
     stop_holdback,
     stream_error,
@@ -77,7 +79,9 @@ class ChatHandler:
         except ValueError as e:
             raise APIError(str(e)) from e
         rid = new_id("chatcmpl")
-        stream = await ctx.submit(rid, ids, params)
+        stream = await ctx.submit(
+            rid, ids, params, kv_transfer=parse_kv_transfer(req.kv_transfer_params)
+        )
         # Each choice streams through a parser of its own (they keep state).
         make_parser = (lambda: type(parser)(tools)) if parser is not None else None
         if req.stream:
@@ -147,6 +151,9 @@ class ChatHandler:
             "usage": usage(final),
             "system_fingerprint": None,
         }
+        kv = kv_transfer_body(final, raw)
+        if kv is not None:
+            body["kv_transfer_params"] = kv
         return Response(orjson.dumps(body), media_type="application/json")
 
     def _choice(

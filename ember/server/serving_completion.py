@@ -18,8 +18,10 @@ from ember.server.serving import (
     DONE,
     ServingContext,
     completion_logprobs,
+    kv_transfer_body,
     merge_streams,
     new_id,
+    parse_kv_transfer,
     sse,
     stop_holdback,
     stream_error,
@@ -48,6 +50,9 @@ class CompletionHandler:
                 raise APIError(str(e), param="prompt") from e
             prompts.append((tok.decode(p, skip_special_tokens=False) if req.echo else "", p))
         rid = new_id("cmpl")
+        kv_transfer = parse_kv_transfer(req.kv_transfer_params)
+        if kv_transfer is not None and len(prompts) != 1:
+            raise APIError("kv_transfer_params needs a single prompt", param="prompt")
         streams: list[RequestStream] = []
         try:
             for i, (_, ids) in enumerate(prompts):
@@ -60,7 +65,7 @@ class CompletionHandler:
                         ctx.engine.grammar.validate(params.structured_outputs)
                 except ValueError as e:
                     raise APIError(str(e)) from e
-                streams.append(await ctx.submit(f"{rid}-{i}", ids, params))
+                streams.append(await ctx.submit(f"{rid}-{i}", ids, params, kv_transfer=kv_transfer))
         except BaseException:
             for s in streams:
                 await s.aclose()
@@ -125,6 +130,9 @@ class CompletionHandler:
             "usage": _usage(prompt_tokens, completion_tokens, cached),
             "system_fingerprint": None,
         }
+        kv = kv_transfer_body(finals[0], raw)
+        if kv is not None:
+            body["kv_transfer_params"] = kv
         return Response(orjson.dumps(body), media_type="application/json")
 
     async def _stream(
