@@ -1,4 +1,5 @@
-"""The `ember` command: `ember model make-tiny`, `ember generate`, `ember demo`."""
+"""The `ember` command: `ember model make-tiny`, `ember generate`, `ember demo`, `ember serve`,
+`ember router`, `ember up`."""
 
 from __future__ import annotations
 
@@ -104,6 +105,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
+def cmd_router(args: argparse.Namespace) -> int:
+    from ember.router.app import run_router
+
+    return run_router(args)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from ember.cluster import run_cluster
+
+    return run_cluster(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ember", description="LLM serving for agents.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -133,6 +146,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="the OpenAI-compatible server, in the style of vllm serve")
     add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    from ember.router.args import add_router_args
+
+    router = sub.add_parser("router", help="the token-aware router in front of ember engines")
+    add_router_args(router)
+    router.set_defaults(func=cmd_router)
+
+    from ember.cluster import add_up_args
+
+    up = sub.add_parser("up", help="a local cluster: prefill and decode engines behind a router")
+    add_up_args(up)
+    up.set_defaults(func=cmd_up)
 
     demo = sub.add_parser("demo", help="two agent turns on the embedded tiny model")
     demo.add_argument("--arch", choices=TINY_ARCHS, default="llama")

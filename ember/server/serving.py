@@ -126,26 +126,6 @@ class ServingContext:
         except ValueError as e:
             raise APIError(str(e)) from e
 
-
-def parse_kv_transfer(raw: dict[str, Any] | None) -> KVTransferParams | None:
-    """The request's `kv_transfer_params`, checked; None when absent."""
-    if raw is None:
-        return None
-    try:
-        return msgspec.convert(raw, KVTransferParams)
-    except msgspec.ValidationError as e:
-        raise APIError(f"kv_transfer_params: {e}", param="kv_transfer_params") from e
-
-
-def kv_transfer_body(out: RequestOutput, raw: Request) -> dict[str, Any] | None:
-    """A prefill leg's answer: where its KV waits, and the URL that releases it."""
-    params = out.kv_transfer_params
-    if params is None:
-        return None
-    body = msgspec.to_builtins(params)
-    body["release_url"] = str(raw.base_url) + "kv/release"
-    return body
-
     async def observe(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
         """The stream's outputs, observed for TTFT, ITL, end-to-end latency and token counts."""
         m = self.metrics
@@ -274,3 +254,23 @@ async def merge_streams(
     finally:
         for task in pending:
             task.cancel()
+
+
+def parse_kv_transfer(raw: dict[str, Any] | None) -> KVTransferParams | None:
+    """The request's `kv_transfer_params`, checked; None when absent."""
+    if raw is None:
+        return None
+    try:
+        return msgspec.convert(raw, KVTransferParams)
+    except msgspec.ValidationError as e:
+        raise APIError(f"kv_transfer_params: {e}", param="kv_transfer_params") from e
+
+
+def kv_transfer_body(out: RequestOutput, raw: Request) -> dict[str, Any] | None:
+    """A prefill leg's answer: where its KV waits, and the URL that releases it."""
+    params = out.kv_transfer_params
+    if params is None:
+        return None
+    body = msgspec.to_builtins(params)
+    body["release_url"] = str(raw.base_url) + "kv/release"
+    return body

@@ -2,99 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
-import httpx
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Server:
-    url: str
-    model: str
-    proc: subprocess.Popen
-    api_key: str | None = None
-
-    @property
-    def base(self) -> str:
-        return f"{self.url}/v1"
-
-    def client(self, **kw):  # noqa: ANN201 - openai.OpenAI
-        import openai
-
-        kw.setdefault("api_key", self.api_key or "none")
-        return openai.OpenAI(base_url=self.base, max_retries=0, **kw)
-
-    def load(self) -> dict:
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        return httpx.get(f"{self.url}/load", headers=headers, timeout=5).json()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-
-def start_server(
-    model_dir: Path, *extra: str, api_key: str | None = None, wait: bool = True
-) -> Server:
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "ember.cli",
-        "serve",
-        str(model_dir),
-        "--port",
-        str(port),
-        "--served-model-name",
-        "tiny",
-        "--max-model-len",
-        "1024",
-        "--log-level",
-        "warning",
-        *extra,
-    ]
-    if api_key:
-        cmd += ["--api-key", api_key]
-    env = {**os.environ, "EMBER_LOG_LEVEL": "WARNING"}
-    proc = subprocess.Popen(cmd, env=env)
-    server = Server(f"http://127.0.0.1:{port}", "tiny", proc, api_key)
-    if wait:
-        wait_healthy(server)
-    return server
-
-
-def wait_healthy(server: Server, timeout_s: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"server exited with {server.proc.returncode}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    server.stop()
-    raise RuntimeError("server did not become healthy")
+from tests.servers import Server, start_server, wait_healthy  # noqa: F401 - re-exported to tests
 
 
 @pytest.fixture(scope="session")
