@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,3 +94,25 @@ def wait_healthy(server: Server, timeout_s: float = 90.0) -> None:
         time.sleep(0.2)
     server.stop()
     raise RuntimeError("server did not become healthy")
+
+
+def start_router(
+    model_dir: Path | None,
+    prefill: Sequence[Server] = (),
+    decode: Sequence[Server] = (),
+    both: Sequence[Server] = (),
+    extra: Sequence[str] = (),
+) -> Server:
+    """`ember router` over running engines, polling them every 0.2 s."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "ember.cli", "router", "--port", str(port)]
+    cmd += ["--poll-interval", "0.2", "--log-level", "warning", *extra]
+    if model_dir is not None:
+        cmd += ["--model", str(model_dir)]
+    for flag, servers in (("--prefill", prefill), ("--decode", decode), ("--both", both)):
+        if servers:
+            cmd += [flag, *(s.url for s in servers)]
+    proc = subprocess.Popen(cmd, env=dict(os.environ))
+    router = Server(f"http://127.0.0.1:{port}", "tiny", proc)
+    wait_healthy(router)
+    return router
