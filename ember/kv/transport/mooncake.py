@@ -1,0 +1,174 @@
+"""KVTransport over Mooncake Transfer Engine: TCP here and in CI, RDMA or NVLink on GPU clusters.
+
+Peers find each other with no metadata server (P2PHANDSHAKE): a peer's address is the
+"host:rpc_port" its engine listens on, and the first transfer to it does the handshake.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from queue import SimpleQueue
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ember.kv.transport.base import KVTransport, TransferError, check_batch, check_registrable
+
+if TYPE_CHECKING:
+    import torch
+
+T = TypeVar("T")
+
+# The library's own allowance for moving bytes, on top of its fixed timeout (1 GiB per second).
+_BYTES_PER_S = 1 << 30
+
+
+class MooncakeTransport(KVTransport):
+    name = "mooncake"
+
+    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", timeout_s: float = 30.0):
+        # The default TCP slice (64 KiB) makes loopback transfers many times slower.
+        os.environ.setdefault("MC_TCP_SLICE_SIZE", "4194304")
+        try:
+            from mooncake.engine import TransferEngine  # lazy: the wheel is an optional extra
+        except ImportError as e:
+            raise TransferError(
+                "the Mooncake transfer engine is not installed: pip install 'ember[pd-cpu]' "
+                "(and Debian's libibverbs1) on CPU machines, mooncake-transfer-engine on GPUs"
+            ) from e
+
+        engine = TransferEngine()
+        if engine.initialize(host, "P2PHANDSHAKE", protocol, "") != 0:
+            raise TransferError(f"Mooncake failed to initialize on {host} over {protocol}")
+        self._engine: Any = engine
+        self._address = f"{host}:{engine.get_rpc_port()}"
+        self._timeout_s = timeout_s
+        self._workers = _Workers()
+
+    def register(self, tensor: torch.Tensor) -> int:
+        nbytes = check_registrable(tensor)
+        ptr = tensor.data_ptr()
+        if self._live().register_memory(ptr, nbytes) != 0:
+            raise TransferError(f"Mooncake could not register {nbytes} bytes at {ptr:#x}")
+        return ptr
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def read(
+        self,
+        peer: str,
+        remote_addrs: Sequence[int],
+        local_addrs: Sequence[int],
+        lengths: Sequence[int],
+    ) -> None:
+        nbytes = check_batch(remote_addrs, local_addrs, lengths)
+        # Mooncake's order is (peer, local buffers, peer buffers, lengths) for reads and writes.
+        self._run("read", peer, local_addrs, remote_addrs, lengths, nbytes)
+
+    def write(
+        self,
+        peer: str,
+        local_addrs: Sequence[int],
+        remote_addrs: Sequence[int],
+        lengths: Sequence[int],
+    ) -> None:
+        nbytes = check_batch(local_addrs, remote_addrs, lengths)
+        self._run("write", peer, local_addrs, remote_addrs, lengths, nbytes)
+
+    def _run(
+        self,
+        what: str,
+        peer: str,
+        local_addrs: Sequence[int],
+        remote_addrs: Sequence[int],
+        lengths: Sequence[int],
+        nbytes: int,
+    ) -> None:
+        call: Callable[..., int] = getattr(self._live(), f"batch_transfer_sync_{what}")
+        if not lengths:
+            return
+        args = (peer, list(local_addrs), list(remote_addrs), list(lengths))
+        # The library bounds a stalled transfer itself (MC_TRANSFER_TIMEOUT, 30 s, plus 1 s a GB)
+        # but not tightly the handshake with a new peer: one that accepts the connection and never
+        # answers holds the call, and the engine's lock with it (every other transfer waits), for
+        # about 60 s. So the call runs on a worker thread and we stop waiting at our own deadline.
+        deadline = self._timeout_s + nbytes / _BYTES_PER_S
+        try:
+            rc = self._workers.submit(lambda: call(*args)).result(timeout=deadline)
+        except FutureTimeout:
+            raise TransferError(
+                f"Mooncake {what} of {nbytes} bytes with {peer} did not finish in {deadline:.1f} s"
+            ) from None
+        except Exception as exc:
+            raise TransferError(f"Mooncake {what} with {peer} failed: {exc}") from exc
+        if rc < 0:
+            # The library says only -1; its log (stderr) says why: a refused or dead peer, an
+            # address outside the peer's registered memory, or a timeout.
+            raise TransferError(
+                f"Mooncake {what} of {nbytes} bytes in {len(lengths)} regions with {peer} failed"
+                f" (rc={rc})"
+            )
+
+    def _live(self) -> Any:
+        if self._engine is None:
+            raise TransferError("the Mooncake transport is closed")
+        return self._engine
+
+    def close(self) -> None:
+        # Dropping the engine frees its registrations and connections (its destructor takes ~1 s);
+        # a call that timed out still holds the engine until the library lets that call go.
+        self._workers.close()
+        self._engine = None
+
+
+class _Workers:
+    """Daemon threads that run blocking calls; one that hangs is left behind, never waited on.
+
+    An idle thread is reused (a queue hand-off costs ~20 us; starting a thread, ~175 us here), and
+    a call that finds none idle starts another, so no call queues behind a stuck one.
+    """
+
+    def __init__(self) -> None:
+        self._idle: list[SimpleQueue[Any]] = []
+        self._busy = 0
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        fut: Future[T] = Future()
+        with self._lock:
+            jobs = self._idle.pop() if self._idle else None
+            self._busy += 1
+        if jobs is None:
+            jobs = SimpleQueue()
+            threading.Thread(target=self._serve, args=(jobs,), name="mooncake", daemon=True).start()
+        jobs.put((fn, fut))
+        return fut
+
+    def _serve(self, jobs: SimpleQueue[Any]) -> None:
+        while (job := jobs.get()) is not None:
+            fn, fut = job
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # handed to the waiting caller
+                fut.set_exception(exc)
+            del job, fn, fut  # drop the call's references (the engine) before idling
+            with self._lock:
+                self._busy -= 1
+                if self._closed:
+                    return
+                self._idle.append(jobs)
+
+    def close(self) -> int:
+        """Stop the idle threads; return how many calls are still running."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            busy = self._busy
+        for jobs in idle:
+            jobs.put(None)
+        return busy
