@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/ember demo
+	$(BIN)/ember up --demo
 
 test: $(STAMP)
 	$(BIN)/ruff check ember tests benchmarks

@@ -64,6 +64,7 @@ def start_cluster(args: argparse.Namespace, model: str) -> list[Proc]:
     if total == 0 or args.decode + args.both == 0:
         raise ValueError("ember up needs at least one decode or colocated engine")
     threads = max(1, ((os.cpu_count() or 2) - 1) // total)
+    env = {**os.environ, "EMBER_LOG_LEVEL": os.environ.get("EMBER_LOG_LEVEL", "WARNING")}
     port = args.engine_port or args.port + 1
     procs: list[Proc] = []
     urls: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
@@ -76,7 +77,7 @@ def start_cluster(args: argparse.Namespace, model: str) -> list[Proc]:
                 "--kv-transport", args.kv_transport, "--kv-host", args.host,
                 "--cpu-threads", str(threads), "--log-level", "warning",
             )  # fmt: skip
-            procs.append(Proc(f"{role}-{i}", url, subprocess.Popen(cmd)))
+            procs.append(Proc(f"{role}-{i}", url, subprocess.Popen(cmd, env=env)))
             urls[role].append(url)
             port += 1
     rcmd = _cmd(
@@ -86,7 +87,7 @@ def start_cluster(args: argparse.Namespace, model: str) -> list[Proc]:
     for role, found in urls.items():
         if found:
             rcmd += [f"--{role}", *found]
-    procs.append(Proc("router", f"http://{args.host}:{args.port}", subprocess.Popen(rcmd)))
+    procs.append(Proc("router", f"http://{args.host}:{args.port}", subprocess.Popen(rcmd, env=env)))
     return procs
 
 

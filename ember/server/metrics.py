@@ -57,6 +57,11 @@ class _EngineCollector(Collector):
                 "Context tokens of decoding requests.",
                 s.num_decode_tokens,
             ),
+            (
+                "ember:num_kv_leases",
+                "Prefill role: prompts whose KV blocks wait, leased, for a decode engine.",
+                s.num_leases,
+            ),
         ):
             g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric([self.model], value)
@@ -72,6 +77,21 @@ class _EngineCollector(Collector):
                 "ember:num_preemptions",
                 "Requests preempted for lack of KV blocks.",
                 s.num_preemptions,
+            ),
+            (
+                "ember:kv_lease_expiries",
+                "Prefill role: leases that expired before a decode engine read them.",
+                s.lease_expiries,
+            ),
+            (
+                "ember:remote_kv_loads",
+                "Decode role: prompts whose KV was read from a prefill engine.",
+                s.remote_kv_loads,
+            ),
+            (
+                "ember:remote_kv_failures",
+                "Decode role: KV reads that failed, so the prompt was prefilled locally.",
+                s.remote_kv_failures,
             ),
         ):
             c = CounterMetricFamily(name, doc, labels=labels)

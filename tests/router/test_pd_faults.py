@@ -98,6 +98,7 @@ def test_expired_lease_frees_blocks_and_decode_prefills_locally(
         after = wait_all_free([prefill], 5)[prefill.url]
         assert after["leases"] == 0 and after["lease_expiries"] == 1
         assert after["free_blocks"] == after["total_blocks"]
+        assert "ember:kv_lease_expiries_total" in httpx.get(f"{prefill.url}/metrics").text
         # A decode leg that comes too late must not trust those blocks: it prefills locally.
         before = cluster.decode.load()
         late = {**body, "kv_transfer_params": {**kvp, "do_remote_prefill": True}}
