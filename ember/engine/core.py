@@ -241,6 +241,8 @@ class EngineCore:
             lease_expiries=c.lease_expiries if c else 0,
             remote_kv_loads=c.loads if c else 0,
             remote_kv_failures=c.load_failures if c else 0,
+            remote_kv_bytes=c.load_bytes if c else 0,
+            remote_kv_seconds=c.load_seconds if c else 0.0,
         )
 
     def step(self) -> list[EngineCoreOutput]:

@@ -58,6 +58,9 @@ class KVConnector:
         self.lease_expiries = 0
         self.loads = 0
         self.load_failures = 0
+        self.load_bytes = 0
+        self.load_seconds = 0.0
+        """Bytes read and wall time spent reading them, over the successful loads."""
         self._loads: dict[str, tuple[Request, Future[bool]]] = {}
         self._executor = ThreadPoolExecutor(2, "ember-kv-load") if role == "decode" else None
 
@@ -142,7 +145,10 @@ class KVConnector:
             srcs, dsts, lens = pair_regions(
                 params.kv_base_addr, self.base_addr, self.block_bytes, remote, local
             )
+            t0 = time.perf_counter()
             self.transport.read(params.transfer_address, srcs, dsts, lens)
+            self.load_seconds += time.perf_counter() - t0
+            self.load_bytes += sum(lens)
             ok = True
         except Exception as e:
             log.warning("KV read for lease %s failed: %s", params.lease_id, e)

@@ -100,6 +100,9 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     """Decode role: prompts whose KV was read from a prefill engine."""
     remote_kv_failures: int = 0
     """Decode role: reads that failed, so the prompt was prefilled here instead."""
+    remote_kv_bytes: int = 0
+    remote_kv_seconds: float = 0.0
+    """Decode role: bytes read from prefill engines, and the wall time the reads took."""
 
 
 class KVEvents(msgspec.Struct, array_like=True):

@@ -139,6 +139,8 @@ def build_app(
             "lease_expiries": s.lease_expiries,
             "remote_kv_loads": s.remote_kv_loads,
             "remote_kv_failures": s.remote_kv_failures,
+            "remote_kv_bytes": s.remote_kv_bytes,
+            "remote_kv_seconds": s.remote_kv_seconds,
         }
 
     @app.post("/kv/release")

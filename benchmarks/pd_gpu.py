@@ -1,0 +1,232 @@
+"""Colocated against disaggregated on two GPUs, Llama-3.1-8B shape (dummy bf16 weights), under a
+multi-turn agentic load, on a 2-GPU device machine (`kind: nvidia-h100-x2`).
+
+- colocated: two `ember serve --role both` engines, one per GPU, behind `ember router`;
+- disaggregated: a prefill engine on GPU 0 and a decode engine on GPU 1 (KV over CUDA IPC),
+  behind `ember router`.
+
+The load: S agent sessions at once, T turns each; a turn resends a shared system prompt (tools),
+the session's history and a new tool result as token ids to /v1/completions, streamed, greedy,
+`ignore_eos`, with `x-session-affinity`. Reports p50/p90 TTFT and TPOT, output tok/s, the cache
+hit ratio, and for PD the KV transfer rate and its share of TTFT. Prints a table, writes JSON.
+
+    python benchmarks/pd_gpu.py [--sessions 32 --turns 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine_gpu import SHAPES  # noqa: E402
+
+from ember.models.tiny import make_tiny  # noqa: E402
+
+SYSTEM_TOKENS = 2048
+SESSION_TOKENS = 1024
+TOOL_TOKENS = 1024
+OUTPUT_TOKENS = 128
+
+
+def model_dir() -> str:
+    """The 8B shape's config with the tiny model's tokenizer (the weights are dummy)."""
+    d = Path(tempfile.mkdtemp())
+    (d / "config.json").write_text(json.dumps(SHAPES["llama"]))
+    tiny = make_tiny(Path(tempfile.mkdtemp()), "llama")
+    for f in tiny.iterdir():
+        if f.name.startswith("tokenizer") or f.suffix == ".jinja":
+            shutil.copy(f, d / f.name)
+    return str(d)
+
+
+def serve(model: str, port: int, gpu: int, role: str) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable, "-m", "ember.cli", "serve", model, "--port", str(port),
+        "--device", "cuda", "--load-format", "dummy", "--dtype", "bfloat16",
+        "--max-model-len", "16384", "--max-num-seqs", "64", "--gpu-memory-utilization", "0.85",
+        "--role", role, "--kv-transport", "cuda_ipc", "--served-model-name", "llama-8b",
+        "--log-level", "warning",
+    ]  # fmt: skip
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu), "EMBER_LOG_LEVEL": "WARNING"}
+    return subprocess.Popen(cmd, env=env)
+
+
+def router(model: str, port: int, engines: dict[str, list[str]]) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "ember.cli", "router", "--port", str(port), "--model", model]
+    cmd += ["--poll-interval", "0.2", "--log-level", "warning"]
+    for role, urls in engines.items():
+        cmd += [f"--{role}", *urls]
+    return subprocess.Popen(cmd)
+
+
+def wait(urls: list[str], procs: list[subprocess.Popen[bytes]], timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    for url in urls:
+        while True:
+            if any(p.poll() is not None for p in procs):
+                raise RuntimeError("a server exited while starting")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} not healthy")
+            time.sleep(0.5)
+
+
+async def session(client: httpx.AsyncClient, url: str, sid: int, turns: int, out: list) -> None:
+    rng = random.Random(sid)
+    shared = random.Random(0)
+    ids = [shared.randrange(10, 3000) for _ in range(SYSTEM_TOKENS)]
+    ids += [rng.randrange(10, 3000) for _ in range(SESSION_TOKENS)]
+    for turn in range(turns):
+        body = {
+            "model": "llama-8b", "prompt": ids, "max_tokens": OUTPUT_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+        }  # fmt: skip
+        t0 = time.perf_counter()
+        first, usage = None, {}
+        headers = {"x-session-affinity": f"ses_{sid}"}
+        async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                if first is None and chunk.get("choices"):
+                    first = time.perf_counter()
+        end = time.perf_counter()
+        n = usage.get("completion_tokens", 0)
+        out.append(
+            {
+                "session": sid, "turn": turn, "prompt_tokens": usage.get("prompt_tokens", 0),
+                "completion_tokens": n,
+                "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+                "ttft_s": (first or end) - t0,
+                "tpot_s": (end - (first or end)) / max(n - 1, 1), "e2e_s": end - t0,
+            }
+        )  # fmt: skip
+        # The agent resends everything, plus its answer (stand-in ids) and a new tool result.
+        ids = ids + [rng.randrange(10, 3000) for _ in range(OUTPUT_TOKENS + TOOL_TOKENS)]
+
+
+async def drive(url: str, sessions: int, turns: int) -> tuple[list[dict], float]:
+    out: list[dict] = []
+    async with httpx.AsyncClient(timeout=900) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(session(client, url, s, turns, out) for s in range(sessions)))
+        return out, time.perf_counter() - t0
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def run(name: str, model: str, engines: list[tuple[str, int]], args: argparse.Namespace) -> dict:
+    port = args.port
+    procs, urls, by_role = [], [], {}
+    for i, (role, gpu) in enumerate(engines):
+        url = f"http://127.0.0.1:{port + 1 + i}"
+        procs.append(serve(model, port + 1 + i, gpu, role))
+        urls.append(url)
+        by_role.setdefault(role, []).append(url)
+    try:
+        wait(urls, procs)
+        procs.append(router(model, port, by_role))
+        wait([f"http://127.0.0.1:{port}"], procs, 60)
+        time.sleep(1.0)
+        records, wall = asyncio.run(drive(f"http://127.0.0.1:{port}", args.sessions, args.turns))
+        loads = {u: httpx.get(f"{u}/load").json() for u in urls}
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    ttft = [r["ttft_s"] for r in records]
+    tpot = [r["tpot_s"] for r in records]
+    prompt = sum(r["prompt_tokens"] for r in records)
+    summary = {
+        "requests": len(records),
+        "ttft_p50_ms": pct(ttft, 0.5) * 1e3,
+        "ttft_p90_ms": pct(ttft, 0.9) * 1e3,
+        "tpot_p50_ms": pct(tpot, 0.5) * 1e3,
+        "tpot_p90_ms": pct(tpot, 0.9) * 1e3,
+        "output_tok_s": sum(r["completion_tokens"] for r in records) / wall,
+        "cache_hit_ratio": sum(r["cached_tokens"] for r in records) / max(prompt, 1),
+        "wall_s": wall,
+    }
+    decode = [ld for ld in loads.values() if ld.get("role") == "decode"]
+    if decode and decode[0]["remote_kv_loads"]:
+        d = decode[0]
+        per_load = d["remote_kv_seconds"] / d["remote_kv_loads"]
+        summary["kv_loads"] = d["remote_kv_loads"]
+        summary["kv_load_failures"] = d["remote_kv_failures"]
+        summary["kv_transfer_gb_s"] = d["remote_kv_bytes"] / max(d["remote_kv_seconds"], 1e-9) / 1e9
+        summary["kv_transfer_ms_mean"] = per_load * 1e3
+        summary["kv_transfer_share_of_ttft"] = per_load / statistics.mean(ttft)
+    return {"config": name, "summary": summary, "loads": loads, "records": records}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--sessions", type=int, default=32)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--port", type=int, default=18200)
+    args = ap.parse_args()
+    import torch
+
+    gpu = torch.cuda.get_device_name(0)
+    model = model_dir()
+    results = [
+        run("colocated (2 x both)", model, [("both", 0), ("both", 1)], args),
+        run("disaggregated (prefill GPU0 + decode GPU1)", model, [("prefill", 0), ("decode", 1)], args),
+    ]  # fmt: skip
+    print(f"\n{gpu} x2; {args.sessions} sessions x {args.turns} turns, 8B shape")
+    print("| config | TTFT p50 / p90 ms | TPOT p50 / p90 ms | output tok/s | cache hit |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        s = r["summary"]
+        print(
+            f"| {r['config']} | {s['ttft_p50_ms']:.0f} / {s['ttft_p90_ms']:.0f} | "
+            f"{s['tpot_p50_ms']:.1f} / {s['tpot_p90_ms']:.1f} | {s['output_tok_s']:.0f} | "
+            f"{s['cache_hit_ratio']:.2f} |"
+        )
+        if "kv_transfer_gb_s" in s:
+            print(
+                f"|   KV transfer | {s['kv_loads']} loads ({s['kv_load_failures']} failed), "
+                f"{s['kv_transfer_gb_s']:.1f} GB/s, {s['kv_transfer_ms_mean']:.1f} ms each, "
+                f"{s['kv_transfer_share_of_ttft']:.1%} of mean TTFT | | | |"
+            )
+    name = gpu.replace(" ", "_")
+    out = Path(os.environ.get("OUT") or "benchmarks/results") / f"pd_gpu-{name}-x2.json"
+    out.write_text(json.dumps({"gpu": gpu, "args": vars(args), "results": results}))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
