@@ -176,6 +176,11 @@ class EngineCore:
                     f"kv_transfer_params.first_token_id {kvt.first_token_id} is invalid"
                 )
             req.append_output_token(kvt.first_token_id)
+            if req.generator is not None and not msg.sampling_params.greedy:
+                # The prefill engine drew the first token from this seed: draw as it did, so the
+                # tokens after it are the ones one engine alone would sample.
+                noise = torch.empty(self.model_config.vocab_size, device=self.device)
+                noise.exponential_(generator=req.generator)
             if (
                 self.connector is None
                 or self.connector.role != "decode"

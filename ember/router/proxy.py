@@ -96,6 +96,8 @@ class Router:
         """The prefill endpoint when the request should be split; None to run it in one place."""
         if not self.pool.has_role("prefill") or body.get("n", 1) != 1:
             return None
+        if body.get("logprobs"):
+            return None  # the decode leg has no logprob for the prefill's first token
         prompt_field = body.get("prompt")
         if isinstance(prompt_field, list) and prompt_field and isinstance(prompt_field[0], list):
             return None  # a batch of prompts

@@ -144,11 +144,15 @@ def test_pd_output_equals_one_colocated_engine(cluster: Cluster) -> None:
             assert stream(cluster.router, "/completions", body)[0] == want
         else:
             assert post(cluster.router, "/completions", body)["choices"][0]["text"] == want
+    # Seeded sampling too: the decode engine draws from the seed as if it had sampled token 1.
+    body = chat_body(long_text(6, 300), temperature=1.0, top_p=0.9, seed=7)
+    want = post(cluster.both, "/chat/completions", body)["choices"][0]["message"]
+    assert post(cluster.router, "/chat/completions", body)["choices"][0]["message"] == want
     after = cluster.decode.load()
     # The decode engine really read the KV (no fallback to a local prefill), every time.
-    assert after["remote_kv_loads"] - before["remote_kv_loads"] == 4
+    assert after["remote_kv_loads"] - before["remote_kv_loads"] == 5
     assert after["remote_kv_failures"] == before["remote_kv_failures"]
-    assert decisions(cluster.router).get("pd", 0) - routed.get("pd", 0) == 4
+    assert decisions(cluster.router).get("pd", 0) - routed.get("pd", 0) == 5
 
 
 def test_a_mostly_cached_prompt_is_not_split(cluster: Cluster) -> None:
