@@ -44,6 +44,7 @@ class CudaIpcTransport(KVTransport):
         self._local: list[Region] = []
         self._shared: list[dict[str, Any]] = []
         self._peers: dict[str, list[Region]] = {}
+        self._streams: dict[Any, Any] = {}  # torch.device -> torch.cuda.Stream, made on first use
 
     def register(self, tensor: torch.Tensor) -> int:
         import torch
@@ -104,16 +105,31 @@ class CudaIpcTransport(KVTransport):
     ) -> None:
         import torch
 
-        devices: set[torch.device] = set()
         try:
+            pairs = []
             for s, d, n in zip(src_addrs, dst_addrs, lengths, strict=True):
                 sview, soff = locate(src, s, n)
                 dview, doff = locate(dst, d, n)
-                dview[doff : doff + n].copy_(sview[soff : soff + n], non_blocking=True)
-                devices.update((sview.device, dview.device))
-            # Copies are queued on the current streams; the call returns once they have landed.
-            for device in devices:
-                torch.cuda.synchronize(device)
+                pairs.append((dview[doff : doff + n], sview[soff : soff + n]))
+            # On a stream of our own, after whatever this process had queued on its current stream
+            # (a step still writing blocks that were freed and are now the destination), and
+            # waited on alone: a device-wide synchronize would also wait for, and stall, the
+            # engine's decode steps queued behind it.
+            by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+            for dst_part, src_part in pairs:
+                by_device.setdefault(dst_part.device, []).append((dst_part, src_part))
+            streams = []
+            for device, group in by_device.items():
+                stream = self._streams.get(device)
+                if stream is None:
+                    stream = self._streams[device] = torch.cuda.Stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.device(device), torch.cuda.stream(stream):
+                    for dst_part, src_part in group:
+                        dst_part.copy_(src_part, non_blocking=True)
+                streams.append(stream)
+            for stream in streams:
+                stream.synchronize()
         except TransferError:
             raise
         except RuntimeError as exc:
