@@ -179,7 +179,9 @@ class Router:
             except (LegError, NoEndpointError) as e:
                 self.metrics.failures.labels("before_first_byte").inc()
                 return error_response(f"decode failed: {e}", 503)
-            lease_pending = False  # the decode engine releases it once it has read the blocks
+            # A decode engine that took the request releases the lease once it has read the
+            # blocks; one that turned it down (4xx) never will.
+            lease_pending = upstream.status != 200
             ep = d.endpoint
             ep.add_load(decode_tokens=prompt.num_tokens, requests=1)
             try:
