@@ -1,5 +1,5 @@
 """The `ember` command: `ember model make-tiny`, `ember generate`, `ember demo`, `ember serve`,
-`ember router`, `ember up`."""
+`ember router`, `ember up`, `ember bench`."""
 
 from __future__ import annotations
 
@@ -159,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_up_args(up)
     up.set_defaults(func=cmd_up)
 
+    # Listed for --help; `main` hands `ember bench ...` to ember.bench.cli before parsing.
+    sub.add_parser(
+        "bench", help="load a server: agentic, trace or random workloads (ember bench -h)"
+    )
+
     demo = sub.add_parser("demo", help="two agent turns on the embedded tiny model")
     demo.add_argument("--arch", choices=TINY_ARCHS, default="llama")
     demo.add_argument("--max-tokens", type=int, default=24)
@@ -167,6 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if (
+        argv and argv[0] == "bench"
+    ):  # its own parser: `ember bench --url ...`, `ember bench compare`
+        from ember.bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

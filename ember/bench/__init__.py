@@ -1,0 +1,1 @@
+"""`ember bench`: load generation against OpenAI-compatible servers, and its reports."""

@@ -1,0 +1,174 @@
+"""`ember bench --url URL --workload agentic|trace|random [...]` and `ember bench compare A B`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+USAGE = """ember bench --url URL --workload agentic|trace|random [options]
+       ember bench compare A.json B.json"""
+
+
+def run_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ember bench", usage=USAGE, description=__doc__)
+    p.add_argument("--url", required=True, help="the server (or router) base URL")
+    p.add_argument("--workload", choices=["agentic", "trace", "random"], required=True)
+    p.add_argument("--model", default=None, help="model name (default: the server's first)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second")
+    p.add_argument("--rates", default=None, help="a sweep, e.g. 1,2,4,8: one run per rate")
+    p.add_argument("--max-requests", type=int, default=None)
+    p.add_argument("--duration", type=float, default=None, help="stop sending after S seconds")
+    p.add_argument("--slo-ttft", type=float, default=None, help="goodput SLO, TTFT in ms")
+    p.add_argument("--slo-tpot", type=float, default=None, help="goodput SLO, TPOT in ms")
+    p.add_argument("--out", default="bench-results", help="directory for JSON, tables and PNGs")
+    p.add_argument("--name", default=None, help="file name stem (default: workload and time)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--vocab", default="10:3000", help="token-id range for token prompts (lo:hi)")
+    g = p.add_argument_group("agentic")
+    g.add_argument("--sessions", type=int, default=8)
+    g.add_argument("--turns", type=int, default=4)
+    g.add_argument("--think-time", type=float, default=0.0, help="seconds between turns")
+    g.add_argument("--system-tokens", type=int, default=3000)
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--no-affinity", action="store_true", help="no x-session-affinity header")
+    g = p.add_argument_group("trace")
+    g.add_argument("--trace-file", default=None)
+    g.add_argument("--trace-format", choices=["mooncake", "azure"], default="mooncake")
+    g.add_argument("--time-scale", type=float, default=1.0, help="multiply trace timestamps")
+    g = p.add_argument_group("random")
+    g.add_argument("--num-requests", type=int, default=100)
+    g.add_argument("--input-len", default="512", help="N or LO:HI")
+    g.add_argument("--output-len", default="128", help="N or LO:HI")
+    return p
+
+
+def _span(text: str) -> int | tuple[int, int]:
+    if ":" in text:
+        lo, hi = text.split(":")
+        return int(lo), int(hi)
+    return int(text)
+
+
+def server_model(url: str, api_key: str | None) -> str:
+    req = urllib.request.Request(url.rstrip("/") + "/v1/models")
+    if api_key:
+        req.add_header("authorization", f"Bearer {api_key}")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())["data"][0]["id"]
+
+
+def run_once(args: argparse.Namespace, model: str, rate: float | None) -> dict[str, Any]:
+    from ember.bench import workloads as w
+    from ember.bench.metrics import summarize
+    from ember.bench.runner import RunLimits, run_open_loop, run_sessions
+
+    limits = RunLimits(
+        max_requests=args.max_requests,
+        duration_s=args.duration,
+        api_key=args.api_key,
+        affinity=not args.no_affinity,
+        progress=not args.no_progress,
+    )
+    lo, hi = (int(x) for x in args.vocab.split(":"))
+    if args.workload == "agentic":
+        workload = w.AgenticWorkload(
+            args.sessions,
+            args.turns,
+            system_tokens=args.system_tokens,
+            max_tokens=args.max_tokens,
+            think_time_s=args.think_time,
+            rate=rate,
+            affinity=not args.no_affinity,
+            seed=args.seed,
+            model=model,
+        )
+        records, duration = asyncio.run(run_sessions(args.url, workload, limits))
+    else:
+        if args.workload == "trace":
+            if not args.trace_file:
+                raise ValueError("--workload trace needs --trace-file")
+            load = w.load_mooncake_trace if args.trace_format == "mooncake" else w.load_azure_trace
+            planned = load(
+                args.trace_file,
+                time_scale=args.time_scale,
+                max_requests=args.max_requests,
+                vocab=(lo, hi),
+                model=model,
+            )
+        else:
+            planned = w.random_workload(
+                args.num_requests,
+                input_len=_span(args.input_len),
+                output_len=_span(args.output_len),
+                rate=rate,
+                seed=args.seed,
+                vocab=(lo, hi),
+                model=model,
+            )
+        records, duration = asyncio.run(run_open_loop(args.url, planned, limits))
+    summary = summarize(
+        records,
+        duration,
+        slo_ttft_s=args.slo_ttft / 1e3 if args.slo_ttft else None,
+        slo_tpot_s=args.slo_tpot / 1e3 if args.slo_tpot else None,
+    )
+    return {"rate": rate, "records": records, "summary": summary}
+
+
+def cmd_run(argv: list[str]) -> int:
+    from ember.bench.report import markdown_table, plot_cdfs, plot_sweep, sweep_table, write_json
+
+    args = run_parser().parse_args(argv)
+    model = args.model or server_model(args.url, args.api_key)
+    rates = [float(r) for r in args.rates.split(",")] if args.rates else [args.rate]
+    runs = []
+    for rate in rates:
+        if len(rates) > 1:
+            print(f"rate {rate}/s ...", file=sys.stderr)
+        runs.append(run_once(args, model, rate))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = args.name or f"{args.workload}-{time.strftime('%Y%m%d-%H%M%S')}"
+    config = {k: v for k, v in vars(args).items() if k != "api_key"} | {"model": model}
+    last = runs[-1]
+    sweep = [{"rate": r["rate"], "summary": r["summary"]} for r in runs] if len(runs) > 1 else None
+    records = [rec for r in runs for rec in r["records"]]
+    write_json(out / f"{stem}.json", config=config, records=records, summary=last["summary"],
+               sweep=sweep)  # fmt: skip
+    table = sweep_table(sweep) if sweep else markdown_table(last["summary"])
+    (out / f"{stem}.md").write_text(table + "\n")
+    plot_cdfs(last["records"], out / f"{stem}-cdf.png")
+    if sweep:
+        plot_sweep(sweep, out / f"{stem}-sweep.png")
+    print(table)
+    print(f"\nwrote {out / stem}.json, .md and PNG plots")
+    return 0
+
+
+def cmd_compare(argv: list[str]) -> int:
+    from ember.bench.compare import compare_table, load_result
+
+    p = argparse.ArgumentParser(prog="ember bench compare")
+    p.add_argument("a")
+    p.add_argument("b")
+    args = p.parse_args(argv)
+    print(
+        compare_table(
+            load_result(args.a), load_result(args.b), (Path(args.a).stem, Path(args.b).stem)
+        )
+    )
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "compare":
+        return cmd_compare(argv[1:])
+    return cmd_run(argv)

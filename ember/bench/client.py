@@ -1,0 +1,104 @@
+"""One streamed request to an OpenAI-compatible server, timed: the time to the first output chunk,
+the gaps between output chunks, the end, and the usage the server reports (aiohttp: the client's
+own CPU per event must stay small next to what it measures)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import aiohttp
+import orjson
+
+from ember.bench.records import PlannedRequest, RequestRecord
+
+
+def _output_of(chunk: dict[str, Any]) -> str | None:
+    """The text (or tool-call arguments) a chunk carries; None if it carries no output."""
+    out = []
+    for c in chunk.get("choices") or ():
+        if "text" in c and c["text"]:
+            out.append(c["text"])
+        delta = c.get("delta") or {}
+        if delta.get("content"):
+            out.append(delta["content"])
+        for tc in delta.get("tool_calls") or ():
+            fn = tc.get("function") or {}
+            out.append((fn.get("name") or "") + (fn.get("arguments") or ""))
+        if delta.get("reasoning_content"):
+            out.append(delta["reasoning_content"])
+    return "".join(out) if out else None
+
+
+async def send(
+    http: aiohttp.ClientSession,
+    base_url: str,
+    req: PlannedRequest,
+    started: float,
+    *,
+    api_key: str | None = None,
+    affinity: bool = True,
+    timeout_s: float = 600.0,
+) -> RequestRecord:
+    """Send `req` streamed and measure it; never raises for a failed request (the record says)."""
+    body = {**req.body, "stream": True, "stream_options": {"include_usage": True}}
+    headers = {"content-type": "application/json"}
+    if api_key:
+        headers["authorization"] = f"Bearer {api_key}"
+    if affinity and req.session:
+        headers["x-session-affinity"] = req.session
+    t0 = time.perf_counter()
+    rec = RequestRecord(
+        req.request_id,
+        start=t0 - started,
+        session=req.session,
+        turn=req.turn,
+        ideal_cached_tokens=req.ideal_cached_tokens,
+    )
+    last: float | None = None
+    text: list[str] = []
+    done = False
+    try:
+        async with http.post(
+            base_url.rstrip("/") + req.path,
+            data=orjson.dumps(body),
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as r:
+            if r.status != 200:
+                rec.error = f"HTTP {r.status}: {(await r.text())[:200]}"
+                return rec
+            async for raw in r.content:
+                if not raw.startswith(b"data: "):
+                    continue
+                if raw.startswith(b"data: [DONE]"):
+                    done = True
+                    break
+                now = time.perf_counter()
+                chunk = orjson.loads(raw[6:])
+                if "error" in chunk:
+                    err = chunk["error"]
+                    rec.error = str(err.get("message") if isinstance(err, dict) else err)
+                    continue
+                piece = _output_of(chunk)
+                if piece is not None:
+                    if last is None:
+                        rec.ttft = now - t0
+                    else:
+                        rec.itl.append(now - last)
+                    last = now
+                    text.append(piece)
+                usage = chunk.get("usage")
+                if usage:
+                    rec.prompt_tokens = usage.get("prompt_tokens") or 0
+                    rec.completion_tokens = usage.get("completion_tokens") or 0
+                    details = usage.get("prompt_tokens_details") or {}
+                    rec.cached_tokens = details.get("cached_tokens") or 0
+    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        rec.error = f"{type(e).__name__}: {e}"[:200]
+    rec.output_text = "".join(text)
+    if rec.error is None and not done:
+        rec.error = "the stream ended without [DONE]"
+    if rec.error is None:
+        rec.e2e = time.perf_counter() - t0
+    return rec

@@ -1,0 +1,116 @@
+"""The bench client against a fake OpenAI-compatible server that streams with known timings and
+known cached-token counts: the reported TTFT, TPOT, ITL percentiles and hit ratio are the known
+ones (within the scheduling jitter of asyncio sleeps)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import numpy as np
+import orjson
+import pytest
+from aiohttp import web
+
+from ember.bench.metrics import summarize
+from ember.bench.records import PlannedRequest
+from ember.bench.runner import RunLimits, run_open_loop
+
+TTFT_MS = [100, 120, 140, 160, 180, 200, 220, 240]
+GAPS_MS = [30, 50, 70]  # inter-chunk gaps, cycled
+CHUNKS = 7
+PROMPT, CACHED = 1000, 250
+TOL_MS = 12
+
+
+def fake_app(seen: list[dict]) -> web.Application:
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        seen.append({"headers": dict(request.headers), "body": body})
+        i = int(body["messages"][0]["content"])
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.sleep(TTFT_MS[i] / 1e3)
+        for k in range(CHUNKS):
+            if k:
+                await asyncio.sleep(GAPS_MS[(k - 1) % len(GAPS_MS)] / 1e3)
+            chunk = {"choices": [{"index": 0, "delta": {"content": f"t{k} "}}]}
+            await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        usage = {
+            "prompt_tokens": PROMPT,
+            "completion_tokens": CHUNKS,
+            "prompt_tokens_details": {"cached_tokens": CACHED * (i % 2)},
+        }
+        await resp.write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def broken(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"index": 0, "delta": {"content": "x"}}]}\n\n')
+        error = {"error": {"message": "engine died", "type": "server_error", "code": 502}}
+        await resp.write(b"data: " + orjson.dumps(error) + b"\n\ndata: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/broken", broken)
+    return app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def bench(planned: list[PlannedRequest], seen: list[dict]):  # noqa: ANN201
+    runner = web.AppRunner(fake_app(seen))
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        limits = RunLimits(progress=False, api_key="k")
+        return await run_open_loop(f"http://127.0.0.1:{port}", planned, limits)
+    finally:
+        await runner.cleanup()
+
+
+def planned(i: int, path: str = "/v1/chat/completions", at: float = 0.0) -> PlannedRequest:
+    body = {"model": "m", "messages": [{"role": "user", "content": str(i)}]}
+    return PlannedRequest(f"r{i}", path, body, send_at=at, session=f"ses_{i}")
+
+
+def test_known_timings_and_cache_hits_are_reported() -> None:
+    seen: list[dict] = []
+    records, duration = asyncio.run(bench([planned(i) for i in range(len(TTFT_MS))], seen))
+    s = summarize(records, duration)
+    assert s["completed"] == len(TTFT_MS) and s["errors"] == 0
+    want_ttft = np.array(TTFT_MS, dtype=float)
+    gaps = [GAPS_MS[(k - 1) % 3] for k in range(1, CHUNKS)]
+    want_itl = np.array(gaps * len(TTFT_MS), dtype=float)
+    want_tpot = sum(gaps) / (CHUNKS - 1)
+    for q in (50, 90, 99):
+        assert s["ttft_ms"][f"p{q}"] == pytest.approx(np.percentile(want_ttft, q), abs=TOL_MS)
+        assert s["itl_ms"][f"p{q}"] == pytest.approx(np.percentile(want_itl, q), abs=TOL_MS)
+        assert s["tpot_ms"][f"p{q}"] == pytest.approx(want_tpot, abs=TOL_MS)
+    # Hit ratio: half the requests report 250 of 1000 prompt tokens cached.
+    assert s["cache_hit_ratio"] == pytest.approx(CACHED / PROMPT / 2)
+    # The client streamed with usage, sent the session header and the API key.
+    for req in seen:
+        assert req["body"]["stream"] is True and req["body"]["stream_options"]["include_usage"]
+        assert req["headers"]["x-session-affinity"].startswith("ses_")
+        assert req["headers"]["Authorization"] == "Bearer k"
+
+
+def test_open_loop_sends_at_the_planned_times_and_counts_errors() -> None:
+    seen: list[dict] = []
+    reqs = [planned(0, at=0.0), planned(1, at=0.3), planned(2, "/v1/broken", at=0.1)]
+    records, _ = asyncio.run(bench(reqs, seen))
+    by_id = {r.request_id: r for r in records}
+    assert by_id["r1"].start == pytest.approx(0.3, abs=0.03)
+    assert by_id["r0"].start == pytest.approx(0.0, abs=0.03)
+    assert by_id["r2"].error == "engine died" and not by_id["r2"].ok
+    s = summarize(records, 1.0)
+    assert s["errors"] == 1 and s["completed"] == 2
