@@ -85,3 +85,18 @@ def test_random_runs_and_compare(server: Server, tmp_path: Path) -> None:
     assert cmp.returncode == 0, cmp.stderr
     assert "| a | b |" in cmp.stdout.replace("metric | ", "") or "a" in cmp.stdout
     assert "TTFT" in cmp.stdout
+
+
+def test_rate_sweep_writes_one_summary_per_rate_and_the_load_plot(
+    server: Server, tmp_path: Path
+) -> None:
+    r = bench(
+        "--url", server.url, "--workload", "random", "--num-requests", "4",
+        "--input-len", "32", "--output-len", "4", "--rates", "20,40",
+        "--out", str(tmp_path), "--name", "sweep",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    sweep = result(tmp_path, "sweep")["sweep"]
+    assert [s["rate"] for s in sweep] == [20.0, 40.0]
+    assert all(s["summary"]["completed"] == 4 for s in sweep)
+    assert (tmp_path / "sweep-sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
