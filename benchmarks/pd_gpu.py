@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -144,8 +146,9 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def run(name: str, model: str, engines: list[tuple[str, int]], args: argparse.Namespace) -> dict:
-    port = args.port
+@contextlib.contextmanager
+def cluster(model: str, engines: list[tuple[str, int]], port: int) -> Iterator[list[str]]:
+    """Engines (role, GPU) and a router on `port`; yields the engine urls, router first."""
     procs, urls, by_role = [], [], {}
     for i, (role, gpu) in enumerate(engines):
         url = f"http://127.0.0.1:{port + 1 + i}"
@@ -157,8 +160,7 @@ def run(name: str, model: str, engines: list[tuple[str, int]], args: argparse.Na
         procs.append(router(model, port, by_role))
         wait([f"http://127.0.0.1:{port}"], procs, 60)
         time.sleep(1.0)
-        records, wall = asyncio.run(drive(f"http://127.0.0.1:{port}", args.sessions, args.turns))
-        loads = {u: httpx.get(f"{u}/load").json() for u in urls}
+        yield [f"http://127.0.0.1:{port}", *urls]
     finally:
         for p in reversed(procs):
             p.terminate()
@@ -167,6 +169,27 @@ def run(name: str, model: str, engines: list[tuple[str, int]], args: argparse.Na
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def sweep(name: str, model: str, engines: list[tuple[str, int]], args: argparse.Namespace) -> dict:
+    """`ember bench --rates` against the cluster: long prompts, long answers, open-loop."""
+    out = Path(os.environ.get("OUT") or "benchmarks/results")
+    stem = "pd_gpu_sweep-" + name.split(" ")[0]
+    with cluster(model, engines, args.port) as urls:
+        cmd = [
+            sys.executable, "-m", "ember.cli", "bench", "--url", urls[0], "--workload", "random",
+            "--num-requests", str(args.sweep_requests), "--input-len", "3072:5120",
+            "--output-len", "256", "--rates", args.sweep, "--out", str(out), "--name", stem,
+            "--no-progress",
+        ]  # fmt: skip
+        subprocess.run(cmd, check=True, timeout=900)
+    return json.loads((out / f"{stem}.json").read_text())
+
+
+def run(name: str, model: str, engines: list[tuple[str, int]], args: argparse.Namespace) -> dict:
+    with cluster(model, engines, args.port) as urls:
+        records, wall = asyncio.run(drive(urls[0], args.sessions, args.turns))
+        loads = {u: httpx.get(f"{u}/load").json() for u in urls[1:]}
     ttft = [r["ttft_s"] for r in records]
     tpot = [r["tpot_s"] for r in records]
     prompt = sum(r["prompt_tokens"] for r in records)
@@ -197,11 +220,26 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=32)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--port", type=int, default=18200)
+    ap.add_argument("--sweep", default=None, help="rates for an `ember bench` sweep, e.g. 2,4,8")
+    ap.add_argument("--sweep-requests", type=int, default=60)
     args = ap.parse_args()
     import torch
 
     gpu = torch.cuda.get_device_name(0)
     model = model_dir()
+    if args.sweep:
+        from ember.bench.report import plot_sweep, sweep_table
+
+        configs = {
+            "colocated": [("both", 0), ("both", 1)],
+            "disaggregated": [("prefill", 0), ("decode", 1)],
+        }
+        sweeps = {n: sweep(n, model, e, args)["sweep"] for n, e in configs.items()}
+        for n, sw in sweeps.items():
+            print(f"\n## {n} ({gpu} x2)\n{sweep_table(sw)}")
+        out = Path(os.environ.get("OUT") or "benchmarks/results")
+        plot_sweep(sweeps, out / f"pd_gpu_sweep-{gpu.replace(' ', '_')}.png")
+        return
     results = [
         run("colocated (2 x both)", model, [("both", 0), ("both", 1)], args),
         run("disaggregated (prefill GPU0 + decode GPU1)", model, [("prefill", 0), ("decode", 1)], args),
