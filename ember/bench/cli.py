@@ -65,7 +65,7 @@ def server_model(url: str, api_key: str | None) -> str:
         return json.loads(r.read())["data"][0]["id"]
 
 
-def run_once(args: argparse.Namespace, model: str, rate: float | None) -> dict[str, Any]:
+def run_once(args: argparse.Namespace, model: str, rate: float | None, seed: int) -> dict[str, Any]:
     from ember.bench import workloads as w
     from ember.bench.metrics import summarize
     from ember.bench.runner import RunLimits, run_open_loop, run_sessions
@@ -87,7 +87,7 @@ def run_once(args: argparse.Namespace, model: str, rate: float | None) -> dict[s
             think_time_s=args.think_time,
             rate=rate,
             affinity=not args.no_affinity,
-            seed=args.seed,
+            seed=seed,
             model=model,
         )
         records, duration = asyncio.run(run_sessions(args.url, workload, limits))
@@ -109,7 +109,7 @@ def run_once(args: argparse.Namespace, model: str, rate: float | None) -> dict[s
                 input_len=_span(args.input_len),
                 output_len=_span(args.output_len),
                 rate=rate,
-                seed=args.seed,
+                seed=seed,
                 vocab=(lo, hi),
                 model=model,
             )
@@ -130,10 +130,11 @@ def cmd_run(argv: list[str]) -> int:
     model = args.model or server_model(args.url, args.api_key)
     rates = [float(r) for r in args.rates.split(",")] if args.rates else [args.rate]
     runs = []
-    for rate in rates:
+    for i, rate in enumerate(rates):
         if len(rates) > 1:
             print(f"rate {rate}/s ...", file=sys.stderr)
-        runs.append(run_once(args, model, rate))
+        # Each rate of a sweep gets prompts of its own: the last rate's would all be cached.
+        runs.append(run_once(args, model, rate, args.seed + i))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = args.name or f"{args.workload}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -99,4 +99,6 @@ def test_rate_sweep_writes_one_summary_per_rate_and_the_load_plot(
     sweep = result(tmp_path, "sweep")["sweep"]
     assert [s["rate"] for s in sweep] == [20.0, 40.0]
     assert all(s["summary"]["completed"] == 4 for s in sweep)
+    # Each rate sends prompts of its own, or the later rates would measure a warm cache.
+    assert sweep[1]["summary"]["cache_hit_ratio"] < 0.2
     assert (tmp_path / "sweep-sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
