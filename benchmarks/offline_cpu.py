@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ember import LLM, SamplingParams
-from ember.cli import ensure_tiny_model
+from ember.models.tiny import ensure_tiny
 
 
 class Timer:
@@ -94,7 +94,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    llm = LLM(str(ensure_tiny_model(args.arch)), dtype="float32", max_model_len=1024)
+    llm = LLM(str(ensure_tiny(args.arch)), dtype="float32", max_model_len=1024)
     run(llm, 1, args.prompt_tokens, 8)  # warm-up
     rows = [run(llm, int(b), args.prompt_tokens, args.out_tokens) for b in args.batches.split(",")]
     cols = [

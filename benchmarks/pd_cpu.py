@@ -29,8 +29,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ember.cli import ensure_tiny_model  # noqa: E402
 from ember.cluster import start_cluster, stop_cluster, wait_healthy  # noqa: E402
+from ember.models.tiny import ensure_tiny  # noqa: E402
 
 WORDS = ["agent", "tool", "call", "result", "file", "read", "write", "test", "patch", "diff"]
 
@@ -144,7 +144,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--port", type=int, default=18100)
     args = ap.parse_args()
-    model = str(ensure_tiny_model("llama"))
+    model = str(ensure_tiny("llama"))
     results = [
         run_config("colocated (2 x both)", model, args.port, args, both=2),
         run_config("disaggregated (1 prefill + 1 decode)", model, args.port + 10, args, prefill=1, decode=1),

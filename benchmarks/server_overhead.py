@@ -25,7 +25,7 @@ import httpx
 import torch
 
 from ember import LLM, SamplingParams
-from ember.cli import ensure_tiny_model
+from ember.models.tiny import ensure_tiny
 
 CLK = os.sysconf("SC_CLK_TCK")
 EXTRA_ENV = json.loads(os.environ.get("BENCH_SERVER_ENV", "{}"))
@@ -158,7 +158,7 @@ def main() -> None:
     ap.add_argument("--arch", default="llama")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    model = str(ensure_tiny_model(args.arch))
+    model = str(ensure_tiny(args.arch))
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     ps = prompts(args.streams, args.prompt_tokens, vocab)
     inproc = run_in_process(model, ps, args.tokens)

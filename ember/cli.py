@@ -4,28 +4,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
-
-
-def default_tiny_dir(arch: str = "qwen3") -> Path:
-    """Where `ember demo` (and later `ember up`) keep the embedded tiny model."""
-    home = Path(os.environ.get("EMBER_HOME", Path.home() / ".cache" / "ember"))
-    return home / "models" / f"tiny-{arch}"
-
-
-def ensure_tiny_model(arch: str = "qwen3") -> Path:
-    from ember.models.tiny import make_tiny
-
-    out = default_tiny_dir(arch)
-    if not (out / "config.json").is_file():
-        print(f"making the tiny {arch} model in {out} ...", file=sys.stderr)
-        make_tiny(out, arch)
-    return out
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
@@ -54,8 +37,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from ember import LLM, SamplingParams
+    from ember.models.tiny import ensure_tiny
 
-    model = ensure_tiny_model(args.arch)
+    model = ensure_tiny(args.arch)
     t0 = time.perf_counter()
     llm = LLM(str(model), max_model_len=1024)
     t1 = time.perf_counter()

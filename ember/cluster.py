@@ -150,9 +150,9 @@ def demo_request(url: str, model: str) -> str:
 
 
 def run_cluster(args: argparse.Namespace) -> int:
-    from ember.cli import ensure_tiny_model
+    from ember.models.tiny import ensure_tiny
 
-    model = args.model or str(ensure_tiny_model("llama"))
+    model = args.model or str(ensure_tiny("llama"))
     if not Path(model).is_dir():
         raise FileNotFoundError(f"model directory {model!r} does not exist")
     procs = start_cluster(args, model)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import os
+import sys
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -401,3 +403,18 @@ def _write_weights(out: Path, weights: dict[str, torch.Tensor], num_shards: int)
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def default_tiny_dir(arch: str = "qwen3") -> Path:
+    """Where `ember demo`, `ember up` and the benchmarks keep the embedded tiny models."""
+    home = Path(os.environ.get("EMBER_HOME", Path.home() / ".cache" / "ember"))
+    return home / "models" / f"tiny-{arch}"
+
+
+def ensure_tiny(arch: str = "qwen3") -> Path:
+    """The tiny `arch` model in `default_tiny_dir`, made there on first use."""
+    out = default_tiny_dir(arch)
+    if not (out / "config.json").is_file():
+        print(f"making the tiny {arch} model in {out} ...", file=sys.stderr)
+        make_tiny(out, arch)
+    return out
