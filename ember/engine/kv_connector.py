@@ -103,13 +103,15 @@ class KVConnector:
 
     # -- decode side -----------------------------------------------------------------------
 
-    def start_load(self, req: Request) -> None:
-        """Read `req`'s prompt KV into its (already allocated) blocks, in the background."""
+    def start_load(self, req: Request, skip_blocks: int = 0) -> None:
+        """Read `req`'s prompt KV into its (already allocated) blocks, in the background; the
+        first `skip_blocks` are cached here already."""
         if self._executor is None or req.kv_transfer is None:
             raise RuntimeError("start_load needs the decode role and a request with params")
         params = req.kv_transfer
         local = self.kv.block_ids(req.request_id)
-        self._loads[req.request_id] = (req, self._executor.submit(self._load, params, local))
+        fut = self._executor.submit(self._load, params, local, skip_blocks)
+        self._loads[req.request_id] = (req, fut)
 
     def poll_loads(self) -> list[tuple[Request, bool]]:
         """Loads that ended since the last call, with whether their KV can be trusted."""
@@ -129,7 +131,7 @@ class KVConnector:
     def num_loading(self) -> int:
         return len(self._loads)
 
-    def _load(self, params: KVTransferParams, local: list[int]) -> bool:
+    def _load(self, params: KVTransferParams, local: list[int], skip: int) -> bool:
         remote = params.block_ids
         ok = False
         try:
@@ -143,12 +145,13 @@ class KVConnector:
             from ember.kv.transport import pair_regions
 
             srcs, dsts, lens = pair_regions(
-                params.kv_base_addr, self.base_addr, self.block_bytes, remote, local
+                params.kv_base_addr, self.base_addr, self.block_bytes, remote[skip:], local[skip:]
             )
-            t0 = time.perf_counter()
-            self.transport.read(params.transfer_address, srcs, dsts, lens)
-            self.load_seconds += time.perf_counter() - t0
-            self.load_bytes += sum(lens)
+            if srcs:
+                t0 = time.perf_counter()
+                self.transport.read(params.transfer_address, srcs, dsts, lens)
+                self.load_seconds += time.perf_counter() - t0
+                self.load_bytes += sum(lens)
             ok = True
         except Exception as e:
             log.warning("KV read for lease %s failed: %s", params.lease_id, e)

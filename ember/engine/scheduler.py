@@ -226,14 +226,20 @@ class Scheduler:
         the prefix cache until the read is confirmed)."""
         if self.connector is None or req.kv_transfer is None:
             raise RuntimeError("a remote KV load needs a connector and transfer params")
-        if not self.kv.allocate_slots(req, req.kv_transfer.num_prompt_tokens, publish=False):
+        prompt = req.kv_transfer.num_prompt_tokens
+        # Blocks this engine already holds (an agent's earlier turns, read for the last one) are
+        # not read again: only the rest of the prompt comes over the wire.
+        hits, num_hit = self.kv.get_computed_blocks(req)
+        if not self.kv.allocate_slots(req, prompt - num_hit, hits, publish=False):
             return False
         self.waiting.popleft()
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         if req.num_cached_tokens < 0:
-            req.num_cached_tokens = 0
+            req.num_cached_tokens = num_hit
+            self.prefix_queries += req.num_prompt_tokens
+            self.prefix_hits += num_hit
         self.loading[req.request_id] = req
-        self.connector.start_load(req)
+        self.connector.start_load(req, skip_blocks=len(hits))
         return True
 
     def _collect_loads(self) -> None:

@@ -181,9 +181,20 @@ def test_leases_are_released_and_blocks_return(cluster: Cluster) -> None:
 
 
 def test_session_turns_land_where_their_cache_is(cluster: Cluster) -> None:
+    read: list[int] = []  # KV bytes the decode engine read, per turn
+
+    def leg(body: dict, headers: dict) -> dict:
+        before = cluster.decode.load()["remote_kv_bytes"]
+        out = post(cluster.router, "/chat/completions", body, headers)
+        read.append(cluster.decode.load()["remote_kv_bytes"] - before)
+        # Whatever was cached where, the answer is one colocated engine's.
+        want = post(cluster.both, "/chat/completions", body)["choices"][0]["message"]
+        assert out["choices"][0]["message"] == want
+        return out
+
     def turns(headers: dict, seed: int) -> tuple[dict, dict, int]:
         first = chat_body(long_text(seed, 300))
-        a = post(cluster.router, "/chat/completions", first, headers)
+        a = leg(first, headers)
         answer = a["choices"][0]["message"]["content"]
         messages = [
             *first["messages"],
@@ -191,7 +202,7 @@ def test_session_turns_land_where_their_cache_is(cluster: Cluster) -> None:
             {"role": "user", "content": "tool result: " + long_text(seed + 50, 200)},
         ]
         time.sleep(0.6)  # the router's next KV-event poll sees the first turn's blocks
-        b = post(cluster.router, "/chat/completions", {**first, "messages": messages}, headers)
+        b = leg({**first, "messages": messages}, headers)
         return a, b, a["usage"]["prompt_tokens"]
 
     queries = {s.url: s.load()["prefix_cache_queries"] for s in cluster.prefill}
@@ -200,6 +211,8 @@ def test_session_turns_land_where_their_cache_is(cluster: Cluster) -> None:
     assert sorted(v > 0 for v in moved.values()) == [False, True], moved  # one endpoint, both turns
     block = 16
     assert b["usage"]["prompt_tokens_details"]["cached_tokens"] >= (shared // block - 1) * block
+    # Turn 2's prompt is longer, yet the decode engine read less: turn 1's blocks were its own.
+    assert 0 < read[1] < read[0], read
     # Without the header the router's prefix index finds the same endpoint.
     _, b, shared = turns({}, 20)
     assert b["usage"]["prompt_tokens_details"]["cached_tokens"] >= (shared // block - 1) * block
