@@ -127,15 +127,20 @@ def test_api_key_required_everywhere_but_health(server_factory) -> None:
 
 def test_queue_bound_gives_429_with_retry_after(server_factory) -> None:
     s = server_factory("--max-num-seqs", "1", "--max-waiting", "1")
-    body = {"model": "tiny", "prompt": "count", "max_tokens": 400, "ignore_eos": True}
+    body = {"model": "tiny", "prompt": "count", "max_tokens": 1000, "ignore_eos": True}
 
     async def run() -> list[httpx.Response]:
-        async with httpx.AsyncClient(timeout=60) as client:
+        async with httpx.AsyncClient(timeout=120) as client:
             first = [
                 asyncio.create_task(client.post(f"{s.base}/completions", json=body))
                 for _ in range(2)
             ]
-            await asyncio.sleep(1.0)  # both admitted (one running, one waiting)
+            # Both admitted (one running, one waiting): asked of the server, not guessed with a
+            # sleep (a fixed 1 s failed once on a fast run: 400 tokens took less).
+            for _ in range(500):
+                if (await client.get(f"{s.url}/load")).json()["in_flight"] >= 2:
+                    break
+                await asyncio.sleep(0.01)
             third = await client.post(f"{s.base}/completions", json=body)
             return [third, *await asyncio.gather(*first)]
 
