@@ -127,12 +127,9 @@ class Router:
             return error_response(str(e), 503)
         self.metrics.decisions.labels("colocated", choice.reason).inc()
         self.metrics.cached_estimated.inc(choice.cached_tokens)
-        ep = choice.endpoint
-        ep.add_load(decode_tokens=prompt.num_tokens, requests=1)
-        try:
-            return await self._relay(request, upstream, ep, cached=None)
-        finally:
-            ep.remove_load(decode_tokens=prompt.num_tokens, requests=1)
+        return await self._relay(
+            request, upstream, choice.endpoint, None, decode_tokens=prompt.num_tokens
+        )
 
     # -- disaggregated ---------------------------------------------------------------------------
 
@@ -182,12 +179,9 @@ class Router:
             # A decode engine that took the request releases the lease once it has read the
             # blocks; one that turned it down (4xx) never will.
             lease_pending = upstream.status != 200
-            ep = d.endpoint
-            ep.add_load(decode_tokens=prompt.num_tokens, requests=1)
-            try:
-                return await self._relay(request, upstream, ep, cached=cached)
-            finally:
-                ep.remove_load(decode_tokens=prompt.num_tokens, requests=1)
+            return await self._relay(
+                request, upstream, d.endpoint, cached, decode_tokens=prompt.num_tokens
+            )
         finally:
             if lease_pending:
                 self._release_soon(kvp)
@@ -201,34 +195,19 @@ class Router:
         headers: dict[str, str],
         first: Choice,
     ) -> dict[str, Any]:
-        """The prefill leg's answer, retried on other prefill endpoints; Refused on a 4xx."""
-        tried: set[str] = set()
-        choice = first
-        for attempt in range(self.max_attempts):
-            ep, uncached = choice.endpoint, choice.uncached_tokens
-            tried.add(ep.url)
-            ep.add_load(prefill_tokens=uncached, requests=1)
-            try:
-                async with self._post(ep, path, body, headers) as r:
-                    data = await r.read()
-                if r.status >= 500:
-                    raise LegError(f"{ep.url} answered {r.status}")
-                self.pool.breakers[ep.url].record_success()
-                if r.status != 200:
-                    raise Refused(
-                        web.Response(body=data, status=r.status, content_type="application/json")
-                    )
-                return orjson.loads(data)
-            except (TimeoutError, aiohttp.ClientError, LegError) as e:
-                self.pool.breakers[ep.url].record_failure()
-                log.warning("prefill leg on %s failed: %s", ep.url, e)
-                if attempt + 1 == self.max_attempts:
-                    raise LegError(str(e)) from e
-                self.metrics.retries.labels("prefill").inc()
-                choice = self.pool.choose("prefill", prompt, session, exclude=tried)
-            finally:
-                ep.remove_load(prefill_tokens=uncached, requests=1)
-        raise LegError("no attempt left")
+        """The prefill leg's answer (retried on other prefill endpoints); Refused on a 4xx."""
+        resp, _ = await self._send_leg("prefill", path, body, prompt, session, headers, first)
+        try:
+            data = await resp.read()
+        except (TimeoutError, aiohttp.ClientError) as e:
+            raise LegError(f"the prefill answer broke off: {e}") from e
+        finally:
+            resp.release()
+        if resp.status != 200:
+            raise Refused(
+                web.Response(body=data, status=resp.status, content_type="application/json")
+            )
+        return orjson.loads(data)
 
     # -- legs ----------------------------------------------------------------------------------
 
@@ -248,22 +227,34 @@ class Router:
         prompt: PromptInfo,
         session: str | None,
         headers: dict[str, str],
+        first: Choice | None = None,
     ) -> tuple[aiohttp.ClientResponse, Choice]:
-        """Open a streamed or whole leg; retried elsewhere until an endpoint answers below 500."""
+        """Open a streamed or whole leg on `first` (or the pool's choice), retried elsewhere until
+        an endpoint answers below 500."""
         tried: set[str] = set()
         last: Exception | None = None
         for attempt in range(self.max_attempts):
             if attempt:
                 self.metrics.retries.labels(leg).inc()
-            choice = self.pool.choose(leg, prompt, session, exclude=tried)
+            if attempt == 0 and first is not None:
+                choice = first
+            else:
+                choice = self.pool.choose(leg, prompt, session, exclude=tried)
             ep = choice.endpoint
             tried.add(ep.url)
+            # A prefill leg's uncached tokens count against its endpoint until its answer comes
+            # (a whole answer: the headers arrive when the prefill is done).
+            queued = choice.uncached_tokens if leg == "prefill" else 0
+            ep.add_load(prefill_tokens=queued, requests=int(leg == "prefill"))
             try:
                 resp = await self._post(ep, path, body, headers).__aenter__()
             except (TimeoutError, aiohttp.ClientError) as e:
                 self.pool.breakers[ep.url].record_failure()
+                log.warning("%s leg on %s failed: %s", leg, ep.url, e)
                 last = e
                 continue
+            finally:
+                ep.remove_load(prefill_tokens=queued, requests=int(leg == "prefill"))
             if resp.status >= 500:
                 self.pool.breakers[ep.url].record_failure()
                 last = LegError(f"{ep.url} answered {resp.status}")
@@ -279,18 +270,20 @@ class Router:
         upstream: aiohttp.ClientResponse,
         ep: Endpoint,
         cached: int | None,
+        decode_tokens: int,
     ) -> web.StreamResponse:
         """Hand an engine's answer to the client, rewriting usage.cached_tokens to the prefill
-        side's when `cached` is given."""
+        side's when `cached` is given; `decode_tokens` count against `ep` meanwhile."""
+        ep.add_load(decode_tokens=decode_tokens, requests=1)
         try:
             if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
                 data = await upstream.read()
-                if cached is not None and upstream.status == 200:
-                    obj = orjson.loads(data)
-                    _set_cached(obj, cached)
-                    data = orjson.dumps(obj)
                 if upstream.status == 200:
-                    self.metrics.cached_reported.inc(_cached_tokens(orjson.loads(data)) or 0)
+                    obj = orjson.loads(data)
+                    if cached is not None:
+                        _set_cached(obj, cached)
+                        data = orjson.dumps(obj)
+                    self.metrics.cached_reported.inc(_cached_tokens(obj) or 0)
                 return web.Response(
                     body=data, status=upstream.status, content_type="application/json"
                 )
@@ -326,6 +319,7 @@ class Router:
             raise
         finally:
             upstream.close()  # on a client hang-up this aborts the engine's request
+            ep.remove_load(decode_tokens=decode_tokens, requests=1)
 
     async def _answer_from_prefill(
         self, request: web.Request, presp: dict[str, Any], body: dict[str, Any], cached: int | None
