@@ -17,18 +17,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import platform
-import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-
-import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ember.bench.metrics import summarize  # noqa: E402
+from ember.bench.records import PlannedRequest  # noqa: E402
+from ember.bench.runner import RunLimits, run_sessions  # noqa: E402
 from ember.cluster import start_cluster, stop_cluster, wait_healthy  # noqa: E402
 from ember.models.tiny import ensure_tiny  # noqa: E402
 
@@ -42,84 +44,44 @@ def text(seed: int, n: int) -> str:
 SYSTEM = "You are a coding agent. Tools: read_file, write_file, run_tests. " + text(0, 250)
 
 
-async def session(
-    client: httpx.AsyncClient, url: str, model: str, sid: int, turns: int, out: list
-) -> None:
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text(sid, 60)}]
-    for turn in range(turns):
-        body = {
-            "model": model,
-            "messages": messages,
-            "max_tokens": 32,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        t0 = time.perf_counter()
-        stamps, answer, usage = [], [], {}
-        headers = {"x-session-affinity": f"ses_{sid}"}
-        async with client.stream(
-            "POST", f"{url}/v1/chat/completions", json=body, headers=headers
-        ) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                for c in chunk.get("choices", []):
-                    if c["delta"].get("content"):
-                        stamps.append(time.perf_counter())
-                        answer.append(c["delta"]["content"])
-        out.append(
-            {
-                "session": sid,
-                "turn": turn,
-                "ttft_s": stamps[0] - t0 if stamps else None,
-                "itl_s": [b - a for a, b in zip(stamps, stamps[1:], strict=False)],
-                "e2e_s": time.perf_counter() - t0,
-                "prompt_tokens": usage.get("prompt_tokens", 0),
-                "completion_tokens": usage.get("completion_tokens", 0),
-                "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-            }
-        )
-        messages += [
-            {"role": "assistant", "content": "".join(answer)},
-            {"role": "user", "content": "tool result: " + text(sid * 31 + turn, 120)},
+@dataclass(slots=True)
+class CpuAgent:
+    """The sessions `ember bench` drives (runner.SessionWorkload): a shared system prompt, then
+    each turn the answer and a new tool result; sized for the tiny model on a CPU."""
+
+    model: str
+    sessions: int
+    turns: int
+    affinity: bool = True
+    think_time_s: float = 0.0
+
+    def session_start(self, session_idx: int) -> float:
+        return 0.0
+
+    def first(self, session_idx: int) -> PlannedRequest:
+        messages = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": text(session_idx, 60)},
         ]
+        return self._request(session_idx, 0, messages)
 
+    def next(self, prev: PlannedRequest, answer_text: str) -> PlannedRequest | None:
+        sid, turn = int(prev.request_id.split("-")[0].removeprefix("ses_")), prev.turn + 1
+        if turn >= self.turns:
+            return None
+        messages = [
+            *prev.body["messages"],
+            {"role": "assistant", "content": answer_text},
+            {"role": "user", "content": "tool result: " + text(sid * 31 + prev.turn, 120)},
+        ]
+        return self._request(sid, turn, messages)
 
-async def load(url: str, model: str, sessions: int, turns: int) -> tuple[list[dict], float]:
-    out: list[dict] = []
-    async with httpx.AsyncClient(timeout=600) as client:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(session(client, url, model, s, turns, out) for s in range(sessions)))
-        return out, time.perf_counter() - t0
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-
-
-def summarize(records: list[dict], wall: float) -> dict[str, float]:
-    ttft = [r["ttft_s"] for r in records if r["ttft_s"] is not None]
-    itl = [x for r in records for x in r["itl_s"]]
-    prompt = sum(r["prompt_tokens"] for r in records)
-    return {
-        "requests": len(records),
-        "ttft_p50_ms": pct(ttft, 0.5) * 1e3,
-        "ttft_p90_ms": pct(ttft, 0.9) * 1e3,
-        "itl_p50_ms": pct(itl, 0.5) * 1e3,
-        "itl_p90_ms": pct(itl, 0.9) * 1e3,
-        "e2e_mean_s": statistics.mean(r["e2e_s"] for r in records),
-        "output_tok_s": sum(r["completion_tokens"] for r in records) / wall,
-        "cache_hit_ratio": sum(r["cached_tokens"] for r in records) / max(prompt, 1),
-        "wall_s": wall,
-    }
+    def _request(self, sid: int, turn: int, messages: list[dict]) -> PlannedRequest:
+        body = {"model": self.model, "messages": messages, "max_tokens": 32, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        return PlannedRequest(
+            f"ses_{sid}-{turn}", "/v1/chat/completions", body, session=f"ses_{sid}", turn=turn
+        )
 
 
 def run_config(name: str, model: str, port: int, args: argparse.Namespace, **roles: int) -> dict:
@@ -132,10 +94,16 @@ def run_config(name: str, model: str, port: int, args: argparse.Namespace, **rol
     try:
         wait_healthy(procs, 300)
         time.sleep(1.0)
-        records, wall = asyncio.run(load(procs[-1].url, model, args.sessions, args.turns))
+        agent = CpuAgent(model, args.sessions, args.turns)
+        limits = RunLimits(progress=False)
+        records, wall = asyncio.run(run_sessions(procs[-1].url, agent, limits))
     finally:
         stop_cluster(procs)
-    return {"config": name, "summary": summarize(records, wall), "records": records}
+    return {
+        "config": name,
+        "summary": summarize(records, wall),
+        "records": [dataclasses.asdict(r) for r in records],
+    }
 
 
 def main() -> None:
@@ -155,13 +123,15 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for r in results:
         s = r["summary"]
+        ttft, itl = s["ttft_ms"], s["itl_ms"]
         print(
-            f"| {r['config']} | {s['ttft_p50_ms']:.0f} / {s['ttft_p90_ms']:.0f} | "
-            f"{s['itl_p50_ms']:.1f} / {s['itl_p90_ms']:.1f} | {s['output_tok_s']:.0f} | "
+            f"| {r['config']} | {ttft['p50']:.0f} / {ttft['p90']:.0f} | "
+            f"{itl['p50']:.1f} / {itl['p90']:.1f} | {s['output_throughput']:.0f} | "
             f"{s['cache_hit_ratio']:.2f} |"
         )
     out = Path(os.environ.get("OUT") or "benchmarks/results") / f"pd_cpu-{cpu}.json"
-    out.write_text(json.dumps({"sessions": args.sessions, "turns": args.turns, "results": results}))
+    body = {"sessions": args.sessions, "turns": args.turns, "results": results}
+    out.write_text(json.dumps(body, default=str))
     print(f"wrote {out}")
 
 
