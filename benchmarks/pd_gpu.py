@@ -18,16 +18,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import random
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -37,6 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_gpu import SHAPES  # noqa: E402
 
+from ember.bench.metrics import summarize  # noqa: E402
+from ember.bench.records import PlannedRequest  # noqa: E402
+from ember.bench.runner import RunLimits, run_sessions  # noqa: E402
 from ember.models.tiny import make_tiny  # noqa: E402
 
 SYSTEM_TOKENS = 2048
@@ -92,58 +96,45 @@ def wait(urls: list[str], procs: list[subprocess.Popen[bytes]], timeout_s: float
             time.sleep(0.5)
 
 
-async def session(client: httpx.AsyncClient, url: str, sid: int, turns: int, out: list) -> None:
-    rng = random.Random(sid)
-    shared = random.Random(0)
-    ids = [shared.randrange(10, 3000) for _ in range(SYSTEM_TOKENS)]
-    ids += [rng.randrange(10, 3000) for _ in range(SESSION_TOKENS)]
-    for turn in range(turns):
-        body = {
-            "model": "llama-8b", "prompt": ids, "max_tokens": OUTPUT_TOKENS, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-        }  # fmt: skip
-        t0 = time.perf_counter()
-        first, usage = None, {}
-        headers = {"x-session-affinity": f"ses_{sid}"}
-        async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(chunk["error"])
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                if first is None and chunk.get("choices"):
-                    first = time.perf_counter()
-        end = time.perf_counter()
-        n = usage.get("completion_tokens", 0)
-        out.append(
-            {
-                "session": sid, "turn": turn, "prompt_tokens": usage.get("prompt_tokens", 0),
-                "completion_tokens": n,
-                "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-                "ttft_s": (first or end) - t0,
-                "tpot_s": (end - (first or end)) / max(n - 1, 1), "e2e_s": end - t0,
-            }
-        )  # fmt: skip
-        # The agent resends everything, plus its answer (stand-in ids) and a new tool result.
-        ids = ids + [rng.randrange(10, 3000) for _ in range(OUTPUT_TOKENS + TOOL_TOKENS)]
+@dataclass(slots=True)
+class TokenAgent:
+    """Agent sessions as token ids (runner.SessionWorkload): a shared 2,048-token system prompt,
+    the session's 1,024 tokens, then per turn the answer (stand-in ids) and a 1,024-token tool
+    result, sent to /v1/completions."""
 
+    sessions: int
+    turns: int
+    affinity: bool = True
+    think_time_s: float = 0.0
 
-async def drive(url: str, sessions: int, turns: int) -> tuple[list[dict], float]:
-    out: list[dict] = []
-    async with httpx.AsyncClient(timeout=900) as client:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(session(client, url, s, turns, out) for s in range(sessions)))
-        return out, time.perf_counter() - t0
+    def session_start(self, session_idx: int) -> float:
+        return 0.0
 
+    def first(self, session_idx: int) -> PlannedRequest:
+        shared = random.Random(0)
+        ids = [shared.randrange(10, 3000) for _ in range(SYSTEM_TOKENS)]
+        ids += self._ids(session_idx, 0, SESSION_TOKENS)
+        return self._request(session_idx, 0, ids)
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+    def next(self, prev: PlannedRequest, answer_text: str) -> PlannedRequest | None:
+        sid, turn = int(prev.request_id.split("-")[0].removeprefix("ses_")), prev.turn + 1
+        if turn >= self.turns:
+            return None
+        ids = prev.body["prompt"] + self._ids(sid, turn, OUTPUT_TOKENS + TOOL_TOKENS)
+        return self._request(sid, turn, ids)
+
+    @staticmethod
+    def _ids(sid: int, turn: int, n: int) -> list[int]:
+        rng = random.Random(sid * 1000 + turn)
+        return [rng.randrange(10, 3000) for _ in range(n)]
+
+    @staticmethod
+    def _request(sid: int, turn: int, ids: list[int]) -> PlannedRequest:
+        body = {"model": "llama-8b", "prompt": ids, "max_tokens": OUTPUT_TOKENS,
+                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        return PlannedRequest(
+            f"ses_{sid}-{turn}", "/v1/completions", body, session=f"ses_{sid}", turn=turn
+        )
 
 
 @contextlib.contextmanager
@@ -188,21 +179,10 @@ def sweep(name: str, model: str, engines: list[tuple[str, int]], args: argparse.
 
 def run(name: str, model: str, engines: list[tuple[str, int]], args: argparse.Namespace) -> dict:
     with cluster(model, engines, args.port) as urls:
-        records, wall = asyncio.run(drive(urls[0], args.sessions, args.turns))
+        agent = TokenAgent(args.sessions, args.turns)
+        records, wall = asyncio.run(run_sessions(urls[0], agent, RunLimits(progress=False)))
         loads = {u: httpx.get(f"{u}/load").json() for u in urls[1:]}
-    ttft = [r["ttft_s"] for r in records]
-    tpot = [r["tpot_s"] for r in records]
-    prompt = sum(r["prompt_tokens"] for r in records)
-    summary = {
-        "requests": len(records),
-        "ttft_p50_ms": pct(ttft, 0.5) * 1e3,
-        "ttft_p90_ms": pct(ttft, 0.9) * 1e3,
-        "tpot_p50_ms": pct(tpot, 0.5) * 1e3,
-        "tpot_p90_ms": pct(tpot, 0.9) * 1e3,
-        "output_tok_s": sum(r["completion_tokens"] for r in records) / wall,
-        "cache_hit_ratio": sum(r["cached_tokens"] for r in records) / max(prompt, 1),
-        "wall_s": wall,
-    }
+    summary = summarize(records, wall)
     decode = [ld for ld in loads.values() if ld.get("role") == "decode"]
     if decode and decode[0]["remote_kv_loads"]:
         d = decode[0]
@@ -211,8 +191,9 @@ def run(name: str, model: str, engines: list[tuple[str, int]], args: argparse.Na
         summary["kv_load_failures"] = d["remote_kv_failures"]
         summary["kv_transfer_gb_s"] = d["remote_kv_bytes"] / max(d["remote_kv_seconds"], 1e-9) / 1e9
         summary["kv_transfer_ms_mean"] = per_load * 1e3
-        summary["kv_transfer_share_of_ttft"] = per_load / statistics.mean(ttft)
-    return {"config": name, "summary": summary, "loads": loads, "records": records}
+        summary["kv_transfer_share_of_ttft"] = per_load * 1e3 / summary["ttft_ms"]["mean"]
+    records_out = [dataclasses.asdict(r) for r in records]
+    return {"config": name, "summary": summary, "loads": loads, "records": records_out}
 
 
 def main() -> None:
@@ -249,9 +230,10 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for r in results:
         s = r["summary"]
+        ttft, tpot = s["ttft_ms"], s["tpot_ms"]
         print(
-            f"| {r['config']} | {s['ttft_p50_ms']:.0f} / {s['ttft_p90_ms']:.0f} | "
-            f"{s['tpot_p50_ms']:.1f} / {s['tpot_p90_ms']:.1f} | {s['output_tok_s']:.0f} | "
+            f"| {r['config']} | {ttft['p50']:.0f} / {ttft['p90']:.0f} | "
+            f"{tpot['p50']:.1f} / {tpot['p90']:.1f} | {s['output_throughput']:.0f} | "
             f"{s['cache_hit_ratio']:.2f} |"
         )
         if "kv_transfer_gb_s" in s:
@@ -262,7 +244,7 @@ def main() -> None:
             )
     name = gpu.replace(" ", "_")
     out = Path(os.environ.get("OUT") or "benchmarks/results") / f"pd_gpu-{name}-x2.json"
-    out.write_text(json.dumps({"gpu": gpu, "args": vars(args), "results": results}))
+    out.write_text(json.dumps({"gpu": gpu, "args": vars(args), "results": results}, default=str))
     print(f"wrote {out}")
 
 
