@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ember.bench.compare import compare_table  # noqa: E402
 from ember.bench.metrics import summarize  # noqa: E402
 from ember.bench.records import PlannedRequest  # noqa: E402
 from ember.bench.runner import RunLimits, run_sessions  # noqa: E402
@@ -119,16 +120,7 @@ def main() -> None:
     ]  # fmt: skip
     cpu = f"cpu-{platform.machine()}-{os.cpu_count()}cores"
     print(f"\n{args.sessions} sessions x {args.turns} turns, tiny llama, {cpu}")
-    print("| config | TTFT p50 / p90 ms | ITL p50 / p90 ms | output tok/s | cache hit |")
-    print("|---|---|---|---|---|")
-    for r in results:
-        s = r["summary"]
-        ttft, itl = s["ttft_ms"], s["itl_ms"]
-        print(
-            f"| {r['config']} | {ttft['p50']:.0f} / {ttft['p90']:.0f} | "
-            f"{itl['p50']:.1f} / {itl['p90']:.1f} | {s['output_throughput']:.0f} | "
-            f"{s['cache_hit_ratio']:.2f} |"
-        )
+    print(compare_table(*results, names=("colocated", "disaggregated")))
     out = Path(os.environ.get("OUT") or "benchmarks/results") / f"pd_cpu-{cpu}.json"
     body = {"sessions": args.sessions, "turns": args.turns, "results": results}
     out.write_text(json.dumps(body, default=str))

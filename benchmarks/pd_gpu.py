@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_gpu import SHAPES  # noqa: E402
 
+from ember.bench.compare import compare_table  # noqa: E402
 from ember.bench.metrics import summarize  # noqa: E402
 from ember.bench.records import PlannedRequest  # noqa: E402
 from ember.bench.runner import RunLimits, run_sessions  # noqa: E402
@@ -226,21 +227,15 @@ def main() -> None:
         run("disaggregated (prefill GPU0 + decode GPU1)", model, [("prefill", 0), ("decode", 1)], args),
     ]  # fmt: skip
     print(f"\n{gpu} x2; {args.sessions} sessions x {args.turns} turns, 8B shape")
-    print("| config | TTFT p50 / p90 ms | TPOT p50 / p90 ms | output tok/s | cache hit |")
-    print("|---|---|---|---|---|")
+    print(compare_table(*results, names=("colocated", "disaggregated")))
     for r in results:
         s = r["summary"]
-        ttft, tpot = s["ttft_ms"], s["tpot_ms"]
-        print(
-            f"| {r['config']} | {ttft['p50']:.0f} / {ttft['p90']:.0f} | "
-            f"{tpot['p50']:.1f} / {tpot['p90']:.1f} | {s['output_throughput']:.0f} | "
-            f"{s['cache_hit_ratio']:.2f} |"
-        )
         if "kv_transfer_gb_s" in s:
             print(
-                f"|   KV transfer | {s['kv_loads']} loads ({s['kv_load_failures']} failed), "
-                f"{s['kv_transfer_gb_s']:.1f} GB/s, {s['kv_transfer_ms_mean']:.1f} ms each, "
-                f"{s['kv_transfer_share_of_ttft']:.1%} of mean TTFT | | | |"
+                f"KV transfer ({r['config']}): {s['kv_loads']} loads "
+                f"({s['kv_load_failures']} failed), {s['kv_transfer_gb_s']:.1f} GB/s, "
+                f"{s['kv_transfer_ms_mean']:.1f} ms each, "
+                f"{s['kv_transfer_share_of_ttft']:.1%} of mean TTFT"
             )
     name = gpu.replace(" ", "_")
     out = Path(os.environ.get("OUT") or "benchmarks/results") / f"pd_gpu-{name}-x2.json"
