@@ -115,4 +115,24 @@ def start_router(
     proc = subprocess.Popen(cmd, env=dict(os.environ))
     router = Server(f"http://127.0.0.1:{port}", "tiny", proc)
     wait_healthy(router)
+    wait_router_caught_up(router, [*prefill, *decode, *both])
     return router
+
+
+def wait_router_caught_up(router: Server, engines: Sequence[Server], timeout_s: float = 30) -> None:
+    """Until the router sees every engine healthy and its prefix index has applied every KV event
+    each engine has published (router /load `kv_event_seq` == engine /load `kv_event_seq`).
+    Waiting on the state, not a fixed sleep, keeps tests right on a slow or loaded machine."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        want = {e.url: e.load().get("kv_event_seq", 0) for e in engines}
+        seen = {
+            ep["url"]: ep["kv_event_seq"]
+            for ep in router.load()["endpoints"]
+            if ep["healthy"] and ep["url"] in want
+        }
+        if seen == want:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"router index behind the engines: {seen} vs {want}")
+        time.sleep(0.05)

@@ -1,16 +1,25 @@
 """One streamed request to an OpenAI-compatible server, timed: the time to the first output chunk,
 the gaps between output chunks, the end, and the usage the server reports (aiohttp: the client's
-own CPU per event must stay small next to what it measures)."""
+own CPU per event must stay small next to what it measures).
+
+Times come from the event loop's clock (`now()`: time.monotonic on a normal loop), so that a test
+can run the client on a loop with a virtual clock and check the arithmetic without scheduling
+jitter."""
 
 from __future__ import annotations
 
-import time
+import asyncio
 from typing import Any
 
 import aiohttp
 import orjson
 
 from ember.bench.records import PlannedRequest, RequestRecord
+
+
+def now() -> float:
+    """Seconds on the running event loop's clock (monotonic)."""
+    return asyncio.get_running_loop().time()
 
 
 def _output_of(chunk: dict[str, Any]) -> str | None:
@@ -47,7 +56,7 @@ async def send(
         headers["authorization"] = f"Bearer {api_key}"
     if affinity and req.session:
         headers["x-session-affinity"] = req.session
-    t0 = time.perf_counter()
+    t0 = now()
     rec = RequestRecord(
         req.request_id,
         start=t0 - started,
@@ -74,7 +83,7 @@ async def send(
                 if raw.startswith(b"data: [DONE]"):
                     done = True
                     break
-                now = time.perf_counter()
+                at = now()
                 chunk = orjson.loads(raw[6:])
                 if "error" in chunk:
                     err = chunk["error"]
@@ -83,10 +92,10 @@ async def send(
                 piece = _output_of(chunk)
                 if piece is not None:
                     if last is None:
-                        rec.ttft = now - t0
+                        rec.ttft = at - t0
                     else:
-                        rec.itl.append(now - last)
-                    last = now
+                        rec.itl.append(at - last)
+                    last = at
                     text.append(piece)
                 usage = chunk.get("usage")
                 if usage:
@@ -100,5 +109,5 @@ async def send(
     if rec.error is None and not done:
         rec.error = "the stream ended without [DONE]"
     if rec.error is None:
-        rec.e2e = time.perf_counter() - t0
+        rec.e2e = now() - t0
     return rec

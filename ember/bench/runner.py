@@ -14,7 +14,7 @@ from typing import Protocol
 
 import aiohttp
 
-from ember.bench.client import send
+from ember.bench.client import now, send
 from ember.bench.records import PlannedRequest, RequestRecord
 
 
@@ -56,10 +56,10 @@ class Progress:
         if rec is not None:
             self.done += 1
             self.errors += rec.error is not None
-        now = time.monotonic()
-        if not self.enabled or (not force and now - self._last < 0.2):
+        t = time.monotonic()
+        if not self.enabled or (not force and t - self._last < 0.2):
             return
-        self._last = now
+        self._last = t
         total = f"/{self.total}" if self.total else ""
         sys.stderr.write(f"\r  sent {self.sent}{total}  done {self.done}  errors {self.errors}   ")
         sys.stderr.flush()
@@ -84,7 +84,7 @@ async def run_open_loop(
     progress = Progress(len(todo), limits.progress and sys.stderr.isatty())
     records: list[RequestRecord] = []
     async with aiohttp.ClientSession(connector=_connector()) as http:
-        started = time.perf_counter()
+        started = now()
         tasks = []
 
         async def one(req: PlannedRequest) -> None:
@@ -95,7 +95,7 @@ async def run_open_loop(
             progress.update(rec)
 
         for req in todo:
-            delay = (req.send_at or 0.0) - (time.perf_counter() - started)
+            delay = (req.send_at or 0.0) - (now() - started)
             if limits.duration_s is not None and (req.send_at or 0.0) > limits.duration_s:
                 break
             if delay > 0:
@@ -105,7 +105,7 @@ async def run_open_loop(
             progress.update()
         if tasks:
             await asyncio.wait(tasks, timeout=limits.grace_s)
-        duration = time.perf_counter() - started
+        duration = now() - started
     progress.close()
     return records, duration
 
@@ -118,12 +118,10 @@ async def run_sessions(
     records: list[RequestRecord] = []
     budget = [limits.max_requests if limits.max_requests is not None else 1 << 62]
     async with aiohttp.ClientSession(connector=_connector()) as http:
-        started = time.perf_counter()
+        started = now()
 
         def over_time() -> bool:
-            return (
-                limits.duration_s is not None and time.perf_counter() - started > limits.duration_s
-            )
+            return limits.duration_s is not None and now() - started > limits.duration_s
 
         async def session(i: int) -> None:
             await asyncio.sleep(max(0.0, workload.session_start(i)))
@@ -151,6 +149,6 @@ async def run_sessions(
             [asyncio.create_task(session(i)) for i in range(workload.sessions)],
             timeout=(limits.duration_s or 1e9) + limits.grace_s,
         )
-        duration = time.perf_counter() - started
+        duration = now() - started
     progress.close()
     return records, duration

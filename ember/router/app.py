@@ -96,6 +96,9 @@ def build_app(
                         "active_requests": e.active_requests,
                         "kv_usage": e.kv_usage,
                         "cached_blocks": pool.prefix.num_blocks(e.url),
+                        # The last KV event the prefix index applied (the engine's /load says
+                        # how far the engine is): how stale the index is.
+                        "kv_event_seq": pool.info[e.url].event_seq,
                     }
                     for e in pool.endpoints.values()
                 ]

@@ -1,6 +1,7 @@
 """The bench client against a fake OpenAI-compatible server that streams with known timings and
 known cached-token counts: the reported TTFT, TPOT, ITL percentiles and hit ratio are the known
-ones (within the scheduling jitter of asyncio sleeps)."""
+ones. Both run on an event loop with a virtual clock (tests/bench/virtual_time.py), so the known
+sleeps are exact and the check does not depend on how loaded the machine is."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ from aiohttp import web
 from ember.bench.metrics import summarize
 from ember.bench.records import PlannedRequest
 from ember.bench.runner import RunLimits, run_open_loop
+from tests.bench import virtual_time
 
 TTFT_MS = [100, 120, 140, 160, 180, 200, 220, 240]
 GAPS_MS = [30, 50, 70]  # inter-chunk gaps, cycled
 CHUNKS = 7
 PROMPT, CACHED = 1000, 250
-TOL_MS = 12
+TOL_MS = 1e-3  # float rounding only: the clock is virtual
 
 
 def fake_app(seen: list[dict]) -> web.Application:
@@ -84,7 +86,7 @@ def planned(i: int, path: str = "/v1/chat/completions", at: float = 0.0) -> Plan
 
 def test_known_timings_and_cache_hits_are_reported() -> None:
     seen: list[dict] = []
-    records, duration = asyncio.run(bench([planned(i) for i in range(len(TTFT_MS))], seen))
+    records, duration = virtual_time.run(bench([planned(i) for i in range(len(TTFT_MS))], seen))
     s = summarize(records, duration)
     assert s["completed"] == len(TTFT_MS) and s["errors"] == 0
     want_ttft = np.array(TTFT_MS, dtype=float)
@@ -107,10 +109,10 @@ def test_known_timings_and_cache_hits_are_reported() -> None:
 def test_open_loop_sends_at_the_planned_times_and_counts_errors() -> None:
     seen: list[dict] = []
     reqs = [planned(0, at=0.0), planned(1, at=0.3), planned(2, "/v1/broken", at=0.1)]
-    records, _ = asyncio.run(bench(reqs, seen))
+    records, _ = virtual_time.run(bench(reqs, seen))
     by_id = {r.request_id: r for r in records}
-    assert by_id["r1"].start == pytest.approx(0.3, abs=0.03)
-    assert by_id["r0"].start == pytest.approx(0.0, abs=0.03)
+    assert by_id["r1"].start == pytest.approx(0.3, abs=1e-6)
+    assert by_id["r0"].start == pytest.approx(0.0, abs=1e-6)
     assert by_id["r2"].error == "engine died" and not by_id["r2"].ok
     s = summarize(records, 1.0)
     assert s["errors"] == 1 and s["completed"] == 2

@@ -13,7 +13,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.servers import Server, start_router, start_server, wait_healthy
+from tests.servers import Server, start_router, start_server, wait_healthy, wait_router_caught_up
 
 pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine is not installed")
 
@@ -65,7 +65,6 @@ def cluster(llama: Path) -> Iterator[Cluster]:
         for s in servers:
             wait_healthy(s)
         router = start_router(llama, prefill=servers[1:3], decode=servers[3:4])
-        time.sleep(0.5)  # the router's first polls mark the engines healthy
         yield Cluster(servers[0], servers[1:3], servers[3], router)
     finally:
         for s in [*servers, *([router] if router else [])]:
@@ -161,7 +160,9 @@ def test_a_mostly_cached_prompt_is_not_split(cluster: Cluster) -> None:
     body = chat_body(long_text(5, 300))
     want = post(cluster.both, "/chat/completions", body)["choices"][0]["message"]
     assert post(cluster.router, "/chat/completions", body)["choices"][0]["message"] == want
-    time.sleep(0.6)  # the router's next poll brings the KV events of that prompt
+    wait_router_caught_up(
+        cluster.router, [*cluster.prefill, cluster.decode]
+    )  # the index knows that prompt now
     routed = decisions(cluster.router)
     assert post(cluster.router, "/chat/completions", body)["choices"][0]["message"] == want
     assert decisions(cluster.router).get("colocated", 0) - routed.get("colocated", 0) == 1
@@ -201,7 +202,9 @@ def test_session_turns_land_where_their_cache_is(cluster: Cluster) -> None:
             {"role": "assistant", "content": answer},
             {"role": "user", "content": "tool result: " + long_text(seed + 50, 200)},
         ]
-        time.sleep(0.6)  # the router's next KV-event poll sees the first turn's blocks
+        wait_router_caught_up(
+            cluster.router, [*cluster.prefill, cluster.decode]
+        )  # and turn 1's blocks
         b = leg({**first, "messages": messages}, headers)
         return a, b, a["usage"]["prompt_tokens"]
 

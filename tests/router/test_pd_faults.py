@@ -40,7 +40,6 @@ def cluster(llama: Path) -> Iterator[Cluster]:
         for s in servers:
             wait_healthy(s)
         router = start_router(llama, prefill=servers[:2], decode=servers[2:])
-        time.sleep(0.5)
         yield Cluster(servers[:2], servers[2], router)
     finally:
         for s in [*servers, *([router] if router else [])]:
