@@ -18,6 +18,7 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -355,19 +356,45 @@ def bench_hf(path: Path, cfg: dict, out: dict, args: argparse.Namespace) -> dict
     return state
 
 
+def child(task: str, args: argparse.Namespace) -> dict[str, object]:
+    """One task in a process of its own: "ceilings", or a shape's name."""
+    if task == "ceilings":
+        return {"gpu": torch.cuda.get_device_name(), "ceilings": ceilings()}
+    return bench_shape(task, args, json.loads(args.ceilings))
+
+
+def run_child(task: str, args: argparse.Namespace, ceil: dict | None) -> dict:
+    """Each shape runs in a fresh process, so it gets the whole GPU: in one process the second
+    shape's KV pool was sized after the first's leftovers (the caching allocator keeps them)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        cmd = [sys.executable, __file__, "--child", task, "--child-out", f.name]
+        cmd += ["--ceilings", json.dumps(ceil or {})]
+        cmd += ["--skip-hf"] if args.skip_hf else []
+        cmd += ["--quick"] if args.quick else []
+        subprocess.run(cmd, check=True)
+        return json.loads(Path(f.name).read_text())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shapes", default="llama,qwen3")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--quick", action="store_true", help="small sizes, to check the script")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", help=argparse.SUPPRESS)
+    ap.add_argument("--ceilings", default="{}", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    gpu = torch.cuda.get_device_name()
-    ceil = ceilings()
+    if args.child:
+        out = child(args.child, args)
+        Path(args.child_out).write_text(json.dumps(out, default=str))
+        return
+    first = run_child("ceilings", args, None)
+    gpu, ceil = first["gpu"], first["ceilings"]
     results = {"gpu": gpu, "torch": torch.__version__, "ceilings": ceil, "shapes": {}}
     out_dir = Path(os.environ.get("OUT") or "benchmarks/results")
     tag = gpu.replace(" ", "_").replace("/", "_")
     for name in args.shapes.split(","):
-        results["shapes"][name] = bench_shape(name, args, ceil)
+        results["shapes"][name] = run_child(name, args, ceil)
         (out_dir / f"engine_gpu-{tag}.json").write_text(json.dumps(results, indent=2, default=str))
     print(
         f"GPU: {gpu}; copy {ceil['copy_bytes_per_s'] / 1e9:.0f} GB/s; "

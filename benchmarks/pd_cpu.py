@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from ember.bench.compare import compare_table  # noqa: E402
 from ember.bench.metrics import summarize  # noqa: E402
 from ember.bench.records import PlannedRequest  # noqa: E402
 from ember.bench.runner import RunLimits, run_sessions  # noqa: E402
-from ember.cluster import start_cluster, stop_cluster, wait_healthy  # noqa: E402
+from ember.cluster import start_cluster, stop_cluster, wait_healthy, wait_routed  # noqa: E402
 from ember.models.tiny import ensure_tiny  # noqa: E402
 
 WORDS = ["agent", "tool", "call", "result", "file", "read", "write", "test", "patch", "diff"]
@@ -94,7 +93,7 @@ def run_config(name: str, model: str, port: int, args: argparse.Namespace, **rol
     procs = start_cluster(ns, model)
     try:
         wait_healthy(procs, 300)
-        time.sleep(1.0)
+        wait_routed(procs[-1].url)
         agent = CpuAgent(model, args.sessions, args.turns)
         limits = RunLimits(progress=False)
         records, wall = asyncio.run(run_sessions(procs[-1].url, agent, limits))

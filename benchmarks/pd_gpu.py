@@ -26,7 +26,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +41,7 @@ from ember.bench.compare import compare_table  # noqa: E402
 from ember.bench.metrics import summarize  # noqa: E402
 from ember.bench.records import PlannedRequest  # noqa: E402
 from ember.bench.runner import RunLimits, run_sessions  # noqa: E402
+from ember.cluster import Proc, spawn, stop_cluster, wait_healthy, wait_routed  # noqa: E402
 from ember.models.tiny import make_tiny  # noqa: E402
 
 SYSTEM_TOKENS = 2048
@@ -61,40 +61,25 @@ def model_dir() -> str:
     return str(d)
 
 
-def serve(model: str, port: int, gpu: int, role: str) -> subprocess.Popen[bytes]:
-    cmd = [
-        sys.executable, "-m", "ember.cli", "serve", model, "--port", str(port),
+def serve(model: str, port: int, gpu: int, role: str) -> Proc:
+    args = [
+        "serve", model, "--port", str(port),
         "--device", "cuda", "--load-format", "dummy", "--dtype", "bfloat16",
         "--max-model-len", "16384", "--max-num-seqs", "64", "--gpu-memory-utilization", "0.85",
         "--role", role, "--kv-transport", "cuda_ipc", "--served-model-name", "llama-8b",
         "--log-level", "warning",
     ]  # fmt: skip
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu), "EMBER_LOG_LEVEL": "WARNING"}
-    return subprocess.Popen(cmd, env=env)
+    return spawn(
+        f"{role}@gpu{gpu}", f"http://127.0.0.1:{port}", args, {"CUDA_VISIBLE_DEVICES": str(gpu)}
+    )
 
 
-def router(model: str, port: int, engines: dict[str, list[str]]) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "ember.cli", "router", "--port", str(port), "--model", model]
-    cmd += ["--poll-interval", "0.2", "--log-level", "warning"]
+def router(model: str, port: int, engines: dict[str, list[str]]) -> Proc:
+    args = ["router", "--port", str(port), "--model", model]
+    args += ["--poll-interval", "0.2", "--log-level", "warning"]
     for role, urls in engines.items():
-        cmd += [f"--{role}", *urls]
-    return subprocess.Popen(cmd)
-
-
-def wait(urls: list[str], procs: list[subprocess.Popen[bytes]], timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    for url in urls:
-        while True:
-            if any(p.poll() is not None for p in procs):
-                raise RuntimeError("a server exited while starting")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{url} not healthy")
-            time.sleep(0.5)
+        args += [f"--{role}", *urls]
+    return spawn("router", f"http://127.0.0.1:{port}", args)
 
 
 @dataclass(slots=True)
@@ -141,26 +126,19 @@ class TokenAgent:
 @contextlib.contextmanager
 def cluster(model: str, engines: list[tuple[str, int]], port: int) -> Iterator[list[str]]:
     """Engines (role, GPU) and a router on `port`; yields the engine urls, router first."""
-    procs, urls, by_role = [], [], {}
+    procs: list[Proc] = []
+    by_role: dict[str, list[str]] = {}
     for i, (role, gpu) in enumerate(engines):
-        url = f"http://127.0.0.1:{port + 1 + i}"
         procs.append(serve(model, port + 1 + i, gpu, role))
-        urls.append(url)
-        by_role.setdefault(role, []).append(url)
+        by_role.setdefault(role, []).append(procs[-1].url)
     try:
-        wait(urls, procs)
+        wait_healthy(procs, 600)
         procs.append(router(model, port, by_role))
-        wait([f"http://127.0.0.1:{port}"], procs, 60)
-        time.sleep(1.0)
-        yield [f"http://127.0.0.1:{port}", *urls]
+        wait_healthy(procs, 60)
+        wait_routed(procs[-1].url)
+        yield [procs[-1].url, *(p.url for p in procs[:-1])]
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_cluster(procs, 30)
 
 
 def sweep(name: str, model: str, engines: list[tuple[str, int]], args: argparse.Namespace) -> dict:

@@ -16,8 +16,6 @@ import json
 import os
 import platform
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,6 +23,7 @@ import httpx
 import torch
 
 from ember import LLM, SamplingParams
+from ember.cluster import spawn, stop_cluster, wait_healthy
 from ember.models.tiny import ensure_tiny
 
 CLK = os.sysconf("SC_CLK_TCK")
@@ -101,43 +100,22 @@ def run_server(model: str, ps: list[list[int]], tokens: int) -> dict[str, float]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ember.cli",
-            "serve",
-            model,
-            "--port",
-            str(port),
-            "--served-model-name",
-            "m",
-            "--max-model-len",
-            "1024",
-            "--no-prefix-caching",
-            "--log-level",
-            "warning",
-        ],
-        env={**os.environ, "EMBER_LOG_LEVEL": "WARNING", **EXTRA_ENV},
-    )
+    args = [
+        "serve", model, "--port", str(port), "--served-model-name", "m",
+        "--max-model-len", "1024", "--no-prefix-caching", "--log-level", "warning",
+    ]  # fmt: skip
+    server = spawn("serve", f"http://127.0.0.1:{port}", args, EXTRA_ENV)
     try:
-        base = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        core = children(proc.pid)
-        api0 = cpu_seconds(proc.pid)
+        wait_healthy([server], 60)
+        pid = server.popen.pid
+        core = children(pid)
+        api0 = cpu_seconds(pid)
         core0 = sum(cpu_seconds(p) for p in core)
-        wall, events, n = asyncio.run(run_clients(f"{base}/v1/completions", ps, tokens))
-        api_cpu = cpu_seconds(proc.pid) - api0
+        wall, events, n = asyncio.run(run_clients(f"{server.url}/v1/completions", ps, tokens))
+        api_cpu = cpu_seconds(pid) - api0
         core_cpu = sum(cpu_seconds(p) for p in core) - core0
     finally:
-        proc.terminate()
-        proc.wait(30)
+        stop_cluster([server], 30)
     return {
         "wall_s": wall,
         "tokens": n,

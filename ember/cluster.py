@@ -1,6 +1,9 @@
 """`ember up`: a local cluster in one command. Prefill and decode engines (`ember serve --role ...`)
 and a router in front of them, each its own subprocess; waits until all are healthy, prints the URL
-and an example request, and stops them all on Ctrl-C or SIGTERM (or when one of them dies)."""
+and an example request, and stops them all on Ctrl-C or SIGTERM (or when one of them dies).
+
+`spawn`, `wait_healthy`, `wait_routed` and `stop_cluster` also start and stop the servers of the
+benchmarks (benchmarks/server_overhead.py, pd_gpu.py, pd_cpu.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,8 +49,13 @@ class Proc:
     popen: subprocess.Popen[bytes]
 
 
-def _cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "ember.cli", *args]
+def spawn(name: str, url: str, args: Sequence[str], env: Mapping[str, str] | None = None) -> Proc:
+    """`python -m ember.cli *args` as a child process (logging at WARNING unless the caller's
+    EMBER_LOG_LEVEL or `env` says otherwise); `url` is where it will answer."""
+    level = os.environ.get("EMBER_LOG_LEVEL", "WARNING")
+    full_env = {**os.environ, "EMBER_LOG_LEVEL": level, **(env or {})}
+    cmd = [sys.executable, "-m", "ember.cli", *args]
+    return Proc(name, url, subprocess.Popen(cmd, env=full_env))
 
 
 def _healthy(url: str) -> bool:
@@ -64,30 +73,29 @@ def start_cluster(args: argparse.Namespace, model: str) -> list[Proc]:
     if total == 0 or args.decode + args.both == 0:
         raise ValueError("ember up needs at least one decode or colocated engine")
     threads = max(1, ((os.cpu_count() or 2) - 1) // total)
-    env = {**os.environ, "EMBER_LOG_LEVEL": os.environ.get("EMBER_LOG_LEVEL", "WARNING")}
     port = args.engine_port or args.port + 1
     procs: list[Proc] = []
     urls: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
     for role, n in engines:
         for i in range(n):
             url = f"http://{args.host}:{port}"
-            cmd = _cmd(
+            cmd = (
                 "serve", model, "--host", args.host, "--port", str(port), "--role", role,
                 "--device", args.device, "--max-model-len", str(args.max_model_len),
                 "--kv-transport", args.kv_transport, "--kv-host", args.host,
                 "--cpu-threads", str(threads), "--log-level", "warning",
             )  # fmt: skip
-            procs.append(Proc(f"{role}-{i}", url, subprocess.Popen(cmd, env=env)))
+            procs.append(spawn(f"{role}-{i}", url, cmd))
             urls[role].append(url)
             port += 1
-    rcmd = _cmd(
+    rcmd = [
         "router", "--host", args.host, "--port", str(args.port), "--model", model,
         "--disagg-min-uncached", str(args.disagg_min_uncached), "--log-level", "warning",
-    )  # fmt: skip
+    ]  # fmt: skip
     for role, found in urls.items():
         if found:
             rcmd += [f"--{role}", *found]
-    procs.append(Proc("router", f"http://{args.host}:{args.port}", subprocess.Popen(rcmd, env=env)))
+    procs.append(spawn("router", f"http://{args.host}:{args.port}", rcmd))
     return procs
 
 
@@ -103,6 +111,23 @@ def wait_healthy(procs: list[Proc], timeout_s: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"not healthy after {timeout_s:.0f} s: {[p.name for p in waiting]}")
         time.sleep(0.3)
+
+
+def wait_routed(router_url: str, timeout_s: float = 60.0) -> None:
+    """Until the router has marked every engine behind it healthy (its /health answers once a
+    decode-capable engine is up; a prefill engine it has not polled yet would get no traffic)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{router_url}/load", timeout=2) as r:
+                endpoints = json.load(r)["endpoints"]
+            if endpoints and all(e["healthy"] for e in endpoints):
+                return
+        except (urllib.error.URLError, OSError, ValueError, KeyError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the router at {router_url} has unhealthy engines")
+        time.sleep(0.1)
 
 
 def stop_cluster(procs: list[Proc], grace_s: float = 10.0) -> None:
@@ -167,6 +192,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     try:
         wait_healthy(procs, args.ready_timeout)
         router = procs[-1].url
+        wait_routed(router)
         print(f"ember is up: {router}  (engines: {', '.join(p.url for p in procs[:-1])})")
         print(
             f"  curl {router}/v1/chat/completions -H 'content-type: application/json' "
