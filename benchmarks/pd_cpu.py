@@ -122,6 +122,7 @@ def main() -> None:
     print(compare_table(*results, names=("colocated", "disaggregated")))
     out = Path(os.environ.get("OUT") or "benchmarks/results") / f"pd_cpu-{cpu}.json"
     body = {"sessions": args.sessions, "turns": args.turns, "results": results}
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(body, default=str))
     print(f"wrote {out}")
 
