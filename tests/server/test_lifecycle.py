@@ -12,7 +12,9 @@ import pytest
 
 from tests.server.conftest import Server
 
-LONG = 7000  # tokens: several seconds of generation on the CPU, so a hang-up lands mid-request
+LONG = 7000  # tokens: ~20 s of generation on the CPU, so a hang-up lands mid-request and only an
+# abort frees the blocks within FREED_S (kept well above a loaded CI machine's stalls)
+FREED_S = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +22,7 @@ def long_server(server_factory) -> Server:
     return server_factory("--max-model-len", "8192")
 
 
-def test_disconnect_mid_stream_frees_everything_within_a_second(long_server: Server) -> None:
+def test_disconnect_mid_stream_frees_everything_at_once(long_server: Server) -> None:
     server = long_server
     body = {
         "model": "tiny",
@@ -41,7 +43,7 @@ def test_disconnect_mid_stream_frees_everything_within_a_second(long_server: Ser
         load = server.load()
         assert load["running"] == 1 and load["free_blocks"] < load["total_blocks"]
     # Leaving the block closes the connection mid-stream.
-    deadline = time.monotonic() + 1.0
+    deadline = time.monotonic() + FREED_S
     while True:
         load = server.load()
         if (
@@ -50,7 +52,7 @@ def test_disconnect_mid_stream_frees_everything_within_a_second(long_server: Ser
             and load["free_blocks"] == load["total_blocks"]
         ):
             break
-        assert time.monotonic() < deadline, f"blocks still held after 1 s: {load}"
+        assert time.monotonic() < deadline, f"blocks still held after {FREED_S} s: {load}"
         time.sleep(0.02)
     assert load["in_flight"] == 0
 
@@ -58,7 +60,7 @@ def test_disconnect_mid_stream_frees_everything_within_a_second(long_server: Ser
 def test_disconnect_while_waiting_for_a_whole_response(long_server: Server) -> None:
     server = long_server
     body = json.dumps(
-        {"model": "tiny", "prompt": "x " * 50, "max_tokens": 800, "ignore_eos": True}
+        {"model": "tiny", "prompt": "x " * 50, "max_tokens": LONG, "ignore_eos": True}
     ).encode()
     host, port = server.url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)))
@@ -72,9 +74,9 @@ def test_disconnect_while_waiting_for_a_whole_response(long_server: Server) -> N
         assert time.monotonic() < deadline
         time.sleep(0.02)
     sock.close()
-    deadline = time.monotonic() + 1.0
+    deadline = time.monotonic() + FREED_S
     while (load := server.load())["free_blocks"] != load["total_blocks"] or load["running"]:
-        assert time.monotonic() < deadline, f"blocks still held after 1 s: {load}"
+        assert time.monotonic() < deadline, f"blocks still held after {FREED_S} s: {load}"
         time.sleep(0.02)
 
 
