@@ -31,6 +31,9 @@ class MooncakeTransport(KVTransport):
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", timeout_s: float = 30.0):
         # The default TCP slice (64 KiB) makes loopback transfers many times slower.
         os.environ.setdefault("MC_TCP_SLICE_SIZE", "4194304")
+        # Mooncake's glog writes INFO lines to stderr at every start (topology, ports); its own
+        # MC_LOG_LEVEL (not glog's GLOG_minloglevel, which it ignores) keeps warnings and errors.
+        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
         try:
             from mooncake.engine import TransferEngine  # lazy: the wheel is an optional extra
         except ImportError as e:
