@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from ember.cluster import spawn
 
 
 def free_port() -> int:
@@ -55,27 +55,15 @@ def start_server(
     model_dir: Path, *extra: str, api_key: str | None = None, wait: bool = True
 ) -> Server:
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "ember.cli",
-        "serve",
-        str(model_dir),
-        "--port",
-        str(port),
-        "--served-model-name",
-        "tiny",
-        "--max-model-len",
-        "1024",
-        "--log-level",
-        "warning",
-        *extra,
-    ]
+    url = f"http://127.0.0.1:{port}"
+    args = [
+        "serve", str(model_dir), "--port", str(port), "--served-model-name", "tiny",
+        "--max-model-len", "1024", "--log-level", "warning", *extra,
+    ]  # fmt: skip
     if api_key:
-        cmd += ["--api-key", api_key]
-    env = {**os.environ, "EMBER_LOG_LEVEL": "WARNING"}
-    proc = subprocess.Popen(cmd, env=env)
-    server = Server(f"http://127.0.0.1:{port}", "tiny", proc, api_key)
+        args += ["--api-key", api_key]
+    proc = spawn("serve", url, args, {"EMBER_LOG_LEVEL": "WARNING"}).popen
+    server = Server(url, "tiny", proc, api_key)
     if wait:
         wait_healthy(server)
     return server
@@ -105,15 +93,15 @@ def start_router(
 ) -> Server:
     """`ember router` over running engines, polling them every 0.2 s."""
     port = free_port()
-    cmd = [sys.executable, "-m", "ember.cli", "router", "--port", str(port)]
-    cmd += ["--poll-interval", "0.2", "--log-level", "warning", *extra]
+    url = f"http://127.0.0.1:{port}"
+    args = ["router", "--port", str(port), "--poll-interval", "0.2", "--log-level", "warning"]
+    args += extra
     if model_dir is not None:
-        cmd += ["--model", str(model_dir)]
+        args += ["--model", str(model_dir)]
     for flag, servers in (("--prefill", prefill), ("--decode", decode), ("--both", both)):
         if servers:
-            cmd += [flag, *(s.url for s in servers)]
-    proc = subprocess.Popen(cmd, env=dict(os.environ))
-    router = Server(f"http://127.0.0.1:{port}", "tiny", proc)
+            args += [flag, *(s.url for s in servers)]
+    router = Server(url, "tiny", spawn("router", url, args).popen)
     wait_healthy(router)
     wait_router_caught_up(router, [*prefill, *decode, *both])
     return router

@@ -24,11 +24,8 @@ class _Selector(selectors.DefaultSelector):
         self.loop: VirtualTimeLoop | None = None
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
-        ready = super().select(0)
-        if ready or timeout == 0:
-            return ready
-        if timeout is None:  # no timer to jump to: only real I/O can wake us
-            return super().select(None)
+        if timeout is None or timeout <= 0:  # None: no timer to jump to, only real I/O wakes us
+            return super().select(timeout)
         ready = super().select(min(timeout, REAL_WAIT_S))
         if not ready:
             assert self.loop is not None

@@ -49,6 +49,10 @@ class Cluster:
     def all(self) -> list[Server]:
         return [self.both, *self.prefill, self.decode, self.router]
 
+    def routed(self) -> list[Server]:
+        """The engines behind the router."""
+        return [*self.prefill, self.decode]
+
 
 @pytest.fixture(scope="module")
 def llama(tiny_model_dir) -> Path:
@@ -160,9 +164,7 @@ def test_a_mostly_cached_prompt_is_not_split(cluster: Cluster) -> None:
     body = chat_body(long_text(5, 300))
     want = post(cluster.both, "/chat/completions", body)["choices"][0]["message"]
     assert post(cluster.router, "/chat/completions", body)["choices"][0]["message"] == want
-    wait_router_caught_up(
-        cluster.router, [*cluster.prefill, cluster.decode]
-    )  # the index knows that prompt now
+    wait_router_caught_up(cluster.router, cluster.routed())  # the index knows that prompt now
     routed = decisions(cluster.router)
     assert post(cluster.router, "/chat/completions", body)["choices"][0]["message"] == want
     assert decisions(cluster.router).get("colocated", 0) - routed.get("colocated", 0) == 1
@@ -202,9 +204,7 @@ def test_session_turns_land_where_their_cache_is(cluster: Cluster) -> None:
             {"role": "assistant", "content": answer},
             {"role": "user", "content": "tool result: " + long_text(seed + 50, 200)},
         ]
-        wait_router_caught_up(
-            cluster.router, [*cluster.prefill, cluster.decode]
-        )  # and turn 1's blocks
+        wait_router_caught_up(cluster.router, cluster.routed())  # and turn 1's blocks
         b = leg({**first, "messages": messages}, headers)
         return a, b, a["usage"]["prompt_tokens"]
 
