@@ -12,6 +12,10 @@ from pathlib import Path
 import httpx
 
 from ember.cluster import spawn
+from ember.trust import SECRET_ENV, internal_headers
+
+SECRET = "test-cluster-secret"
+"""The cluster secret every test engine and router shares (internal routes need it)."""
 
 
 def free_port() -> int:
@@ -38,8 +42,7 @@ class Server:
         return openai.OpenAI(base_url=self.base, max_retries=0, **kw)
 
     def load(self) -> dict:
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        return httpx.get(f"{self.url}/load", headers=headers, timeout=5).json()
+        return httpx.get(f"{self.url}/load", headers=internal_headers(SECRET), timeout=5).json()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -62,7 +65,7 @@ def start_server(
     ]  # fmt: skip
     if api_key:
         args += ["--api-key", api_key]
-    proc = spawn("serve", url, args, {"EMBER_LOG_LEVEL": "WARNING"}).popen
+    proc = spawn("serve", url, args, {"EMBER_LOG_LEVEL": "WARNING", SECRET_ENV: SECRET}).popen
     server = Server(url, "tiny", proc, api_key)
     if wait:
         wait_healthy(server)
@@ -101,7 +104,7 @@ def start_router(
     for flag, servers in (("--prefill", prefill), ("--decode", decode), ("--both", both)):
         if servers:
             args += [flag, *(s.url for s in servers)]
-    router = Server(url, "tiny", spawn("router", url, args).popen)
+    router = Server(url, "tiny", spawn("router", url, args, {SECRET_ENV: SECRET}).popen)
     wait_healthy(router)
     wait_router_caught_up(router, [*prefill, *decode, *both])
     return router
