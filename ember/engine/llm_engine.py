@@ -56,8 +56,9 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
-        outputs, to_stop = self.processor.process(self.core.step())
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One engine step; the requests it advanced (only those it finished with `final_only`)."""
+        outputs, to_stop = self.processor.process(self.core.step(), final_only)
         if to_stop:
             self.core.abort_requests(to_stop, RequestStatus.FINISHED_STOPPED)
         return outputs

@@ -90,8 +90,14 @@ class OutputProcessor:
             for child_id in state.samples:
                 self.parent_of.pop(child_id, None)
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the updated requests and the core request ids that a stop string has ended."""
+    def process(
+        self, outputs: list[EngineCoreOutput], final_only: bool = False
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the updated requests and the core request ids that a stop string has ended.
+
+        `final_only` returns finished requests only: the offline `LLM` waits for whole answers, and
+        building a partial output of every running request each step costs host time (the token
+        lists are copied) for nothing."""
         touched: dict[str, RequestState] = {}
         to_stop: list[str] = []
         for out in outputs:
@@ -110,9 +116,11 @@ class OutputProcessor:
             touched[parent_id] = state
         results = []
         for parent_id, state in touched.items():
-            results.append(state.to_output())
             if state.finished:
+                results.append(state.to_output())
                 self.abort_request(parent_id)
+            elif not final_only:
+                results.append(state.to_output())
         return results, to_stop
 
     def _apply(self, s: SampleState, out: EngineCoreOutput) -> bool:

@@ -89,8 +89,8 @@ class LLM:
         while wanted - done.keys():
             if not self.engine.has_unfinished_requests():
                 raise RuntimeError("engine went idle with requests unanswered")
-            for out in self.engine.step():
-                if out.finished and out.request_id in wanted:
+            for out in self.engine.step(final_only=True):
+                if out.request_id in wanted:
                     done[out.request_id] = out
         return [done[rid] for rid in ids]
 
