@@ -33,6 +33,7 @@ from ember.bench.records import PlannedRequest  # noqa: E402
 from ember.bench.runner import RunLimits, run_sessions  # noqa: E402
 from ember.cluster import start_cluster, stop_cluster, wait_healthy, wait_routed  # noqa: E402
 from ember.models.tiny import ensure_tiny  # noqa: E402
+from ember.trust import new_secret  # noqa: E402
 
 WORDS = ["agent", "tool", "call", "result", "file", "read", "write", "test", "patch", "diff"]
 
@@ -90,10 +91,11 @@ def run_config(name: str, model: str, port: int, args: argparse.Namespace, **rol
         host="127.0.0.1", port=port, engine_port=None, device="cpu", max_model_len=4096,
         kv_transport="mooncake", disagg_min_uncached=256,
     )  # fmt: skip
-    procs = start_cluster(ns, model)
+    secret = new_secret()  # what ember up does: the router polls the engines' /load with it
+    procs = start_cluster(ns, model, secret)
     try:
         wait_healthy(procs, 300)
-        wait_routed(procs[-1].url)
+        wait_routed(procs[-1].url, secret)
         agent = CpuAgent(model, args.sessions, args.turns)
         limits = RunLimits(progress=False)
         records, wall = asyncio.run(run_sessions(procs[-1].url, agent, limits))

@@ -43,6 +43,10 @@ from ember.bench.records import PlannedRequest  # noqa: E402
 from ember.bench.runner import RunLimits, run_sessions  # noqa: E402
 from ember.cluster import Proc, spawn, stop_cluster, wait_healthy, wait_routed  # noqa: E402
 from ember.models.tiny import make_tiny  # noqa: E402
+from ember.trust import SECRET_ENV, internal_headers, new_secret  # noqa: E402
+
+SECRET = new_secret()
+"""The cluster secret of this run's engines and router (their /load answers only with it)."""
 
 SYSTEM_TOKENS = 2048
 SESSION_TOKENS = 1024
@@ -69,9 +73,8 @@ def serve(model: str, port: int, gpu: int, role: str) -> Proc:
         "--role", role, "--kv-transport", "cuda_ipc", "--served-model-name", "llama-8b",
         "--log-level", "warning",
     ]  # fmt: skip
-    return spawn(
-        f"{role}@gpu{gpu}", f"http://127.0.0.1:{port}", args, {"CUDA_VISIBLE_DEVICES": str(gpu)}
-    )
+    env = {"CUDA_VISIBLE_DEVICES": str(gpu), SECRET_ENV: SECRET}
+    return spawn(f"{role}@gpu{gpu}", f"http://127.0.0.1:{port}", args, env)
 
 
 def router(model: str, port: int, engines: dict[str, list[str]]) -> Proc:
@@ -79,7 +82,7 @@ def router(model: str, port: int, engines: dict[str, list[str]]) -> Proc:
     args += ["--poll-interval", "0.2", "--log-level", "warning"]
     for role, urls in engines.items():
         args += [f"--{role}", *urls]
-    return spawn("router", f"http://127.0.0.1:{port}", args)
+    return spawn("router", f"http://127.0.0.1:{port}", args, {SECRET_ENV: SECRET})
 
 
 @dataclass(slots=True)
@@ -135,7 +138,7 @@ def cluster(model: str, engines: list[tuple[str, int]], port: int) -> Iterator[l
         wait_healthy(procs, 600)
         procs.append(router(model, port, by_role))
         wait_healthy(procs, 60)
-        wait_routed(procs[-1].url)
+        wait_routed(procs[-1].url, SECRET)
         yield [procs[-1].url, *(p.url for p in procs[:-1])]
     finally:
         stop_cluster(procs, 30)
@@ -160,7 +163,9 @@ def run(name: str, model: str, engines: list[tuple[str, int]], args: argparse.Na
     with cluster(model, engines, args.port) as urls:
         agent = TokenAgent(args.sessions, args.turns)
         records, wall = asyncio.run(run_sessions(urls[0], agent, RunLimits(progress=False)))
-        loads = {u: httpx.get(f"{u}/load").json() for u in urls[1:]}
+        loads = {
+            u: httpx.get(f"{u}/load", headers=internal_headers(SECRET)).json() for u in urls[1:]
+        }
     summary = summarize(records, wall)
     decode = [ld for ld in loads.values() if ld.get("role") == "decode"]
     if decode and decode[0]["remote_kv_loads"]:

@@ -7,6 +7,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
@@ -84,14 +85,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from ember.cluster import check_ports
     from ember.server.api_server import run_server
 
+    check_ports(args.host, [args.port])  # now, not after the model has loaded
     return run_server(args)
 
 
 def cmd_router(args: argparse.Namespace) -> int:
+    from ember.cluster import check_ports
     from ember.router.app import run_router
 
+    check_ports(args.host, [args.port])
     return run_router(args)
 
 
@@ -101,8 +106,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     return run_cluster(args)
 
 
+class Parser(argparse.ArgumentParser):
+    """No prefix matching (`--prefil 2` is a typo to report, not `--prefill 2`); subparsers are of
+    this class too (argparse makes them with type(parent))."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ember", description="LLM serving for agents.")
+    p = Parser(prog="ember", description="LLM serving for agents.")
     sub = p.add_subparsers(dest="command", required=True)
 
     model = sub.add_parser("model", help="model utilities")
@@ -169,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"ember: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # e.g. a port taken between the check and the bind
+        print(f"ember: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,6 +1,11 @@
 """`ember up`: a local cluster in one command. Prefill and decode engines (`ember serve --role ...`)
 and a router in front of them, each its own subprocess; waits until all are healthy, prints the URL
-and an example request, and stops them all on Ctrl-C or SIGTERM (or when one of them dies).
+and an example request, restarts an engine that dies (with back-off) while the router routes around
+it, and stops them all on Ctrl-C or SIGTERM (at once, during start-up too) or when the router dies.
+
+Every child gets a fresh cluster secret through its environment (never its command line, which
+`ps` shows): the engines' internal routes answer only the router and each other. API keys go to the
+router only, in a private file, for the same reason.
 
 `spawn`, `wait_healthy`, `wait_routed` and `stop_cluster` also start and stop the servers of the
 benchmarks (benchmarks/server_overhead.py, pd_gpu.py, pd_cpu.py)."""
@@ -11,14 +16,23 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
+
+from ember.trust import SECRET_ENV, TenantKeys, internal_headers, new_secret
+
+RESTART_BACKOFF_S = (1.0, 30.0)
+"""A dead engine is restarted after 1 s, then 2, 4 ... up to 30 s while it keeps dying."""
 
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
@@ -31,9 +45,36 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-port", type=int, default=None, help="first engine port (port + 1)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="per engine step")
     p.add_argument("--kv-transport", default="mooncake", choices=["mooncake", "cuda_ipc"])
     p.add_argument("--disagg-min-uncached", type=int, default=256)
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=None,
+        help="the router ends a stream that has sent no token for this long (router default)",
+    )
+    p.add_argument(
+        "--kv-timeout",
+        type=float,
+        default=None,
+        help="decode engines prefill a prompt themselves when its KV read takes longer (10 s)",
+    )
     p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument(
+        "--api-key",
+        nargs="+",
+        default=os.environ.get("EMBER_API_KEY", "").split() or None,
+        help="API keys the router asks of clients (each its own tenant); default: EMBER_API_KEY",
+    )
+    p.add_argument(
+        "--api-keys-file",
+        default=None,
+        help='API keys with tenant names: JSON {"KEY": "TENANT"} or lines KEY TENANT [CACHE_GROUP]',
+    )
+    p.add_argument(
+        "--shared-cache", action="store_true", help="let all tenants share one prefix cache"
+    )
     p.add_argument(
         "--demo", action="store_true", help="once up, send one streamed chat request and print it"
     )
@@ -47,6 +88,9 @@ class Proc:
     name: str
     url: str
     popen: subprocess.Popen[bytes]
+    args: tuple[str, ...] = ()
+    """`ember ...` arguments, to start it again the same way."""
+    env: dict[str, str] = field(default_factory=dict)
 
 
 def spawn(name: str, url: str, args: Sequence[str], env: Mapping[str, str] | None = None) -> Proc:
@@ -55,7 +99,33 @@ def spawn(name: str, url: str, args: Sequence[str], env: Mapping[str, str] | Non
     level = os.environ.get("EMBER_LOG_LEVEL", "WARNING")
     full_env = {**os.environ, "EMBER_LOG_LEVEL": level, **(env or {})}
     cmd = [sys.executable, "-m", "ember.cli", *args]
-    return Proc(name, url, subprocess.Popen(cmd, env=full_env))
+    return Proc(name, url, subprocess.Popen(cmd, env=full_env), tuple(args), dict(env or {}))
+
+
+def respawn(p: Proc) -> None:
+    """Start a dead process again with its own arguments and environment (same port)."""
+    p.popen = spawn(p.name, p.url, p.args, p.env).popen
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether something already listens on host:port (a bind with SO_REUSEADDR fails, as the
+    servers' own bind would; a port in TIME_WAIT counts as free, as it does for them)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+        return False
+
+
+def check_ports(host: str, ports: Sequence[int]) -> None:
+    busy = [p for p in ports if port_in_use(host, p)]
+    if busy:
+        raise ValueError(
+            f"port{'s' if len(busy) > 1 else ''} {', '.join(map(str, busy))} "
+            f"{'are' if len(busy) > 1 else 'is'} in use"
+        )
 
 
 def _healthy(url: str) -> bool:
@@ -66,37 +136,76 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def start_cluster(args: argparse.Namespace, model: str) -> list[Proc]:
-    """Start the engines and the router; returns them, router last (not yet healthy)."""
-    engines = [("prefill", args.prefill), ("decode", args.decode), ("both", args.both)]
-    total = sum(n for _, n in engines)
-    if total == 0 or args.decode + args.both == 0:
+def engine_plan(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """(role, port) of each engine, in start order."""
+    roles = [("prefill", args.prefill), ("decode", args.decode), ("both", args.both)]
+    if sum(n for _, n in roles) == 0 or args.decode + args.both == 0:
         raise ValueError("ember up needs at least one decode or colocated engine")
-    threads = max(1, ((os.cpu_count() or 2) - 1) // total)
     port = args.engine_port or args.port + 1
-    procs: list[Proc] = []
+    return [(role, port + i) for i, role in enumerate(r for r, n in roles for _ in range(n))]
+
+
+def start_cluster(
+    args: argparse.Namespace,
+    model: str,
+    secret: str,
+    keys_file: str | None = None,
+    procs: list[Proc] | None = None,
+) -> list[Proc]:
+    """Start the engines and the router; returns them, router last (not yet healthy). `secret`
+    reaches every child as EMBER_CLUSTER_SECRET; `keys_file` (API keys) the router only. Each
+    child is appended to `procs` as soon as it exists, so a signal midway leaves none unknown."""
+    plan = engine_plan(args)
+    threads = max(1, ((os.cpu_count() or 2) - 1) // len(plan))
+    # Engines sit behind the router: they ask no API key (the router's calls carry the secret).
+    env = {SECRET_ENV: secret, "EMBER_API_KEY": ""}
     urls: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
-    for role, n in engines:
-        for i in range(n):
-            url = f"http://{args.host}:{port}"
-            cmd = (
-                "serve", model, "--host", args.host, "--port", str(port), "--role", role,
-                "--device", args.device, "--max-model-len", str(args.max_model_len),
-                "--kv-transport", args.kv_transport, "--kv-host", args.host,
-                "--cpu-threads", str(threads), "--log-level", "warning",
-            )  # fmt: skip
-            procs.append(spawn(f"{role}-{i}", url, cmd))
-            urls[role].append(url)
-            port += 1
+    for role, port in plan:
+        urls[role].append(f"http://{args.host}:{port}")
+    procs = [] if procs is None else procs
+    batched = getattr(args, "max_num_batched_tokens", None)
+    for role, port in plan:
+        cmd = [
+            "serve", model, "--host", args.host, "--port", str(port), "--role", role,
+            "--device", args.device, "--max-model-len", str(args.max_model_len),
+            "--kv-transport", args.kv_transport, "--kv-host", args.host,
+            "--cpu-threads", str(threads), "--log-level", "warning",
+        ]  # fmt: skip
+        if batched:
+            cmd += ["--max-num-batched-tokens", str(batched)]
+        if getattr(args, "kv_timeout", None) is not None:
+            cmd += ["--kv-timeout", str(args.kv_timeout)]
+        if role != "prefill" and urls["prefill"]:
+            cmd += ["--kv-peers", *urls["prefill"]]  # the only engines it reads KV from
+        name = f"{role}-{sum(p.name.startswith(role) for p in procs)}"
+        procs.append(spawn(name, f"http://{args.host}:{port}", cmd, env))
     rcmd = [
         "router", "--host", args.host, "--port", str(args.port), "--model", model,
         "--disagg-min-uncached", str(args.disagg_min_uncached), "--log-level", "warning",
     ]  # fmt: skip
+    if getattr(args, "stall_timeout", None) is not None:
+        rcmd += ["--stall-timeout", str(args.stall_timeout)]
+    if keys_file:
+        rcmd += ["--api-keys-file", keys_file]
+    if getattr(args, "shared_cache", False):
+        rcmd.append("--shared-cache")
     for role, found in urls.items():
         if found:
             rcmd += [f"--{role}", *found]
-    procs.append(spawn("router", f"http://{args.host}:{args.port}", rcmd))
+    procs.append(spawn("router", f"http://{args.host}:{args.port}", rcmd, env))
     return procs
+
+
+def write_keys_file(keys: TenantKeys) -> str | None:
+    """The router's API keys as a private JSON file (mode 0600), so no key is on a command line."""
+    if not keys.enabled:
+        return None
+    fd, path = tempfile.mkstemp(prefix="ember-keys-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(
+            {k: {"tenant": t.name, "cache_group": t.cache_group} for k, t in keys.keys.items()}, f
+        )
+    return path
 
 
 def wait_healthy(procs: list[Proc], timeout_s: float) -> None:
@@ -113,14 +222,20 @@ def wait_healthy(procs: list[Proc], timeout_s: float) -> None:
         time.sleep(0.3)
 
 
-def wait_routed(router_url: str, timeout_s: float = 60.0) -> None:
+def router_endpoints(router_url: str, secret: str) -> list[dict]:
+    """The router's view of its engines (its internal /load, which needs the cluster secret)."""
+    req = urllib.request.Request(f"{router_url}/load", headers=internal_headers(secret))
+    with urllib.request.urlopen(req, timeout=2) as r:
+        return json.load(r)["endpoints"]
+
+
+def wait_routed(router_url: str, secret: str, timeout_s: float = 60.0) -> None:
     """Until the router has marked every engine behind it healthy (its /health answers once a
     decode-capable engine is up; a prefill engine it has not polled yet would get no traffic)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with urllib.request.urlopen(f"{router_url}/load", timeout=2) as r:
-                endpoints = json.load(r)["endpoints"]
+            endpoints = router_endpoints(router_url, secret)
             if endpoints and all(e["healthy"] for e in endpoints):
                 return
         except (urllib.error.URLError, OSError, ValueError, KeyError):
@@ -143,7 +258,7 @@ def stop_cluster(procs: list[Proc], grace_s: float = 10.0) -> None:
             p.popen.wait()
 
 
-def demo_request(url: str, model: str) -> str:
+def demo_request(url: str, model: str, api_key: str | None = None) -> str:
     """One streamed chat request through the router; returns the streamed text."""
     body = {
         "model": model,
@@ -153,11 +268,10 @@ def demo_request(url: str, model: str) -> str:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    req = urllib.request.Request(
-        f"{url}/v1/chat/completions",
-        json.dumps(body).encode(),
-        {"content-type": "application/json", "x-session-affinity": "ses_demo"},
-    )
+    headers = {"content-type": "application/json", "x-session-affinity": "ses_demo"}
+    if api_key:
+        headers["authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode(), headers)
     text = []
     with urllib.request.urlopen(req, timeout=120) as r:
         for raw in r:
@@ -174,42 +288,139 @@ def demo_request(url: str, model: str) -> str:
     return "".join(text)
 
 
+class Stopped(Exception):
+    """Ctrl-C or SIGTERM: raised from the signal handler, so a wait of any kind ends at once."""
+
+
+@dataclass(slots=True)
+class StopSignals:
+    """SIGINT and SIGTERM raise `Stopped` wherever the main thread is, except inside `held()`
+    (starting a child: raised between fork and the Proc's bookkeeping, it would orphan it), where
+    the signal waits until the block ends. Signals are not blocked there instead, because a child
+    inherits the blocked mask and would then ignore our SIGTERM."""
+
+    holding: bool = False
+    pending: str | None = None
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        # Once stopping, further signals are ignored: stop_cluster must not be interrupted.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self.pending = signal.Signals(signum).name
+        if not self.holding:
+            raise Stopped(self.pending)
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+        if self.pending:
+            raise Stopped(self.pending)
+
+
+@dataclass(slots=True)
+class Supervisor:
+    """Restarts dead engines with exponential back-off; reports a dead router."""
+
+    engines: list[Proc]
+    router: Proc
+    backoff: dict[str, float] = field(default_factory=dict)
+    """Per engine: the delay its next restart waits (reset once it answers /health again)."""
+    due: dict[str, float] = field(default_factory=dict)
+    """Per dead engine: when it is restarted."""
+    recovering: set[str] = field(default_factory=set)
+    signals: StopSignals = field(default_factory=StopSignals)
+
+    def check(self) -> str | None:
+        """One pass; returns why the cluster must stop (the router died), else None."""
+        if (rc := self.router.popen.poll()) is not None:
+            return f"the router exited ({rc})"
+        now = time.monotonic()
+        lo, hi = RESTART_BACKOFF_S
+        for p in self.engines:
+            if p.popen.poll() is None:
+                if p.name in self.recovering and _healthy(p.url):
+                    self.recovering.discard(p.name)
+                    self.backoff[p.name] = lo
+                    print(f"{p.name} is back: {p.url}", flush=True)
+                continue
+            if p.name not in self.due:
+                delay = self.backoff.get(p.name, lo)
+                self.backoff[p.name] = min(hi, delay * 2)
+                self.due[p.name] = now + delay
+                print(
+                    f"{p.name} exited ({p.popen.returncode}); restarting it in {delay:.0f} s "
+                    "(the router routes around it meanwhile)",
+                    flush=True,
+                )
+            elif now >= self.due[p.name]:
+                del self.due[p.name]
+                with self.signals.held():
+                    respawn(p)
+                self.recovering.add(p.name)
+        return None
+
+
+def print_up(router: str, procs: list[Proc], model: str, keyed: bool) -> None:
+    print(f"ember is up: {router}  (engines: {', '.join(p.url for p in procs[:-1])})")
+    auth = "-H 'authorization: Bearer YOUR_KEY' " if keyed else ""
+    print(
+        f"  curl {router}/v1/chat/completions -H 'content-type: application/json' {auth}"
+        f'-H \'x-session-affinity: ses_1\' -d \'{{"model": "{model}", "messages": '
+        '[{"role": "user", "content": "hi"}], "stream": true}\''
+    )
+
+
 def run_cluster(args: argparse.Namespace) -> int:
     from ember.models.tiny import ensure_tiny
 
+    keys = TenantKeys.load(args.api_key or (), args.api_keys_file, args.shared_cache)
+    # A busy port is the user's to fix: say so now, not after a minute of waiting on engines.
+    check_ports(args.host, [args.port, *(port for _, port in engine_plan(args))])
     model = args.model or str(ensure_tiny("llama"))
     if not Path(model).is_dir():
         raise FileNotFoundError(f"model directory {model!r} does not exist")
-    procs = start_cluster(args, model)
-    stopping = False
 
-    def on_signal(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    signals = StopSignals()
+    # An operator who sets EMBER_CLUSTER_SECRET can reach the internal routes (/load, /metrics).
+    secret = os.environ.get(SECRET_ENV) or new_secret()
+    keys_file = write_keys_file(keys)
+    procs: list[Proc] = []
     try:
+        signals.install()
+        with signals.held():
+            start_cluster(args, model, secret, keys_file, procs)
         wait_healthy(procs, args.ready_timeout)
         router = procs[-1].url
-        wait_routed(router)
-        print(f"ember is up: {router}  (engines: {', '.join(p.url for p in procs[:-1])})")
-        print(
-            f"  curl {router}/v1/chat/completions -H 'content-type: application/json' "
-            f'-H \'x-session-affinity: ses_1\' -d \'{{"model": "{model}", "messages": '
-            '[{"role": "user", "content": "hi"}], "stream": true}\''
-        )
+        wait_routed(router, secret)
+        print_up(router, procs, model, keys.enabled)
         if args.demo:
-            print(f"demo answer: {demo_request(router, model)!r}", flush=True)
+            key = next(iter(keys.keys), None)
+            print(f"demo answer: {demo_request(router, model, key)!r}", flush=True)
             if args.exit_after_demo:
                 return 0
         print("Ctrl-C stops the cluster.", flush=True)
-        while not stopping:
-            dead = [p for p in procs if p.popen.poll() is not None]
-            if dead:
-                print(f"{dead[0].name} exited ({dead[0].popen.returncode}); stopping", flush=True)
-                return 1
+        supervisor = Supervisor(procs[:-1], procs[-1], signals=signals)
+        while (why := supervisor.check()) is None:
             time.sleep(0.5)
+        print(f"{why}; stopping the cluster", flush=True)
+        return 1
+    except Stopped as e:
+        print(f"{e}: stopping the cluster", file=sys.stderr, flush=True)
         return 0
+    except (RuntimeError, TimeoutError, OSError) as e:  # an engine failed to start, the demo failed
+        print(f"ember up: {e}; stopping the cluster", file=sys.stderr, flush=True)
+        return 1
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         stop_cluster(procs)
+        if keys_file:
+            os.unlink(keys_file)

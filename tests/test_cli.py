@@ -1,8 +1,17 @@
+"""The `ember` command line: subcommands, one-line errors, no abbreviated flags."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from ember.cli import main
+from tests.servers import free_port
 
 
 def test_make_tiny_then_generate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -27,3 +36,68 @@ def test_demo_runs_two_turns_with_a_cache_hit(
 def test_errors_exit_2_with_a_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", str(tmp_path / "missing"), "--prompt", "x"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def ember(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "ember.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def one_line_error(r: subprocess.CompletedProcess[str], prog: str) -> str:
+    """The stderr of a failed command: exactly one line, `prog: error: ...`, no traceback."""
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith(f"{prog}: error: "), lines
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["up", "--prefil", "2"],
+        ["serve", "m", "--max-model", "64"],
+        ["router", "--disagg", "1"],
+        ["model", "make-tiny", "out", "--ar", "llama"],
+        ["bench", "--url", "http://127.0.0.1:1", "--workload", "random", "--num-req", "3"],
+        ["bench", "compare", "a.json", "b.json", "--hel"],
+    ],
+)
+def test_abbreviated_flags_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Defect 15: argparse's prefix matching took `--prefil 2` as `--prefill 2`."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_bench_against_a_closed_port_is_one_line() -> None:
+    """Defect 15: a traceback (and defect 14: exit 0) when the server is down."""
+    port = free_port()
+    r = ember("bench", "--url", f"http://127.0.0.1:{port}", "--workload", "random")
+    assert f"cannot reach http://127.0.0.1:{port}/v1/models" in one_line_error(r, "ember bench")
+    assert r.returncode == 1
+
+
+def test_bench_compare_on_a_missing_or_foreign_file_is_one_line(tmp_path: Path) -> None:
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"summary": {"requests": 1}}))
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text("[1, 2")
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"rows": []}))
+    for bad, says in ((tmp_path / "missing.json", "No such file"), (foreign, "not a JSON"),
+                      (other, "not an ember bench result")):  # fmt: skip
+        r = ember("bench", "compare", str(good), str(bad))
+        assert says in one_line_error(r, "ember bench compare")
+        assert r.returncode == 1
+
+
+def test_router_on_a_busy_port_is_one_line() -> None:
+    """Defect 15: `ember router` on a busy port printed aiohttp's traceback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = ember("router", "--port", str(port), "--both", "http://127.0.0.1:1")
+    assert one_line_error(r, "ember") == f"ember: error: port {port} is in use"

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.servers import free_port
@@ -71,3 +74,105 @@ def test_sigterm_stops_every_process(tiny_model_dir) -> None:
     assert proc.returncode == 0
     for p in (port, port + 1, port + 2):
         assert not listening(p), f"port {p} still served after SIGTERM"
+
+
+def children_of(pid: int) -> dict[int, list[str]]:
+    """pid -> argv of each direct child of `pid` (from /proc; no psutil here)."""
+    out: dict[int, list[str]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = (d / "cmdline").read_bytes().decode().split("\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid:
+            out[int(d.name)] = argv
+    return out
+
+
+def engine_pid(up_pid: int, port: int) -> int:
+    for pid, argv in children_of(up_pid).items():
+        if "serve" in argv and argv[argv.index("--port") + 1] == str(port):
+            return pid
+    raise AssertionError(f"no engine child on port {port}")
+
+
+def complete(url: str, model: str) -> int:
+    body = {"model": model, "prompt": "hello there", "max_tokens": 4, "temperature": 0}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    return r.status_code
+
+
+def read_until(proc: subprocess.Popen[str], prefix: str, timeout_s: float) -> list[str]:
+    """Lines of `proc`'s stdout up to and including the first that starts with `prefix`."""
+    assert proc.stdout is not None
+    deadline, seen = time.monotonic() + timeout_s, []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith(prefix):
+            return seen
+        assert time.monotonic() < deadline, f"no {prefix!r} in {timeout_s} s: {seen}"
+    raise AssertionError(f"ember up exited ({proc.wait()}) before {prefix!r}: {seen}")
+
+
+def test_killed_engine_is_restarted_while_the_router_routes_around_it(tiny_model_dir) -> None:
+    """Defect 11: one engine's death used to stop the whole cluster."""
+    port = three_free_ports()
+    model = str(tiny_model_dir("llama"))
+    proc = up(model, port, "--prefill", "0", "--decode", "0", "--both", "2")
+    try:
+        read_until(proc, "ember is up", 120)
+        victim = engine_pid(proc.pid, port + 1)
+        os.kill(victim, signal.SIGKILL)
+        lines = read_until(proc, "both-0 exited", 10)
+        # Meanwhile the cluster answers through the other engine (the router stays up).
+        assert complete(f"http://127.0.0.1:{port}", model) == 200
+        lines += read_until(proc, "both-0 is back", 90)
+        assert proc.poll() is None, lines
+        assert engine_pid(proc.pid, port + 1) != victim  # a new process on the same port
+        assert complete(f"http://127.0.0.1:{port + 1}", model) == 200
+        assert complete(f"http://127.0.0.1:{port}", model) == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    for p in (port, port + 1, port + 2):
+        assert not listening(p), f"port {p} still served after SIGTERM"
+
+
+def test_sigterm_during_start_up_stops_at_once(tiny_model_dir) -> None:
+    """Defect 11: a signal during start-up used to wait for --ready-timeout (or readiness)."""
+    port = three_free_ports()
+    proc = up(str(tiny_model_dir("llama")), port)
+    deadline = time.monotonic() + 30
+    while len(children_of(proc.pid)) < 3:  # both engines and the router are starting
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    kids = list(children_of(proc.pid))
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert time.monotonic() - t0 < 10
+    assert "ember is up" not in out  # it stopped, rather than finishing its start first
+    for pid in kids:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+    for p in (port, port + 1, port + 2):
+        assert not listening(p)
+
+
+@pytest.mark.parametrize("busy", [0, 2])
+def test_busy_port_is_a_one_line_error_at_once(tiny_model_dir, busy: int) -> None:
+    """Defect 15: a busy router or engine port used to mean a traceback and a 60 s wait."""
+    port = three_free_ports()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port + busy))
+        s.listen()
+        t0 = time.monotonic()
+        cmd = [sys.executable, "-m", "ember.cli", "up", str(tiny_model_dir("llama"))]
+        r = subprocess.run([*cmd, "--port", str(port)], capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - t0 < 20
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"ember: error: port {port + busy} is in use"
+    assert "ember is up" not in r.stdout
+    assert not listening(port + (2 - busy))  # nothing was started

@@ -4,19 +4,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
+
+from ember.bench.fit import (
+    AgenticSize,
+    BenchError,
+    ServerInfo,
+    fit_requests,
+    server_info,
+    size_agentic,
+    warn,
+)
 
 USAGE = """ember bench --url URL --workload agentic|trace|random [options]
        ember bench compare A.json B.json"""
 
 
 def run_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ember bench", usage=USAGE, description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="ember bench", usage=USAGE, description=__doc__, allow_abbrev=False
+    )
     p.add_argument("--url", required=True, help="the server (or router) base URL")
     p.add_argument("--workload", choices=["agentic", "trace", "random"], required=True)
     p.add_argument("--model", default=None, help="model name (default: the server's first)")
@@ -36,7 +46,13 @@ def run_parser() -> argparse.ArgumentParser:
     g.add_argument("--sessions", type=int, default=8)
     g.add_argument("--turns", type=int, default=4)
     g.add_argument("--think-time", type=float, default=0.0, help="seconds between turns")
-    g.add_argument("--system-tokens", type=int, default=3000)
+    g.add_argument(
+        "--system-tokens",
+        type=int,
+        default=3000,
+        help="the shared system prompt's length in the server's tokens (measured by two probe "
+        "requests; the whole workload is scaled down, with a warning, to fit max_model_len)",
+    )
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--no-affinity", action="store_true", help="no x-session-affinity header")
     g = p.add_argument_group("trace")
@@ -57,15 +73,27 @@ def _span(text: str) -> int | tuple[int, int]:
     return int(text)
 
 
-def server_model(url: str, api_key: str | None) -> str:
-    req = urllib.request.Request(url.rstrip("/") + "/v1/models")
-    if api_key:
-        req.add_header("authorization", f"Bearer {api_key}")
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return json.loads(r.read())["data"][0]["id"]
+def warn_cut_rows(path: str, max_requests: int | None, limit: int | None) -> None:
+    from ember.bench.workloads import read_mooncake_rows
+
+    if limit is None:
+        return
+    rows = read_mooncake_rows(path, max_requests=max_requests)
+    cut = sum(r.input_length + r.output_length > limit for r in rows)
+    if cut:
+        warn(
+            f"{cut} of {len(rows)} requests did not fit the server's max_model_len {limit}: "
+            "their prompts (and outputs beyond half the context) were cut to fit"
+        )
 
 
-def run_once(args: argparse.Namespace, model: str, rate: float | None, seed: int) -> dict[str, Any]:
+def run_once(
+    args: argparse.Namespace,
+    info: ServerInfo,
+    rate: float | None,
+    seed: int,
+    size: AgenticSize | None,
+) -> dict[str, Any]:
     from ember.bench import workloads as w
     from ember.bench.metrics import summarize
     from ember.bench.runner import RunLimits, run_open_loop, run_sessions
@@ -78,12 +106,16 @@ def run_once(args: argparse.Namespace, model: str, rate: float | None, seed: int
         progress=not args.no_progress,
     )
     lo, hi = (int(x) for x in args.vocab.split(":"))
+    model = info.model
     if args.workload == "agentic":
+        assert size is not None
         workload = w.AgenticWorkload(
             args.sessions,
             args.turns,
-            system_tokens=args.system_tokens,
-            max_tokens=args.max_tokens,
+            system_words=size.system_words,
+            user_words=size.user_words,
+            tool_result_words=size.tool_result_words,
+            max_tokens=size.max_tokens,
             think_time_s=args.think_time,
             rate=rate,
             affinity=not args.no_affinity,
@@ -95,14 +127,24 @@ def run_once(args: argparse.Namespace, model: str, rate: float | None, seed: int
         if args.workload == "trace":
             if not args.trace_file:
                 raise ValueError("--workload trace needs --trace-file")
-            load = w.load_mooncake_trace if args.trace_format == "mooncake" else w.load_azure_trace
-            planned = load(
-                args.trace_file,
-                time_scale=args.time_scale,
-                max_requests=args.max_requests,
-                vocab=(lo, hi),
-                model=model,
-            )
+            if args.trace_format == "mooncake":
+                planned = w.load_mooncake_trace(
+                    args.trace_file,
+                    time_scale=args.time_scale,
+                    max_requests=args.max_requests,
+                    vocab=(lo, hi),
+                    model=model,
+                    max_model_len=info.max_model_len,  # cut rows before the ideal ratio
+                )
+                warn_cut_rows(args.trace_file, args.max_requests, info.max_model_len)
+            else:
+                planned = w.load_azure_trace(
+                    args.trace_file,
+                    time_scale=args.time_scale,
+                    max_requests=args.max_requests,
+                    vocab=(lo, hi),
+                    model=model,
+                )
         else:
             planned = w.random_workload(
                 args.num_requests,
@@ -113,6 +155,7 @@ def run_once(args: argparse.Namespace, model: str, rate: float | None, seed: int
                 vocab=(lo, hi),
                 model=model,
             )
+        planned = fit_requests(planned, info.max_model_len)
         records, duration = asyncio.run(run_open_loop(args.url, planned, limits))
     summary = summarize(
         records,
@@ -127,14 +170,27 @@ def cmd_run(argv: list[str]) -> int:
     from ember.bench.report import markdown_table, plot_cdfs, plot_sweep, sweep_table, write_json
 
     args = run_parser().parse_args(argv)
-    model = args.model or server_model(args.url, args.api_key)
+    info = server_info(args.url, args.api_key)  # a server that is down fails here, in one line
+    if args.model:
+        info = ServerInfo(args.model, info.max_model_len)
+    model = info.model
+    size = None
+    if args.workload == "agentic":
+        size = size_agentic(
+            args.url,
+            args.api_key,
+            info,
+            system_tokens=args.system_tokens,
+            turns=args.turns,
+            max_tokens=args.max_tokens,
+        )
     rates = [float(r) for r in args.rates.split(",")] if args.rates else [args.rate]
     runs = []
     for i, rate in enumerate(rates):
         if len(rates) > 1:
             print(f"rate {rate}/s ...", file=sys.stderr)
         # Each rate of a sweep gets prompts of its own: the last rate's would all be cached.
-        runs.append(run_once(args, model, rate, args.seed + i))
+        runs.append(run_once(args, info, rate, args.seed + i, size))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = args.name or f"{args.workload}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -151,13 +207,21 @@ def cmd_run(argv: list[str]) -> int:
         plot_sweep(sweep, out / f"{stem}-sweep.png")
     print(table)
     print(f"\nwrote {out / stem}.json, .md and PNG plots")
+    failed = [rec for rec in records if not rec.ok]
+    if records and len(failed) == len(records):
+        # A run that measured nothing is a failure, whatever wrote its report.
+        print(
+            f"ember bench: error: all {len(records)} requests failed, e.g. {failed[0].error}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
 def cmd_compare(argv: list[str]) -> int:
     from ember.bench.compare import compare_table, load_result
 
-    p = argparse.ArgumentParser(prog="ember bench compare")
+    p = argparse.ArgumentParser(prog="ember bench compare", allow_abbrev=False)
     p.add_argument("a")
     p.add_argument("b")
     args = p.parse_args(argv)
@@ -170,6 +234,9 @@ def cmd_compare(argv: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if argv and argv[0] == "compare":
-        return cmd_compare(argv[1:])
-    return cmd_run(argv)
+    compare = bool(argv) and argv[0] == "compare"
+    try:
+        return cmd_compare(argv[1:]) if compare else cmd_run(argv)
+    except (BenchError, ValueError, OSError) as e:  # a down server, a missing or foreign file
+        print(f"ember bench{' compare' if compare else ''}: error: {e}", file=sys.stderr)
+        return 1

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from ember.engine.config import EngineConfig
-from ember.engine.core_client import CoreClient, EngineDeadError
+from ember.engine.core_client import CoreClient, EngineDeadError, RequestFailedError
 from ember.engine.input_processor import InputProcessor, PromptType
 from ember.engine.messages import (
     AbortRequests,
@@ -54,6 +54,8 @@ class AsyncLLM:
         self.stats = SchedulerStats()
         self.ready: EngineCoreReady | None = None
         self.dead: str | None = None
+        self.died = asyncio.Event()
+        """Set when the engine core died: the server exits so that a supervisor restarts it."""
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._client: CoreClient | None = None
         self._loop_task: asyncio.Task[None] | None = None
@@ -198,7 +200,8 @@ class AsyncLLM:
                         fut.set_result(released)
                 if not msg.outputs:
                     continue
-                outputs, to_stop = self.processor.process(msg.outputs)
+                core_outputs = await self._fail_errored(client, msg.outputs)
+                outputs, to_stop = self.processor.process(core_outputs)
                 for out in outputs:
                     q = self._queues.get(out.request_id)
                     if q is not None:
@@ -211,6 +214,29 @@ class AsyncLLM:
             log.exception("engine output loop ended")
             self.dead = str(e)
             self._fail_all(e if isinstance(e, EngineDeadError) else EngineDeadError(str(e)))
+            self.died.set()
+
+    async def _fail_errored(
+        self, client: CoreClient, outputs: list[EngineCoreOutput]
+    ) -> list[EngineCoreOutput]:
+        """A core output with finish_reason "error" fails its request (all of its n samples)
+        with RequestFailedError; the rest pass on."""
+        if not any(o.finish_reason == "error" for o in outputs):
+            return outputs
+        kept = []
+        for out in outputs:
+            parent = self.processor.parent_of.get(out.request_id)
+            if out.finish_reason != "error" or parent is None:
+                kept.append(out)
+                continue
+            siblings = [c for c in self.processor.child_ids(parent) if c != out.request_id]
+            self.processor.abort_request(parent)
+            q = self._queues.get(parent)
+            if q is not None:
+                q.put_nowait(RequestFailedError(str(out.stop_reason or "engine error")))
+            if siblings:
+                await client.send(AbortRequests(siblings))
+        return kept
 
     def _fail_all(self, err: BaseException) -> None:
         for q in self._queues.values():

@@ -44,6 +44,10 @@ class EngineConfig:
     """The address this engine's KV transport listens on, as peers reach it."""
     kv_lease_s: float = 30.0
     """How long a prefill engine holds a prompt's KV for a decode engine that does not come."""
+    kv_timeout_s: float = 10.0
+    """Decode role: how long a KV read, and then the lease's release, may take before the prompt is
+    prefilled locally. Under the router's stall timeout, so a frozen prefill engine costs a decode
+    stream this long, never its end."""
     kv_events: bool = False
     """Record the prefix cache's stored/evicted block hashes for the router's prefix index."""
     cluster_secret: str = field(default="", repr=False)
@@ -60,6 +64,8 @@ class EngineConfig:
             )
         if self.kv_role not in ("both", "prefill", "decode"):
             raise ValueError(f"kv_role must be both, prefill or decode, got {self.kv_role!r}")
+        if self.kv_timeout_s <= 0:
+            raise ValueError(f"kv_timeout_s must be > 0, got {self.kv_timeout_s}")
         if self.kv_lease_s <= 0:
             raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -25,7 +25,7 @@ from ember.engine.messages import (
 )
 from ember.engine.model_runner import ModelRunner, PendingStep
 from ember.engine.request import Request, RequestStatus
-from ember.engine.sampler import make_generator
+from ember.engine.sampler import SamplingBatch, make_generator
 from ember.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ember.engine.structured_output import GrammarCompiler
 from ember.kv.kv_cache_manager import KVCacheManager
@@ -33,6 +33,10 @@ from ember.models.config import ModelConfig
 from ember.models.loader import load_model
 
 log = logging.getLogger(__name__)
+
+MAX_FAILED_STEPS = 3
+"""Steps in a row that may fail before the core gives up: past it, the fault is the core's own
+(a broken device), not one request's."""
 
 
 def default_backend(device: torch.device) -> AttentionBackend:
@@ -96,7 +100,7 @@ class EngineCore:
         if config.kv_role != "both":
             from ember.kv.transport import make_transport
 
-            transport = make_transport(config.kv_transport, config.kv_host)
+            transport = make_transport(config.kv_transport, config.kv_host, config.kv_timeout_s)
             self.connector = KVConnector(
                 config.kv_role,
                 self.kv,
@@ -104,6 +108,8 @@ class EngineCore:
                 transport,
                 self.engine_id,
                 config.kv_lease_s,
+                secret=config.cluster_secret,
+                timeout_s=config.kv_timeout_s,
             )
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, r.max_num_batched_tokens, r.max_model_len),
@@ -115,6 +121,9 @@ class EngineCore:
             on_gpu if config.async_scheduling is None else config.async_scheduling
         )
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
+        self._batches: list[SchedulerOutput] = []  # the running step's, for _fail_step
+        self._outputs: list[EngineCoreOutput] = []
+        self.failed_steps = 0
         self.grammar = GrammarCompiler.for_model(config.model, self.model_config)
         if on_gpu and not config.enforce_eager:
             self.runner.capture_cuda_graphs(
@@ -189,12 +198,36 @@ class EngineCore:
                 req.kv_transfer = None  # nothing to read it with, or not our prompt: prefill here
         if msg.sampling_params.structured_outputs is not None:
             req.matcher = self.grammar.matcher(msg.sampling_params.structured_outputs)
+        self._check_sampleable(req)
         self.scheduler.add_request(req)
+
+    def _check_sampleable(self, req: Request) -> None:
+        """Build this request's sampling row alone, on the host: a value the sampler cannot
+        represent (an int64 overflow, an id outside the vocabulary) fails here, for this request
+        only, not later inside a batch of other users' requests."""
+        p = req.sampling_params
+        blocked = [] if p.min_tokens == 0 else [*req.eos_token_ids, *(p.stop_token_ids or ())]
+        SamplingBatch.build(
+            [p],
+            [req.prompt_token_ids],
+            [req.output_token_ids],
+            [req.generator],
+            [blocked],
+            self.model_config.vocab_size,
+            "cpu",
+        )
 
     def abort_requests(
         self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
     ) -> list[Request]:
-        return self.scheduler.finish_requests(request_ids, status)
+        finished = self.scheduler.finish_requests(request_ids, status)
+        c = self.connector
+        if c is not None and c.role == "prefill" and status is RequestStatus.FINISHED_ABORTED:
+            # The API gave up on a prefill it had not seen finish (its client left): a lease the
+            # core took meanwhile reached no one, so nothing will release it before it expires.
+            for rid in request_ids:
+                c.release(f"{self.engine_id}:{rid}")
+        return finished
 
     def _lease_of(self, req: Request) -> KVTransferParams | None:
         """A finished prefill-role request's lease, for its last output."""
@@ -255,11 +288,42 @@ class EngineCore:
 
         With async scheduling the step launched here is collected by the next call, so the host
         schedules and prepares step N+1 while the GPU runs step N; without it, by this call.
+        A step that raises fails its own requests (with finish_reason "error") and the core goes
+        on; MAX_FAILED_STEPS in a row raise.
         """
-        outputs: list[EngineCoreOutput] = []
+        try:
+            outputs = self._step()
+        except Exception as e:
+            self.failed_steps += 1
+            if self.failed_steps >= MAX_FAILED_STEPS:
+                raise
+            log.exception("engine step failed; failing its requests")
+            return self._fail_step(e)
+        self.failed_steps = 0
+        return outputs
+
+    def _fail_step(self, err: Exception) -> list[EngineCoreOutput]:
+        """End every request of the failed step's batches with an error; keep their tokens."""
+        batches = [so.requests for so in self._batches] or [self.scheduler.running]
+        victims = {r.request_id: r for reqs in batches for r in reqs}
+        outputs, self._outputs, self._batches, self._in_flight = self._outputs, [], [], None
+        for req in victims.values():
+            self.kv.unpublish(req)  # blocks published at scheduling may hold unwritten KV
+        ended = self.scheduler.finish_requests(list(victims), RequestStatus.FINISHED_ABORTED)
+        reason = f"engine error: {type(err).__name__}: {err}"
+        return outputs + [
+            EngineCoreOutput(r.request_id, [], finish_reason="error", stop_reason=reason)
+            for r in ended
+        ]
+
+    def _step(self) -> list[EngineCoreOutput]:
+        # Kept on self while the step runs, so that a failure knows its requests and outputs.
+        outputs = self._outputs = []
+        self._batches = [self._in_flight[0]] if self._in_flight is not None else []
         if self._in_flight is not None and self._must_wait():
             outputs += self._collect()
         so = self.scheduler.schedule()
+        self._batches.append(so)
         launched = None
         if not so.is_empty:
             launched = (so, self.runner.launch(so))
@@ -271,6 +335,7 @@ class EngineCore:
         self._in_flight = launched
         if not self.async_scheduling and launched is not None:
             outputs += self._collect()
+        self._outputs, self._batches = [], []
         return outputs
 
     def _must_wait(self) -> bool:

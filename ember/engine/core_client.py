@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
+import os
 import shutil
 import tempfile
 from multiprocessing.process import BaseProcess
@@ -28,6 +29,10 @@ class EngineDeadError(RuntimeError):
     """The engine-core process died or failed to start."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine core failed this one request (it raised on it) and goes on serving others."""
+
+
 class CoreClient:
     def __init__(self, config: EngineConfig) -> None:
         self._dir = tempfile.mkdtemp(prefix="ember-ipc-")
@@ -42,7 +47,7 @@ class CoreClient:
         # spawn, not fork: the parent may hold threads (uvloop, torch) that fork would break.
         self.proc: BaseProcess = multiprocessing.get_context("spawn").Process(
             target=engine_core_main,
-            args=(config, input_addr, output_addr),
+            args=(config, input_addr, output_addr, os.getpid()),
             name="ember-engine-core",
             daemon=True,
         )

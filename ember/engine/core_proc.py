@@ -3,10 +3,12 @@ there is work, and pushes token outputs and load statistics back. HTTP never blo
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
 import signal
-import traceback
+import sys
 
 import msgspec
 import torch
@@ -32,14 +34,40 @@ log = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 500
 """How often an idle core wakes to check that its parent is still alive."""
+SEND_TIMEOUT_MS = 500
+"""A send that waits this long (the API process reads nothing) checks the parent, then retries."""
+_PR_SET_PDEATHSIG = 1
 
 
-def engine_core_main(config: EngineConfig, input_addr: str, output_addr: str) -> None:
+class ParentGone(Exception):
+    """The API process died; the core must not outlive it."""
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel SIGKILL this process when the API process dies, whatever it is doing (a
+    blocked ZeroMQ send, a long step). Linux only; elsewhere the loop's own checks remain.
+
+    The signal follows the parent *thread* that spawned us: CoreClient must be made on a thread
+    that lives as long as the API process (the event loop's)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            log.warning("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
+    if os.getppid() != parent_pid:  # it died before the request above took effect
+        os._exit(1)
+
+
+def engine_core_main(
+    config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int | None = None
+) -> None:
     """Entry point of the spawned process."""
+    parent = os.getppid() if parent_pid is None else parent_pid
+    die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when we stop
     logging.basicConfig(level=os.environ.get("EMBER_LOG_LEVEL", "INFO"))
     ctx = zmq.Context()
     out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)  # no send may block forever (see send())
     out.connect(output_addr)
     inp = ctx.socket(zmq.PULL)
     inp.connect(input_addr)
@@ -51,11 +79,13 @@ def engine_core_main(config: EngineConfig, input_addr: str, output_addr: str) ->
     try:
         core = EngineCore(config)
     except Exception as e:  # report why we could not start, then exit
-        out.send(enc.encode(EngineCoreFailed(f"{type(e).__name__}: {e}")))
+        with contextlib.suppress(ParentGone):
+            send(out, enc.encode(EngineCoreFailed(f"{type(e).__name__}: {e}")), parent)
         out.close(linger=2000)
         return
     r = core.resolved
-    out.send(
+    send(
+        out,
         enc.encode(
             EngineCoreReady(
                 core.num_kv_blocks,
@@ -66,22 +96,42 @@ def engine_core_main(config: EngineConfig, input_addr: str, output_addr: str) ->
                 kv_root_hash=core.kv.root,
                 transfer_address=core.connector.transport.address if core.connector else "",
             )
-        )
+        ),
+        parent,
     )
+    linger = 1000
     try:
-        EngineCoreLoop(core, inp, out).run()
+        EngineCoreLoop(core, inp, out, parent).run()
+    except ParentGone:
+        log.warning("API process is gone; engine core exits")
+        linger = 0
     except Exception:
-        out.send(enc.encode(EngineCoreFailed(traceback.format_exc())))
+        # The traceback goes to our log; the API process gets the error's one line.
+        log.exception("engine core failed")
+        exc = sys.exc_info()[1]
+        with contextlib.suppress(ParentGone):
+            send(out, enc.encode(EngineCoreFailed(f"{type(exc).__name__}: {exc}")), parent)
         raise
     finally:
         core.close()
         inp.close(linger=0)
-        out.close(linger=1000)
+        out.close(linger=linger)
         ctx.term()
 
 
+def send(out: zmq.Socket, data: bytes, parent: int) -> None:
+    """Send, waiting for a reader as long as the API process `parent` lives; else ParentGone."""
+    while True:
+        try:
+            out.send(data)
+            return
+        except zmq.Again:
+            if os.getppid() != parent:
+                raise ParentGone from None
+
+
 class EngineCoreLoop:
-    def __init__(self, core: EngineCore, inp: zmq.Socket, out: zmq.Socket) -> None:
+    def __init__(self, core: EngineCore, inp: zmq.Socket, out: zmq.Socket, parent: int) -> None:
         self.core = core
         self.inp = inp
         self.out = out
@@ -89,13 +139,16 @@ class EngineCoreLoop:
         self.dec = msgspec.msgpack.Decoder(CoreInput)
         self.poller = zmq.Poller()
         self.poller.register(inp, zmq.POLLIN)
-        self.parent = os.getppid()
+        self.parent = parent
         self.last_stats: SchedulerStats | None = None
         self.rejected: list[EngineCoreOutput] = []
         self.lease_replies: list[tuple[str, bool]] = []
 
     def run(self) -> None:
+        """Serve until Shutdown; ParentGone when the API process dies."""
         while True:
+            if os.getppid() != self.parent:  # every iteration: a syscall, ~1 us
+                raise ParentGone
             busy = self.core.has_unfinished_requests()
             if not self.drain_inputs(0 if busy else IDLE_POLL_MS):
                 return
@@ -103,26 +156,23 @@ class EngineCoreLoop:
             outputs = self.core.step() if self.core.has_unfinished_requests() else []
             self.publish(self.rejected + outputs)
             self.rejected = []
-            if not busy and os.getppid() != self.parent:
-                log.warning("API process is gone; engine core exits")
-                return
 
     def drain_inputs(self, timeout_ms: int) -> bool:
         """Handle every waiting message; False on shutdown."""
         while self.poller.poll(timeout_ms):
             timeout_ms = 0
-            msg = self.dec.decode(self.inp.recv())
+            data = self.inp.recv()
+            try:
+                msg = self.dec.decode(data)
+            except msgspec.DecodeError as e:  # e.g. values that SamplingParams refuses
+                self.reject(_request_id_of(data), e)
+                continue
             if isinstance(msg, EngineCoreRequest):
                 try:
                     self.core.add_request(msg)
-                except ValueError as e:
-                    # Validated in the API process already; if it still fails, end it visibly.
-                    log.error("rejected request %s: %s", msg.request_id, e)
-                    self.rejected.append(
-                        EngineCoreOutput(
-                            msg.request_id, [], finish_reason="abort", stop_reason=str(e)
-                        )
-                    )
+                except Exception as e:
+                    # Validated in the API process already; if it still fails, it fails alone.
+                    self.reject(msg.request_id, e)
             elif isinstance(msg, AbortRequests):
                 status = (
                     RequestStatus.FINISHED_STOPPED
@@ -136,10 +186,29 @@ class EngineCoreLoop:
                 return False
         return True
 
+    def reject(self, request_id: str | None, e: Exception) -> None:
+        log.error("rejected request %s: %s: %s", request_id, type(e).__name__, e)
+        if request_id is not None:
+            reason = f"engine error: {type(e).__name__}: {e}"
+            out = EngineCoreOutput(request_id, [], finish_reason="error", stop_reason=reason)
+            self.rejected.append(out)
+
     def publish(self, outputs: list[EngineCoreOutput]) -> None:
         stats = self.core.stats()
         events = self.core.drain_kv_events()
         replies, self.lease_replies = self.lease_replies or None, []
         if outputs or events or replies or stats != self.last_stats:
-            self.out.send(self.enc.encode(EngineCoreOutputs(outputs, stats, events, replies)))
+            data = self.enc.encode(EngineCoreOutputs(outputs, stats, events, replies))
+            send(self.out, data, self.parent)
             self.last_stats = stats
+
+
+def _request_id_of(data: bytes) -> str | None:
+    """The id of an "add" message that did not decode (array-like: [tag, request_id, ...])."""
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(raw, list) and len(raw) > 1 and raw[0] == "add" and isinstance(raw[1], str):
+        return raw[1]
+    return None

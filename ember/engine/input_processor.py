@@ -21,6 +21,17 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        # No token covers more characters than the vocabulary's longest (byte-level BPE writes
+        # one character per byte, so that is its length in bytes); twice that, at least 64, leaves
+        # room for normalizers that shrink text. A longer text cannot fit max_model_len tokens.
+        longest = max(map(len, tokenizer.backend.get_vocab(with_added_tokens=True)), default=0)
+        self.max_prompt_chars = max_model_len * max(64, 2 * longest)
+
+    def encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of each text. `encode_batch` releases the GIL while it works (`encode` holds
+        it: a 10 MB prompt froze the event loop for 22 s even from a worker thread)."""
+        encoded = self.tokenizer.backend.encode_batch(texts, add_special_tokens=add_special_tokens)
+        return [e.ids for e in encoded]
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Text and ids of a prompt given as text, token ids, or {'prompt'/'prompt_token_ids'}."""

@@ -5,6 +5,10 @@ A lease ends when the decode side releases it, when it expires, or when the engi
 are the blocks freed. The decode side trusts a read only if the prefill engine confirms, after the
 read, that the lease was still held: otherwise the blocks may have been reused while it read, and the
 prompt is prefilled locally instead (never a token computed on wrong KV).
+
+The decode side gets its parameters only after its API process checked them (signed by a peer with
+the cluster secret, release URL among the configured peers); the release call carries the secret,
+since /kv/release is an internal route.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from ember.engine.messages import KVTransferParams
+from ember.trust import internal_headers
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +47,8 @@ class KVConnector:
         engine_id: str,
         lease_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        secret: str = "",
+        timeout_s: float = RELEASE_TIMEOUT_S,
     ) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"a KV connector is for the prefill or decode role, not {role!r}")
@@ -51,6 +58,8 @@ class KVConnector:
         self.engine_id = engine_id
         self.lease_s = lease_s
         self.clock = clock
+        self.secret = secret
+        self.release_timeout_s = min(timeout_s, RELEASE_TIMEOUT_S)
         # The cache is block-major: one block of every layer is one contiguous region.
         self.block_bytes = kv_cache[0].numel() * kv_cache.element_size()
         self.base_addr = transport.register(kv_cache)
@@ -158,16 +167,14 @@ class KVConnector:
         # Release either way; the read counts only if the lease was still held after it.
         return self._release_remote(params) and ok
 
-    @staticmethod
-    def _release_remote(params: KVTransferParams) -> bool:
-        if not params.release_url:
-            return False
+    def _release_remote(self, params: KVTransferParams) -> bool:
+        if not params.release_url.startswith(("http://", "https://")):
+            return False  # urllib would also open file: and ftp: URLs
         body = json.dumps({"lease_id": params.lease_id}).encode()
-        req = urllib.request.Request(
-            params.release_url, body, {"content-type": "application/json"}, method="POST"
-        )
+        headers = {"content-type": "application/json", **internal_headers(self.secret)}
+        req = urllib.request.Request(params.release_url, body, headers, method="POST")
         try:
-            with urllib.request.urlopen(req, timeout=RELEASE_TIMEOUT_S) as resp:
+            with urllib.request.urlopen(req, timeout=self.release_timeout_s) as resp:
                 return bool(json.loads(resp.read()).get("released"))
         except (urllib.error.URLError, OSError, ValueError) as e:
             log.warning("could not release KV lease %s: %s", params.lease_id, e)

@@ -32,6 +32,9 @@ class KVTransferParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
     """Seconds the prefill engine holds the blocks unless released first."""
     release_url: str = ""
     """Where the decode side POSTs {"lease_id": ...} once it has read the blocks."""
+    signature: str = ""
+    """HMAC of the other fields under the cluster secret, set by the prefill engine's API process
+    (ember.trust.sign_kv_params): a decode engine reads only KV that a peer really offered."""
 
 
 class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True):

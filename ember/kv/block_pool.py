@@ -110,6 +110,10 @@ class BlockPool:
         self._cached.clear()
         return True
 
+    def uncache(self, b: KVBlock) -> None:
+        """Forget `b`'s hash (its KV can no longer be trusted); the block stays allocated."""
+        self._evict(b)
+
     def _evict(self, b: KVBlock) -> None:
         if b.block_hash is None:
             return

@@ -99,6 +99,13 @@ class KVCacheManager:
         """Publish the full blocks of the first `num_tokens` tokens, now that their KV is written."""
         self._publish(req, self._blocks.get(req.request_id, []), num_tokens)
 
+    def unpublish(self, req: Request) -> None:
+        """Take `req`'s blocks out of the prefix index: a step that failed may not have written
+        the KV of blocks it published at scheduling time."""
+        for b in self._blocks.get(req.request_id, ()):
+            self.pool.uncache(b)
+        self._num_published.pop(req.request_id, None)
+
     def free(self, req: Request) -> None:
         """Release every block of `req`; tail blocks go to the eviction queue first."""
         blocks = self._blocks.pop(req.request_id, None)

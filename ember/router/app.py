@@ -1,53 +1,84 @@
 """`ember router`: an aiohttp server in front of pools of prefill, decode and colocated engines.
-Routes: /v1/chat/completions, /v1/completions (routed), /v1/models, /health, /load (the router's
-view of each endpoint), /metrics."""
+Public routes: /v1/chat/completions, /v1/completions (routed), /v1/models (an API key when keys are
+configured), /health (always open). Internal routes, for the cluster secret only: /load (the
+router's view of each endpoint) and /metrics (open with --public-metrics)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import logging
+import resource
+import signal
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ember.router.errors import error_response, openai_errors
 from ember.router.metrics import RouterMetrics
 from ember.router.pool import EndpointPool
 from ember.router.prompt import PromptReader
-from ember.router.proxy import Router, error_response
+from ember.router.proxy import Router
+from ember.trust import Tenant, TenantKeys, internal_headers, is_internal, resolve_secret
 
 log = logging.getLogger("ember.router")
 
 POOL = web.AppKey("pool", EndpointPool)
 ROUTER = web.AppKey("router", Router)
+TENANT = web.RequestKey("tenant", Tenant)
+INTERNAL_ROUTES = ("/load", "/metrics")
 
 
 def build_app(
     pool: EndpointPool,
     prompts: PromptReader,
     *,
-    api_key: str | None = None,
+    keys: TenantKeys | None = None,
+    secret: str | None = None,
+    public_metrics: bool = False,
     disagg_min_uncached: int = 256,
+    stall_timeout_s: float = 30.0,
+    max_body_bytes: int = 32 << 20,
 ) -> web.Application:
     metrics = RouterMetrics()
+    keys = keys or TenantKeys()
+    secret = secret or resolve_secret(None)[0]
 
     @web.middleware
     async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
-        if api_key and request.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_response("invalid or missing API key", 401)
+        path = request.path
+        internal = is_internal(request.headers, secret)
+        open_route = public_metrics and path == "/metrics"
+        if path in INTERNAL_ROUTES and not internal and not open_route:
+            return error_response("this route needs the cluster secret", 401)
+        if path.startswith("/v1/") and keys.enabled and not internal:
+            tenant = keys.lookup(request.headers.get("authorization"))
+            if tenant is None:
+                return error_response("invalid or missing API key", 401, code="invalid_api_key")
+            request[TENANT] = tenant
+        if (request.content_length or 0) > max_body_bytes:
+            return error_response(f"the request body is over {max_body_bytes} bytes", 413)
         return await handler(request)
 
-    app = web.Application(client_max_size=64 << 20, middlewares=[auth])
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[openai_errors, auth])
     app[POOL] = pool
 
     async def lifecycle(app: web.Application) -> Any:
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        app[ROUTER] = Router(pool, prompts, metrics, session, disagg_min_uncached)
+        # Every call the router makes goes to an engine: the session carries the secret.
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), headers=internal_headers(secret)
+        )
+        app[ROUTER] = Router(
+            pool,
+            prompts,
+            metrics,
+            session,
+            disagg_min_uncached,
+            keys=keys,
+            stall_timeout_s=stall_timeout_s,
+        )
         poller = asyncio.create_task(pool.run(session), name="ember-router-poll")
         yield
         poller.cancel()
@@ -56,10 +87,12 @@ def build_app(
     app.cleanup_ctx.append(lifecycle)
 
     async def chat(request: web.Request) -> web.StreamResponse:
-        return await request.app[ROUTER].handle(request, "/v1/chat/completions", chat=True)
+        router = request.app[ROUTER]
+        return await router.handle(request, "/v1/chat/completions", True, request.get(TENANT))
 
     async def completions(request: web.Request) -> web.StreamResponse:
-        return await request.app[ROUTER].handle(request, "/v1/completions", chat=False)
+        router = request.app[ROUTER]
+        return await router.handle(request, "/v1/completions", False, request.get(TENANT))
 
     async def models(request: web.Request) -> web.StreamResponse:
         router = request.app[ROUTER]
@@ -67,11 +100,13 @@ def build_app(
             if not ep.healthy:
                 continue
             try:
-                async with router.session.get(f"{ep.url}/v1/models") as r:
+                async with router.session.get(
+                    f"{ep.url}/v1/models", timeout=aiohttp.ClientTimeout(total=10)
+                ) as r:
                     return web.Response(
                         body=await r.read(), status=r.status, content_type="application/json"
                     )
-            except aiohttp.ClientError:
+            except (TimeoutError, aiohttp.ClientError):
                 continue
         return error_response("no healthy endpoint", 503)
 
@@ -133,17 +168,68 @@ def run_router(args: argparse.Namespace) -> int:
     )
     if not any(e.role != "prefill" for e in pool.endpoints.values()):
         raise ValueError("the router needs at least one --decode or --both endpoint")
+    secret, configured = resolve_secret(args.cluster_secret)
+    if not configured:
+        log.warning(
+            "no --cluster-secret or $EMBER_CLUSTER_SECRET: engines that need one will refuse "
+            "the router, and /load is closed"
+        )
+    keys = TenantKeys.load(args.api_key, args.api_keys_file, args.shared_cache)
     app = build_app(
         pool,
         PromptReader(args.model),
-        api_key=args.api_key,
+        keys=keys,
+        secret=secret,
+        public_metrics=args.public_metrics,
         disagg_min_uncached=args.disagg_min_uncached,
+        stall_timeout_s=args.stall_timeout,
+        max_body_bytes=args.max_body_bytes,
     )
     log.info(
         "ember router on http://%s:%d, endpoints: %s", args.host, args.port, list(pool.endpoints)
     )
-    # A client that hangs up cancels its handler, which closes both legs (the engines abort).
-    web.run_app(
-        app, host=args.host, port=args.port, handler_cancellation=True, print=None, access_log=None
-    )
+    asyncio.run(_serve(app, args))
     return 0
+
+
+async def _serve(app: web.Application, args: argparse.Namespace) -> None:
+    """aiohttp's run_app, plus what it lacks against slow clients: a deadline for a request's
+    head (aiohttp's keep-alive timer runs from the connection's start until a whole head has
+    arrived, and between requests) and a cap on open connections, below the fd limit."""
+    # A client that hangs up cancels its handler, which closes both legs (the engines abort).
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        keepalive_timeout=args.header_timeout,
+        shutdown_timeout=5,
+    )
+    await runner.setup()
+    server = runner.server
+    if server is None:
+        raise RuntimeError("aiohttp runner has no server after setup")
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    cap = max(16, min(args.max_connections, soft // 2 if soft > 0 else args.max_connections))
+
+    def accept() -> asyncio.BaseProtocol:
+        if len(server.connections) >= cap:
+            return _Refuse()
+        return server()
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    listener = await loop.create_server(accept, args.host, args.port, reuse_address=True)
+    try:
+        await stop.wait()
+    finally:
+        listener.close()
+        await runner.cleanup()
+
+
+class _Refuse(asyncio.Protocol):
+    """A connection over the cap: closed at once, before it costs more than its socket."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -17,7 +18,35 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None)
+    env_key = os.environ.get("EMBER_API_KEY")
+    p.add_argument(
+        "--api-key",
+        nargs="+",
+        default=[env_key] if env_key else [],
+        metavar="KEY",
+        help="API keys for /v1/* (each its own tenant with its own prefix cache; default: "
+        "$EMBER_API_KEY)",
+    )
+    p.add_argument(
+        "--api-keys-file",
+        default=None,
+        metavar="FILE",
+        help='API keys and their tenants: JSON {"key": "tenant"} or lines "KEY TENANT [GROUP]"',
+    )
+    p.add_argument(
+        "--shared-cache",
+        action="store_true",
+        help="let all tenants share one prefix cache (off: each tenant's blocks are its own)",
+    )
+    p.add_argument(
+        "--cluster-secret",
+        default=None,
+        help="the secret ember's processes share: sent to the engines on every internal call "
+        "and required on the router's /load and /metrics (default: $EMBER_CLUSTER_SECRET)",
+    )
+    p.add_argument(
+        "--public-metrics", action="store_true", help="serve /metrics without the cluster secret"
+    )
     p.add_argument(
         "--disagg-min-uncached",
         type=int,
@@ -30,5 +59,32 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=0.25,
         help="a session's endpoint keeps it unless its load exceeds (1 + eps) x the mean",
+    )
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="end a stream with an error event when its engine sends nothing for S seconds",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=32 << 20,
+        help="larger request bodies are refused with 413",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=15.0,
+        metavar="S",
+        help="close a connection that has not sent a whole request head within S seconds (and "
+        "an idle keep-alive connection after S seconds)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=4096,
+        help="client connections held at once; more are closed as they arrive",
     )
     p.add_argument("--log-level", default="info")

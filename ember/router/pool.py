@@ -22,6 +22,9 @@ from ember.router.prompt import PromptInfo
 
 log = logging.getLogger(__name__)
 
+MAX_EVENT_PAGES = 64
+"""Pages of KV events one poll fetches at most; the next poll goes on from there."""
+
 
 @dataclass(slots=True)
 class EngineInfo:
@@ -144,9 +147,11 @@ class EndpointPool:
         info = self.info[ep.url]
         try:
             async with session.get(f"{ep.url}/load", timeout=timeout) as r:
+                if r.status != 200:
+                    raise ValueError(f"/load answered {r.status}")
                 body = await r.json()
-            if r.status != 200 or not body.get("ready"):
-                raise ValueError(f"not ready ({r.status})")
+            if not body.get("ready"):
+                raise ValueError("not ready")
             ep.apply_report(LoadReport.from_load_json(body, time.monotonic()))
             engine_id = body.get("engine_id", "")
             if engine_id != info.engine_id:  # a new engine behind the url: its cache is new too
@@ -171,23 +176,32 @@ class EndpointPool:
         info: EngineInfo,
         timeout: aiohttp.ClientTimeout,
     ) -> None:
-        async with session.get(
-            f"{ep.url}/kv_events", params={"since": info.event_seq}, timeout=timeout
-        ) as r:
-            body = await r.json()
-        if body.get("lost"):
-            self.prefix.forget(ep.url)
-        # Runs of one kind keep the order that matters (a hash evicted, then stored again).
-        run_kind, run = "", []
-        for kind, h in body.get("events", []):
-            if kind != run_kind and run:
+        """Fetch the events since the last applied one; an engine may page them (`"more": true`),
+        so keep fetching from the last seq until it has none left (bounded, to end a poll)."""
+        for _ in range(MAX_EVENT_PAGES):
+            async with session.get(
+                f"{ep.url}/kv_events", params={"since": info.event_seq}, timeout=timeout
+            ) as r:
+                if r.status != 200:
+                    raise ValueError(f"/kv_events answered {r.status}")
+                body = await r.json()
+            if body.get("lost"):
+                self.prefix.forget(ep.url)
+            # Runs of one kind keep the order that matters (a hash evicted, then stored again).
+            run_kind, run = "", []
+            for kind, h in body.get("events", []):
+                if kind != run_kind and run:
+                    self._apply(ep.url, run_kind, run)
+                    run = []
+                run_kind = kind
+                run.append(bytes.fromhex(h))
+            if run:
                 self._apply(ep.url, run_kind, run)
-                run = []
-            run_kind = kind
-            run.append(bytes.fromhex(h))
-        if run:
-            self._apply(ep.url, run_kind, run)
-        info.event_seq = int(body.get("seq", info.event_seq))
+            seq = int(body.get("seq", info.event_seq))
+            advanced = seq != info.event_seq
+            info.event_seq = seq
+            if not body.get("more") or not advanced:
+                return
 
     def _apply(self, url: str, kind: str, hashes: list[bytes]) -> None:
         if kind == "stored":

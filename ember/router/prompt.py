@@ -1,6 +1,6 @@
 """What the router knows of a request's prompt before sending it: its length in tokens and its
-chained block hashes, computed exactly as the engines compute them (same tokenizer, chat template
-and hash chain), so the prefix index can say how much of it each endpoint has cached."""
+chained block hashes, computed exactly as the engines compute them (same tokenizer, chat template,
+hash chain and cache salt), so the prefix index can say how much of it each endpoint has cached."""
 
 from __future__ import annotations
 
@@ -13,34 +13,44 @@ from ember.tokenizer.tokenizer import Tokenizer
 
 CHARS_PER_TOKEN = 4
 """Without a tokenizer, prompt length is estimated from its characters."""
+BIG_TEXT_CHARS = 64 << 10
+"""Longer texts are encoded through `encode_batch`, which lets go of the GIL while it runs (a plain
+`encode` holds it: a 1 MB prompt froze the event loop for a second even from a thread)."""
 
 
 @dataclass(slots=True)
 class PromptInfo:
     num_tokens: int
     token_ids: list[int] | None
-    """None when the router has no tokenizer: then there are no hashes and no prefix credit."""
+    """None when the router has no tokenizer (or the request holds a batch of prompts): then there
+    are no hashes and no prefix credit."""
+    salt: str | None = None
+    """The request's cache salt (`trust.cache_namespace`): it goes into block 0's hash, as on the
+    engine, so a tenant's prompt matches only blocks cached under its own namespace."""
+    batch: bool = False
+    """The request holds several prompts (it is never split into prefill and decode legs)."""
 
     def hashes(self, root: bytes, block_size: int) -> list[BlockHash]:
         if self.token_ids is None or not root:
             return []
-        return hash_blocks(root, self.token_ids, block_size)
+        extra = (self.salt,) if self.salt is not None else None
+        return hash_blocks(root, self.token_ids, block_size, first_extra_keys=extra)
 
 
 class PromptReader:
     def __init__(self, model_dir: str | None) -> None:
         self.tokenizer = Tokenizer.from_dir(Path(model_dir)) if model_dir else None
 
-    def read(self, body: dict[str, Any], chat: bool) -> PromptInfo:
+    def read(self, body: dict[str, Any], chat: bool, salt: str | None = None) -> PromptInfo:
         """Tokenize like `ember serve` does; fall back to a length estimate on anything odd (the
         engine, not the router, is where bad input gets its 400)."""
         try:
-            if chat:
-                return self._chat(body)
-            return self._completion(body)
+            info = self._chat(body) if chat else self._completion(body)
         except Exception:
             text = str(body.get("messages") or body.get("prompt") or "")
-            return PromptInfo(len(text) // CHARS_PER_TOKEN, None)
+            info = PromptInfo(len(text) // CHARS_PER_TOKEN, None)
+        info.salt = salt
+        return info
 
     def _chat(self, body: dict[str, Any]) -> PromptInfo:
         messages = body.get("messages") or []
@@ -52,7 +62,7 @@ class PromptReader:
             add_generation_prompt=body.get("add_generation_prompt", True),
             **(body.get("chat_template_kwargs") or {}),
         )
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self._encode(text, add_special_tokens=False)
         return PromptInfo(len(ids), ids)
 
     def _completion(self, body: dict[str, Any]) -> PromptInfo:
@@ -60,8 +70,30 @@ class PromptReader:
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return PromptInfo(len(prompt), list(prompt))
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                return PromptInfo(len(prompt) // CHARS_PER_TOKEN, None)
-            ids = self.tokenizer.encode(prompt)
-            return PromptInfo(len(ids), ids)
+            return self._text(prompt)
+        if isinstance(prompt, list) and prompt:
+            # A batch (strings or token lists): its size counts for load, never for prefix credit.
+            sizes = [
+                self._text(p).num_tokens
+                if isinstance(p, str)
+                else len(p)
+                if isinstance(p, list)
+                else 1
+                for p in prompt
+            ]
+            return PromptInfo(sum(sizes), None, batch=True)
         return PromptInfo(len(str(prompt)) // CHARS_PER_TOKEN, None)
+
+    def _text(self, prompt: str) -> PromptInfo:
+        if self.tokenizer is None:
+            return PromptInfo(len(prompt) // CHARS_PER_TOKEN, None)
+        ids = self._encode(prompt, add_special_tokens=True)
+        return PromptInfo(len(ids), ids)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self.tokenizer is None:
+            raise RuntimeError("no tokenizer")
+        if len(text) < BIG_TEXT_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        batch = self.tokenizer.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        return batch[0].ids

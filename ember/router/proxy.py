@@ -1,10 +1,17 @@
 """One request through the router: pick endpoints, run the prefill leg and then the decode leg (or
 one colocated leg), relay the stream, rewrite the usage, and end cleanly whatever fails.
 
-- A leg that fails before its first byte (connection refused, 5xx) is retried on another endpoint.
-- After the first byte a failure ends the stream with an OpenAI-style error event and `[DONE]`.
-- A client that hangs up cancels the handler: open legs are closed (each engine aborts the request
-  and frees its blocks) and a prefill lease no decode leg has taken is released.
+- The client's body is the public face: `kv_transfer_params` are dropped from it, and only the
+  router's own calls (with the cluster secret on the session) carry internal fields and headers.
+- A leg that fails before its first byte (connection refused, an engine's own 5xx) is retried on
+  another endpoint; an answer that failed for the request's own reason (a 4xx, `x-ember-fault:
+  request`) is the client's as it is. A 429 (the engine's queue is full) is tried elsewhere first.
+- No fixed read timeout: a whole answer is awaited while its engine keeps answering `/load`; a
+  stream that sends nothing for `stall_timeout_s` ends with an error event and `[DONE]`.
+- When no prefill engine can take a leg, a decode engine prefills in place.
+- A client that hangs up cancels the handler: open legs are closed (each engine aborts) and the
+  prefill lease is released at the prefill endpoint the router chose. A hang-up is never counted
+  against an engine's circuit breaker.
 """
 
 from __future__ import annotations
@@ -12,22 +19,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
 from aiohttp import web
 
+from ember.router.answers import DONE, as_chunks, cached_tokens, set_cached, sse
 from ember.router.endpoint import Endpoint, NoEndpointError
+from ember.router.errors import FAULT_HEADER, PASSED_HEADERS, error_body, error_response
 from ember.router.metrics import RouterMetrics
 from ember.router.pool import Choice, EndpointPool
 from ember.router.prompt import PromptInfo, PromptReader
+from ember.trust import TENANT_HEADER, Tenant, TenantKeys, cache_namespace
 
 log = logging.getLogger(__name__)
 
-DONE = b"data: [DONE]\n\n"
-FORWARDED_HEADERS = ("authorization", "x-session-affinity", "x-session-id", "x-request-id")
+T = TypeVar("T")
+
+FORWARDED_HEADERS = ("x-session-affinity", "x-session-id", "x-request-id")
+"""The client's headers an engine sees; never its Authorization nor any x-ember-* header."""
+CLIENT_ONLY_FIELDS = ("kv_transfer_params",)
+"""Internal request fields: a client's are dropped, only the router sets them."""
+OFFLOAD_BYTES = 64 << 10
+"""Bodies above this are parsed and tokenized in a thread, so a big prompt stalls no stream."""
+WHOLE_LEG_LIMIT_S = 3600.0
+"""A whole answer from an engine that keeps answering /load may take this long (a safety net)."""
 
 
 class LegError(Exception):
@@ -35,24 +53,11 @@ class LegError(Exception):
 
 
 class Refused(Exception):
-    """The engine turned the request down (4xx): the client gets that answer as it is."""
+    """The engine turned the request down: the client gets that answer as it is."""
 
     def __init__(self, response: web.Response) -> None:
         super().__init__(response.status)
         self.response = response
-
-
-def error_body(message: str, status: int, type_: str = "server_error") -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": None, "code": status}}
-
-
-def error_response(message: str, status: int) -> web.Response:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return web.json_response(error_body(message, status, kind), status=status)
-
-
-def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 class Router:
@@ -64,26 +69,46 @@ class Router:
         session: aiohttp.ClientSession,
         disagg_min_uncached: int = 256,
         max_attempts: int = 3,
+        *,
+        keys: TenantKeys | None = None,
+        stall_timeout_s: float = 30.0,
     ) -> None:
         self.pool = pool
         self.prompts = prompts
         self.metrics = metrics
         self.session = session
+        """Carries the cluster secret on every call (see app.py): only engines are called."""
         self.disagg_min_uncached = disagg_min_uncached
         self.max_attempts = max_attempts
+        self.keys = keys or TenantKeys()
+        self.stall_timeout_s = stall_timeout_s
 
     # -- entry -------------------------------------------------------------------------------
 
-    async def handle(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
+    async def handle(
+        self, request: web.Request, path: str, chat: bool, tenant: Tenant | None = None
+    ) -> web.StreamResponse:
+        raw = await request.read()  # bounded by the app's client_max_size (413 above it)
+        big = len(raw) > OFFLOAD_BYTES
         try:
-            body = await request.json(loads=orjson.loads)
-        except (ValueError, orjson.JSONDecodeError):
+            body = await asyncio.to_thread(orjson.loads, raw) if big else orjson.loads(raw)
+        except orjson.JSONDecodeError:
             return error_response("the request body is not valid JSON", 400)
         if not isinstance(body, dict):
             return error_response("the request body must be a JSON object", 400)
+        for name in CLIENT_ONLY_FIELDS:
+            body.pop(name, None)
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        namespace = self.keys.namespace(tenant)
+        if namespace:
+            headers[TENANT_HEADER] = namespace
+        given_salt = body.get("cache_salt")
+        salt = cache_namespace(namespace, given_salt if isinstance(given_salt, str) else None)
         session = request.headers.get("x-session-affinity") or request.headers.get("x-session-id")
-        prompt = self.prompts.read(body, chat)
+        if big:
+            prompt = await asyncio.to_thread(self.prompts.read, body, chat, salt)
+        else:
+            prompt = self.prompts.read(body, chat, salt)
         self.metrics.prompt_tokens.inc(prompt.num_tokens)
         p = self._prefill_choice(body, prompt, session)
         if p is None:
@@ -94,7 +119,7 @@ class Router:
         self, body: dict[str, Any], prompt: PromptInfo, session: str | None
     ) -> Choice | None:
         """The prefill endpoint when the request should be split; None to run it in one place."""
-        if not self.pool.has_role("prefill") or body.get("n", 1) != 1:
+        if not self.pool.has_role("prefill") or body.get("n", 1) != 1 or prompt.batch:
             return None
         if body.get("logprobs"):
             return None  # the decode leg has no logprob for the prefill's first token
@@ -127,9 +152,10 @@ class Router:
             return error_response(str(e), 503)
         self.metrics.decisions.labels("colocated", choice.reason).inc()
         self.metrics.cached_estimated.inc(choice.cached_tokens)
-        return await self._relay(
+        resp, _ = await self._relay(
             request, upstream, choice.endpoint, None, decode_tokens=prompt.num_tokens
         )
+        return resp
 
     # -- disaggregated ---------------------------------------------------------------------------
 
@@ -146,20 +172,23 @@ class Router:
         prefill_body = {k: v for k, v in body.items() if k != "stream_options"}
         prefill_body.update(stream=False, kv_transfer_params={"do_remote_decode": True})
         try:
-            presp = await self._prefill(path, prefill_body, prompt, session, headers, first)
+            presp, pep = await self._prefill(path, prefill_body, prompt, session, headers, first)
         except Refused as e:
             return e.response
         except (LegError, NoEndpointError) as e:
-            self.metrics.failures.labels("before_first_byte").inc()
-            return error_response(f"prefill failed: {e}", 503)
+            # No prefill engine could take it: a decode engine prefills in place (slower than a
+            # split, far better than a 503 while decode engines are healthy).
+            log.warning("prefill leg failed (%s): the decode engine prefills in place", e)
+            self.metrics.failures.labels("prefill_fallback").inc()
+            return await self._colocated(request, path, body, prompt, session, headers)
         kvp = presp.get("kv_transfer_params")
-        cached = _cached_tokens(presp)
+        cached = cached_tokens(presp)
         self.metrics.decisions.labels("pd", first.reason).inc()
         self.metrics.cached_estimated.inc(first.cached_tokens)
-        if kvp is None or _max_tokens(body) == 1:
+        if not isinstance(kvp, dict) or _max_tokens(body) == 1:
             # The first token ended it (EOS, a stop id, max_tokens=1): nothing left to decode.
-            if kvp is not None:
-                self._release_soon(kvp)
+            if isinstance(kvp, dict):
+                self._release_soon(pep, kvp)
             return await self._answer_from_prefill(request, presp, body, cached)
         decode_body = dict(body)
         decode_body["kv_transfer_params"] = {
@@ -167,7 +196,7 @@ class Router:
             "do_remote_prefill": True,
             "do_remote_decode": False,
         }
-        lease_pending = True
+        finished = False
         try:
             try:
                 upstream, d = await self._send_leg(
@@ -176,15 +205,17 @@ class Router:
             except (LegError, NoEndpointError) as e:
                 self.metrics.failures.labels("before_first_byte").inc()
                 return error_response(f"decode failed: {e}", 503)
-            # A decode engine that took the request releases the lease once it has read the
-            # blocks; one that turned it down (4xx) never will.
-            lease_pending = upstream.status != 200
-            return await self._relay(
+            resp, finished = await self._relay(
                 request, upstream, d.endpoint, cached, decode_tokens=prompt.num_tokens
             )
+            return resp
         finally:
-            if lease_pending:
-                self._release_soon(kvp)
+            # A decode engine that ran the leg to its end released the lease once it had read the
+            # blocks. In every other case (turned down, client gone, engine stalled or dead) the
+            # router releases it: a decode engine still reading then finds it gone and does not
+            # trust what it read, so an early release is safe and a missed one holds blocks.
+            if not finished:
+                self._release_soon(pep, kvp)
 
     async def _prefill(
         self,
@@ -194,20 +225,36 @@ class Router:
         session: str | None,
         headers: dict[str, str],
         first: Choice,
-    ) -> dict[str, Any]:
-        """The prefill leg's answer (retried on other prefill endpoints); Refused on a 4xx."""
-        resp, _ = await self._send_leg("prefill", path, body, prompt, session, headers, first)
-        try:
-            data = await resp.read()
-        except (TimeoutError, aiohttp.ClientError) as e:
-            raise LegError(f"the prefill answer broke off: {e}") from e
-        finally:
-            resp.release()
+    ) -> tuple[dict[str, Any], Endpoint]:
+        """The prefill leg's answer and its endpoint (retried on other prefill endpoints)."""
+        resp, choice = await self._send_leg("prefill", path, body, prompt, session, headers, first)
+        ep = choice.endpoint
         if resp.status != 200:
-            raise Refused(
-                web.Response(body=data, status=resp.status, content_type="application/json")
-            )
-        return orjson.loads(data)
+            data = await self._read_whole(resp, ep)
+            raise Refused(_passed_on(resp, data))
+        # The headers of a whole answer come once the prefill is done, so the engine holds a
+        # lease now: if the client hangs up while the body is read, read on and release it.
+        reading = asyncio.ensure_future(self._read_whole(resp, ep))
+        try:
+            data = await asyncio.shield(reading)
+        except asyncio.CancelledError:
+            reading.add_done_callback(lambda t: self._release_read(t, ep))
+            raise
+        try:
+            answer = orjson.loads(data)
+        except orjson.JSONDecodeError as e:
+            raise LegError(f"{ep.url} sent a prefill answer that is not JSON") from e
+        if not isinstance(answer, dict):
+            raise LegError(f"{ep.url} sent a prefill answer that is not an object")
+        return answer, ep
+
+    def _release_read(self, reading: asyncio.Future[bytes], ep: Endpoint) -> None:
+        if reading.cancelled() or reading.exception() is not None:
+            return
+        with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
+            kvp = orjson.loads(reading.result()).get("kv_transfer_params")
+            if isinstance(kvp, dict):
+                self._release_soon(ep, kvp)
 
     # -- legs ----------------------------------------------------------------------------------
 
@@ -216,8 +263,53 @@ class Router:
             ep.url + path,
             data=orjson.dumps(body),
             headers={**headers, "content-type": "application/json"},
-            timeout=aiohttp.ClientTimeout(total=None, connect=5, sock_read=600),
+            # No read timeout: liveness is judged by the engine's /load (see _alive) and, for a
+            # stream, by the bytes it sends (see _relay).
+            timeout=aiohttp.ClientTimeout(total=None, connect=5, sock_read=None),
         )
+
+    async def _alive(self, ep: Endpoint, aw: Awaitable[T]) -> T:
+        """Await an engine's answer for as long as the engine is alive: its /load keeps answering
+        the pool's poller (a stopped or hung engine is marked down within a few polls). A queued
+        or long prefill is not cut by a fixed timeout."""
+        task = asyncio.ensure_future(aw)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WHOLE_LEG_LIMIT_S
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=max(self.pool.poll_s, 0.05))
+                if done:
+                    return task.result()
+                if not ep.healthy:
+                    raise LegError(f"{ep.url} stopped answering /load")
+                if loop.time() > deadline:
+                    raise LegError(f"{ep.url} took over {WHOLE_LEG_LIMIT_S:.0f} s")
+        finally:
+            if not task.done():
+                task.cancel()
+
+    async def _open(
+        self, ep: Endpoint, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> aiohttp.ClientResponse:
+        """POST a leg. A pooled keep-alive connection the engine had already closed fails before
+        any byte (ServerDisconnectedError): that is retried once on the same endpoint."""
+        for attempt in (0, 1):
+            try:
+                return await self._alive(ep, self._post(ep, path, body, headers).__aenter__())
+            except aiohttp.ServerDisconnectedError:
+                if attempt:
+                    raise
+                log.info("stale connection to %s: retrying once", ep.url)
+        raise AssertionError("unreachable")
+
+    async def _read_whole(self, resp: aiohttp.ClientResponse, ep: Endpoint) -> bytes:
+        try:
+            return await self._alive(ep, resp.read())
+        except (TimeoutError, aiohttp.ClientError) as e:
+            self.pool.breakers[ep.url].record_failure()
+            raise LegError(f"the answer from {ep.url} broke off: {e}") from e
+        finally:
+            resp.release()
 
     async def _send_leg(
         self,
@@ -229,17 +321,24 @@ class Router:
         headers: dict[str, str],
         first: Choice | None = None,
     ) -> tuple[aiohttp.ClientResponse, Choice]:
-        """Open a streamed or whole leg on `first` (or the pool's choice), retried elsewhere until
-        an endpoint answers below 500."""
+        """Open a streamed or whole leg on `first` (or the pool's choice). Retried elsewhere only
+        when the engine failed (no answer, or its own 5xx) or its queue was full (429); anything
+        else, a 4xx or an answer marked as the request's fault, is the answer."""
         tried: set[str] = set()
-        last: Exception | None = None
+        last = "no endpoint answered"
+        busy: tuple[aiohttp.ClientResponse, Choice] | None = None
         for attempt in range(self.max_attempts):
-            if attempt:
-                self.metrics.retries.labels(leg).inc()
             if attempt == 0 and first is not None:
                 choice = first
             else:
-                choice = self.pool.choose(leg, prompt, session, exclude=tried)
+                try:
+                    choice = self.pool.choose(leg, prompt, session, exclude=tried)
+                except NoEndpointError:
+                    if attempt == 0:
+                        raise
+                    break
+            if attempt:
+                self.metrics.retries.labels(leg).inc()
             ep = choice.endpoint
             tried.add(ep.url)
             # A prefill leg's uncached tokens count against its endpoint until its answer comes
@@ -247,22 +346,33 @@ class Router:
             queued = choice.uncached_tokens if leg == "prefill" else 0
             ep.add_load(prefill_tokens=queued, requests=int(leg == "prefill"))
             try:
-                resp = await self._post(ep, path, body, headers).__aenter__()
-            except (TimeoutError, aiohttp.ClientError) as e:
+                resp = await self._open(ep, path, body, headers)
+            except (TimeoutError, aiohttp.ClientError, LegError) as e:
                 self.pool.breakers[ep.url].record_failure()
                 log.warning("%s leg on %s failed: %s", leg, ep.url, e)
-                last = e
+                last = f"{ep.url}: {e}"
                 continue
             finally:
                 ep.remove_load(prefill_tokens=queued, requests=int(leg == "prefill"))
-            if resp.status >= 500:
+            if resp.status == 429:
+                # A full queue is not a failure: try another engine, else pass the 429 on.
+                self.pool.breakers[ep.url].record_success()
+                if busy is not None:
+                    busy[0].release()
+                busy = (resp, choice)
+                continue
+            if resp.status >= 500 and resp.headers.get(FAULT_HEADER) != "request":
                 self.pool.breakers[ep.url].record_failure()
-                last = LegError(f"{ep.url} answered {resp.status}")
+                last = f"{ep.url} answered {resp.status}"
                 resp.release()
                 continue
             self.pool.breakers[ep.url].record_success()
+            if busy is not None:
+                busy[0].release()
             return resp, choice
-        raise LegError(str(last) if last else "no endpoint answered")
+        if busy is not None:
+            return busy
+        raise LegError(last)
 
     async def _relay(
         self,
@@ -271,87 +381,130 @@ class Router:
         ep: Endpoint,
         cached: int | None,
         decode_tokens: int,
-    ) -> web.StreamResponse:
+    ) -> tuple[web.StreamResponse, bool]:
         """Hand an engine's answer to the client, rewriting usage.cached_tokens to the prefill
-        side's when `cached` is given; `decode_tokens` count against `ep` meanwhile."""
+        side's when `cached` is given; `decode_tokens` count against `ep` meanwhile. Also says
+        whether the engine's answer was a success that ran to its end."""
         ep.add_load(decode_tokens=decode_tokens, requests=1)
         try:
             if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
-                data = await upstream.read()
-                if upstream.status == 200:
-                    obj = orjson.loads(data)
-                    if cached is not None:
-                        _set_cached(obj, cached)
-                        data = orjson.dumps(obj)
-                    self.metrics.cached_reported.inc(_cached_tokens(obj) or 0)
-                return web.Response(
-                    body=data, status=upstream.status, content_type="application/json"
-                )
-            resp = web.StreamResponse(
-                status=200,
-                headers={"content-type": "text/event-stream", "cache-control": "no-cache"},
-            )
-            await resp.prepare(request)
-            done = False
-            try:
-                async for line in upstream.content:
-                    if line.startswith(b"data: [DONE]"):
-                        done = True
-                    elif line.startswith(b"data: {") and b'"usage":{' in line:
-                        obj = orjson.loads(line[6:])
-                        if cached is not None:
-                            _set_cached(obj, cached)
-                            line = b"data: " + orjson.dumps(obj) + b"\n"
-                        self.metrics.cached_reported.inc(_cached_tokens(obj) or 0)
-                    await resp.write(line)
-            except (TimeoutError, aiohttp.ClientError) as e:
-                log.warning("stream from %s broke: %s", ep.url, e)
-            if not done:  # the engine went away mid-stream: say so, and end the stream properly
-                self.metrics.failures.labels("mid_stream").inc()
-                self.pool.breakers[ep.url].record_failure()
-                msg = f"the engine at {ep.url} failed mid-stream"
-                await resp.write(sse(error_body(msg, 502)))
-                await resp.write(DONE)
-            await resp.write_eof()
-            return resp
-        except (asyncio.CancelledError, ConnectionResetError):
+                return await self._relay_whole(upstream, ep, cached)
+            return await self._relay_stream(request, upstream, ep, cached)
+        except asyncio.CancelledError:
             self.metrics.disconnects.inc()
             raise
         finally:
             upstream.close()  # on a client hang-up this aborts the engine's request
             ep.remove_load(decode_tokens=decode_tokens, requests=1)
 
+    async def _relay_whole(
+        self, upstream: aiohttp.ClientResponse, ep: Endpoint, cached: int | None
+    ) -> tuple[web.StreamResponse, bool]:
+        try:
+            data = await self._read_whole(upstream, ep)
+        except LegError as e:
+            self.metrics.failures.labels("mid_stream").inc()
+            return error_response(str(e), 502), False
+        if upstream.status != 200:
+            return _passed_on(upstream, data), False
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return error_response(f"{ep.url} sent an answer that is not JSON", 502), False
+        if cached is not None:
+            set_cached(obj, cached)
+            data = orjson.dumps(obj)
+        self.metrics.cached_reported.inc(cached_tokens(obj) or 0)
+        return web.Response(body=data, status=200, content_type="application/json"), True
+
+    async def _relay_stream(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        ep: Endpoint,
+        cached: int | None,
+    ) -> tuple[web.StreamResponse, bool]:
+        resp = web.StreamResponse(
+            status=upstream.status,
+            headers={"content-type": "text/event-stream", "cache-control": "no-cache"},
+        )
+        await resp.prepare(request)
+        done, failure = False, ""
+        while True:
+            # Reading the engine and writing to the client fail for different reasons: only the
+            # first is the engine's fault (a client that hung up says nothing about the engine).
+            try:
+                async with asyncio.timeout(self.stall_timeout_s):
+                    line = await upstream.content.readline()
+            except TimeoutError:
+                failure = f"the engine at {ep.url} sent nothing for {self.stall_timeout_s:g} s"
+                break
+            except aiohttp.ClientError as e:
+                failure = f"the engine at {ep.url} failed mid-stream"
+                log.warning("stream from %s broke: %s", ep.url, e)
+                break
+            if not line:
+                failure = f"the engine at {ep.url} failed mid-stream"
+                break
+            if line.startswith(b"data: [DONE]"):
+                done = True
+            elif line.startswith(b"data: {") and b'"usage":{' in line:
+                obj = orjson.loads(line[6:])
+                if cached is not None:
+                    set_cached(obj, cached)
+                    line = b"data: " + orjson.dumps(obj) + b"\n"
+                self.metrics.cached_reported.inc(cached_tokens(obj) or 0)
+            if done:
+                line += b"\n"  # the blank line that ends the event: the engine's comes after
+            if not await _write(resp, line):
+                self.metrics.disconnects.inc()
+                return resp, False
+            if done:
+                break
+        if not done:  # the engine stalled or went away: say so, and end the stream properly
+            self.metrics.failures.labels("mid_stream").inc()
+            self.pool.breakers[ep.url].record_failure()
+            log.warning("%s", failure)
+            # A blank line first: the engine may have stopped inside an event.
+            if await _write(resp, b"\n" + sse(error_body(failure, 502))):
+                await _write(resp, DONE)
+        with contextlib.suppress(ConnectionError):
+            await resp.write_eof()
+        return resp, done
+
     async def _answer_from_prefill(
         self, request: web.Request, presp: dict[str, Any], body: dict[str, Any], cached: int | None
     ) -> web.StreamResponse:
         presp.pop("kv_transfer_params", None)
         if cached is not None:
-            _set_cached(presp, cached)
+            set_cached(presp, cached)
         if not body.get("stream"):
             return web.json_response(presp, dumps=lambda o: orjson.dumps(o).decode())
         resp = web.StreamResponse(
             status=200, headers={"content-type": "text/event-stream", "cache-control": "no-cache"}
         )
         await resp.prepare(request)
-        for chunk in _as_chunks(
-            presp, bool((body.get("stream_options") or {}).get("include_usage"))
-        ):
-            await resp.write(sse(chunk))
-        await resp.write(DONE)
-        await resp.write_eof()
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        for chunk in as_chunks(presp, include_usage):
+            if not await _write(resp, sse(chunk)):
+                return resp
+        if await _write(resp, DONE):
+            with contextlib.suppress(ConnectionError):
+                await resp.write_eof()
         return resp
 
-    def _release_soon(self, kvp: dict[str, Any]) -> None:
-        """Release a prefill lease in the background (also when the handler is being cancelled)."""
-        url = kvp.get("release_url")
-        if not url:
+    def _release_soon(self, prefill: Endpoint, kvp: dict[str, Any]) -> None:
+        """Release a prefill lease in the background (also when the handler is being cancelled),
+        at the prefill endpoint the router chose: never at a URL taken from an answer."""
+        lease_id = kvp.get("lease_id")
+        if not isinstance(lease_id, str) or not lease_id:
             return
 
         async def release() -> None:
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
                 async with self.session.post(
-                    url,
-                    data=orjson.dumps({"lease_id": kvp.get("lease_id")}),
+                    f"{prefill.url}/kv/release",
+                    data=orjson.dumps({"lease_id": lease_id}),
                     headers={"content-type": "application/json"},
                     timeout=aiohttp.ClientTimeout(total=5),
                 ):
@@ -365,81 +518,21 @@ class Router:
 _background: set[asyncio.Task[None]] = set()
 
 
+async def _write(resp: web.StreamResponse, data: bytes) -> bool:
+    """Write to the client; False when it has hung up ("Cannot write to closing transport")."""
+    try:
+        await resp.write(data)
+    except ConnectionError:  # aiohttp's ClientConnectionResetError is a ConnectionResetError
+        return False
+    return True
+
+
+def _passed_on(upstream: aiohttp.ClientResponse, data: bytes) -> web.Response:
+    """An engine's error answer as the client gets it: status, body and the headers that matter."""
+    headers = {h: upstream.headers[h] for h in PASSED_HEADERS if h in upstream.headers}
+    ctype = upstream.headers.get("content-type", "application/json").split(";")[0]
+    return web.Response(body=data, status=upstream.status, content_type=ctype, headers=headers)
+
+
 def _max_tokens(body: dict[str, Any]) -> int | None:
     return body.get("max_completion_tokens") or body.get("max_tokens")
-
-
-def _cached_tokens(obj: dict[str, Any]) -> int | None:
-    usage = obj.get("usage") or {}
-    details = usage.get("prompt_tokens_details") or {}
-    return details.get("cached_tokens")
-
-
-def _set_cached(obj: dict[str, Any], cached: int) -> None:
-    usage = obj.get("usage")
-    if isinstance(usage, dict):
-        usage["prompt_tokens_details"] = {
-            **(usage.get("prompt_tokens_details") or {}),
-            "cached_tokens": cached,
-        }
-
-
-def _as_chunks(full: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
-    """A whole answer as the stream chunks an engine would have sent."""
-    base = {"id": full.get("id"), "created": full.get("created", int(time.time()))}
-    base["model"] = full.get("model")
-    chunks: list[dict[str, Any]] = []
-    chat = full.get("object") == "chat.completion"
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    for c in full.get("choices", []):
-        if chat:
-            msg = c.get("message") or {}
-            delta: dict[str, Any] = {"role": "assistant", "content": msg.get("content") or ""}
-            if msg.get("tool_calls"):
-                delta["tool_calls"] = [{**tc, "index": i} for i, tc in enumerate(msg["tool_calls"])]
-            chunks.append(
-                {
-                    **base,
-                    "object": obj,
-                    "choices": [
-                        {
-                            "index": c.get("index", 0),
-                            "delta": delta,
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                }
-            )
-            chunks.append(
-                {
-                    **base,
-                    "object": obj,
-                    "choices": [
-                        {
-                            "index": c.get("index", 0),
-                            "delta": {},
-                            "logprobs": None,
-                            "finish_reason": c.get("finish_reason"),
-                        }
-                    ],
-                }
-            )
-        else:
-            chunks.append(
-                {
-                    **base,
-                    "object": obj,
-                    "choices": [
-                        {
-                            "index": c.get("index", 0),
-                            "text": c.get("text", ""),
-                            "logprobs": None,
-                            "finish_reason": c.get("finish_reason"),
-                        }
-                    ],
-                }
-            )
-    if include_usage:
-        chunks.append({**base, "object": obj, "choices": [], "usage": full.get("usage")})
-    return chunks

@@ -21,28 +21,44 @@ from starlette.responses import JSONResponse, Response
 
 from ember.engine.async_llm import AsyncLLM
 from ember.engine.config import EngineConfig
+from ember.engine.core_client import RequestFailedError
+from ember.server.connections import guarded_protocol, raise_fd_limit
 from ember.server.errors import APIError, error_from_status
+from ember.server.kv_params import kv_peer_urls
 from ember.server.metrics import ServerMetrics
 from ember.server.middleware import EdgeMiddleware
-from ember.server.protocol import ChatCompletionRequest, CompletionRequest
+from ember.server.protocol import ChatCompletionRequest, CompletionRequest, StrictJSONRoute
 from ember.server.serving import ServingContext
 from ember.server.serving_chat import ChatHandler
 from ember.server.serving_completion import CompletionHandler
+from ember.trust import TenantKeys, new_secret, resolve_secret
 
 log = logging.getLogger("ember.server")
+
+KV_EVENTS_PAGE = 4096
+"""Events per /kv_events answer unless `limit` says otherwise (at most KV_EVENTS_PAGE_MAX)."""
+KV_EVENTS_PAGE_MAX = 65536
 
 
 def build_app(
     engine: AsyncLLM,
     served_model_names: list[str],
     *,
-    api_key: str | None = None,
+    keys: TenantKeys | None = None,
+    secret: str | None = None,
+    public_metrics: bool = False,
+    kv_peers: list[str] | None = None,
     max_body_bytes: int = 32 << 20,
     max_waiting: int = 1024,
     tool_call_parser: str | None = "hermes",
 ) -> FastAPI:
+    """`keys`: the public face's API keys (none: open); `secret`: the cluster secret of the
+    internal face (None: a random one, so only this process knows it)."""
+    secret = secret or new_secret()
     metrics = ServerMetrics(served_model_names[0], lambda: engine.stats)
-    ctx = ServingContext(engine, metrics, served_model_names, max_waiting)
+    ctx = ServingContext(
+        engine, metrics, served_model_names, max_waiting, secret, kv_peer_urls(kv_peers)
+    )
     chat = ChatHandler(ctx, tool_call_parser)
     completions = CompletionHandler(ctx)
 
@@ -56,9 +72,16 @@ def build_app(
         await engine.shutdown()
 
     app = FastAPI(title="ember", version="0.1.0", lifespan=lifespan)
+    app.router.route_class = StrictJSONRoute
     app.state.draining = False
     app.state.start_error = None
-    app.add_middleware(EdgeMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(
+        EdgeMiddleware,
+        secret=secret,
+        keys=keys,
+        public_metrics=public_metrics,
+        max_body_bytes=max_body_bytes,
+    )
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> Response:
@@ -74,6 +97,11 @@ def build_app(
         if e.status_code == 404:
             message = "Not found: no such route"
         return error_from_status(e.status_code, message).response()
+
+    @app.exception_handler(RequestFailedError)
+    async def _request_failed(_: Request, e: RequestFailedError) -> Response:
+        # The core raised on this request alone: a 500 that no other engine should be tried with.
+        return APIError(str(e), 500, request_fault=True).response()
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception) -> Response:
@@ -154,9 +182,20 @@ def build_app(
         return {"lease_id": lease_id, "released": await engine.release_lease(lease_id)}
 
     @app.get("/kv_events")
-    async def kv_events(since: int = 0) -> dict[str, Any]:
-        seq, lost, events = engine.events_since(since)
-        return {"seq": seq, "lost": lost, "events": [[k, h] for _, k, h in events]}
+    async def kv_events(since: int = 0, limit: int = KV_EVENTS_PAGE) -> dict[str, Any]:
+        # Paged: a whole backlog (200,000 events, 15 MB of JSON) froze every stream for seconds.
+        # `seq` is the last event sent (the next call's `since`); `more` says whether more follow.
+        if not 1 <= limit <= KV_EVENTS_PAGE_MAX:
+            raise APIError(f"limit must be in [1, {KV_EVENTS_PAGE_MAX}]", param="limit")
+        newest, lost, events = engine.events_since(since)
+        events = events[:limit]
+        seq = events[-1][0] if events else newest
+        return {
+            "seq": seq,
+            "lost": lost,
+            "more": seq < newest,
+            "events": [[k, h] for _, k, h in events],
+        }
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -166,14 +205,23 @@ def build_app(
 
 
 def validation_error(errors: Any) -> APIError:
-    """pydantic's 422 becomes OpenAI's 400, naming the first offending parameter."""
+    """pydantic's 422 becomes OpenAI's 400, naming the first offending parameter (its path in the
+    body, without pydantic's union-member tags such as `str` or `list[constrained-int]`)."""
     first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    msg = first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":
-        return APIError(f"the request body is not valid JSON: {msg}")
+        why = (first.get("ctx") or {}).get("error") or first.get("msg", "")
+        return APIError(f"the request body is not valid JSON: {why}")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p)]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid request").removeprefix("Value error, ")
     return APIError(f"{param}: {msg}" if param else msg, 400, param=param)
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _is_union_tag(part: object) -> bool:
+    return isinstance(part, str) and (part in _TYPE_TAGS or not part.replace("_", "a").isalnum())
 
 
 def _refuse_if_draining(app: FastAPI) -> None:
@@ -184,10 +232,22 @@ def _refuse_if_draining(app: FastAPI) -> None:
 async def _start(app: FastAPI, engine: AsyncLLM) -> None:
     try:
         await engine.start()
-        log.info("engine ready: %s", engine.ready)
+        if (r := engine.ready) is not None:  # kv_root_hash in hex: raw bytes are noise in a log
+            fields = {f: getattr(r, f) for f in r.__struct_fields__}
+            log.info("engine ready: %s", fields | {"kv_root_hash": r.kv_root_hash.hex()})
     except Exception as e:
         app.state.start_error = str(e)
         log.error("engine failed to start: %s", e)
+        server = getattr(app.state, "server", None)
+        if server is not None:
+            server.should_exit = True
+        return
+    # A dead core never comes back: exit (non-zero, see run_server) so that a supervisor restarts
+    # this server, rather than answer 503 for good.
+    await engine.died.wait()
+    if not app.state.draining:
+        app.state.engine_died = engine.dead or "engine core died"
+        log.error("engine core died (%s); the server exits", engine.dead)
         server = getattr(app.state, "server", None)
         if server is not None:
             server.should_exit = True
@@ -205,7 +265,7 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+def engine_config_from_args(args: argparse.Namespace, cluster_secret: str = "") -> EngineConfig:
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -226,34 +286,56 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_transport=args.kv_transport,
         kv_host=args.kv_host,
         kv_lease_s=args.kv_lease_s,
+        kv_timeout_s=args.kv_timeout,
         kv_events=True,
+        cluster_secret=cluster_secret,
     )
 
 
 def run_server(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    config = engine_config_from_args(args)
+    secret, configured = resolve_secret(args.cluster_secret)
+    if not configured and args.role != "both":
+        log.warning(
+            "no cluster secret (--cluster-secret or EMBER_CLUSTER_SECRET): the router and the "
+            "other engines cannot reach this engine's internal routes, nor trust its KV"
+        )
+    try:
+        keys = TenantKeys.load(args.api_key or (), args.api_keys_file, args.shared_cache)
+        kv_peer_urls(args.kv_peers)
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
+    config = engine_config_from_args(args, secret)
     engine = AsyncLLM(config)
     parser = None if args.tool_call_parser in (None, "", "none") else args.tool_call_parser
     app = build_app(
         engine,
         args.served_model_name or [args.model],
-        api_key=args.api_key,
+        keys=keys,
+        secret=secret,
+        public_metrics=args.public_metrics,
+        kv_peers=args.kv_peers,
         max_body_bytes=args.max_body_bytes,
         max_waiting=args.max_waiting,
         tool_call_parser=parser,
     )
+    # Slowloris: headers must arrive within --header-timeout; connections beyond
+    # --max-connections (and beyond what the open-file limit allows) get a 503 at once.
+    max_connections = min(args.max_connections, raise_fd_limit())
     uv = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level=args.log_level.lower(),
         loop="uvloop",
-        http="httptools",
+        http=guarded_protocol(args.header_timeout, max_connections),
+        timeout_keep_alive=args.keep_alive_timeout,
+        backlog=min(2048, max_connections),
         timeout_graceful_shutdown=args.drain_timeout,
         access_log=False,
     )
     server = _Server(uv, app)
     app.state.server = server
     server.run()
-    return 1 if app.state.start_error else 0
+    return 1 if app.state.start_error or getattr(app.state, "engine_died", None) else 0

@@ -10,7 +10,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="Hugging Face-format model directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("EMBER_API_KEY"))
+    add_trust_args(p)
     p.add_argument("--served-model-name", nargs="+", default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="cpu")
@@ -57,6 +57,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds a prefill engine holds a prompt's KV for a decode engine",
     )
+    p.add_argument(
+        "--kv-timeout",
+        type=float,
+        default=10.0,
+        help="decode: seconds a KV read (and its lease release) may take before the engine "
+        "prefills the prompt itself; keep it under the router's --stall-timeout",
+    )
     p.add_argument("--tool-call-parser", default="hermes", help="hermes | kimi_k2 | none")
     p.add_argument(
         "--max-waiting",
@@ -66,9 +73,66 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-body-bytes", type=int, default=32 << 20)
     p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection may take to send a request's headers before it is closed",
+    )
+    p.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=5.0,
+        help="seconds an idle keep-alive connection stays open",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=4096,
+        help="open connections at most (also bounded by the open-file limit); beyond: 503",
+    )
+    p.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,
         help="seconds in-flight requests may take to finish after SIGTERM",
     )
     p.add_argument("--log-level", default="info")
+
+
+def add_trust_args(p: argparse.ArgumentParser) -> None:
+    """Who may use which face: API keys (tenants) for /v1/*, the cluster secret for the rest."""
+    p.add_argument(
+        "--api-key",
+        nargs="+",
+        default=os.environ.get("EMBER_API_KEY", "").split() or None,
+        help="API keys for /v1/* (each its own tenant and prefix-cache namespace); "
+        "default: EMBER_API_KEY (whitespace-separated)",
+    )
+    p.add_argument(
+        "--api-keys-file",
+        default=None,
+        help='API keys with tenant names: JSON {"KEY": "TENANT"} or lines KEY TENANT [CACHE_GROUP]',
+    )
+    p.add_argument(
+        "--shared-cache",
+        action="store_true",
+        help="let all tenants share one prefix cache (off: each tenant hashes its own blocks)",
+    )
+    p.add_argument(
+        "--cluster-secret",
+        default=None,
+        help="the secret ember's processes share for internal routes and KV transfer; default: "
+        "EMBER_CLUSTER_SECRET, else a random one (the internal face is then closed)",
+    )
+    p.add_argument(
+        "--public-metrics",
+        action="store_true",
+        help="serve /metrics without the cluster secret (for a Prometheus scraper)",
+    )
+    p.add_argument(
+        "--kv-peers",
+        nargs="+",
+        default=None,
+        metavar="URL",
+        help="a decode engine reads KV only from these prefill engines (their base URLs)",
+    )

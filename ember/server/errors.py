@@ -7,6 +7,10 @@ from http import HTTPStatus
 import orjson
 from starlette.responses import Response
 
+FAULT_HEADER = "x-ember-fault"
+"""Set to "request" on an answer that failed because of the request itself: a router passes it on
+and never retries it on another engine."""
+
 
 class APIError(Exception):
     """An error the client should see, with its HTTP status."""
@@ -19,6 +23,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        request_fault: bool | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -27,6 +32,10 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
+        # A 4xx is the request's own fault, except 429: capacity, which another engine may have.
+        self.request_fault = (
+            400 <= status < 500 and status != 429 if request_fault is None else request_fault
+        )
 
     def body(self) -> dict[str, object]:
         return {
@@ -39,11 +48,14 @@ class APIError(Exception):
         }
 
     def response(self) -> Response:
+        headers = dict(self.headers)
+        if self.request_fault:
+            headers[FAULT_HEADER] = "request"
         return Response(
             orjson.dumps(self.body()),
             status_code=self.status,
             media_type="application/json",
-            headers=self.headers,
+            headers=headers,
         )
 
 

@@ -1,21 +1,51 @@
-"""ASGI middleware at the edge: API-key check and request-body size limit, before any parsing."""
+"""ASGI middleware at the edge: who is calling (a peer with the cluster secret, a tenant's API key,
+or nobody), and the request-body size limit, before any parsing."""
 
 from __future__ import annotations
 
-import hmac
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ember.server.errors import APIError
+from ember.trust import INTERNAL_HEADER, TENANT_HEADER, TenantKeys, is_internal
 
 OPEN_PATHS = frozenset({"/health"})
+INTERNAL_PATHS = frozenset({"/load", "/kv_events", "/kv/release", "/metrics"})
+"""The internal face: only ember's own processes (with the cluster secret) may call these."""
+CALLER_KEY = "ember.caller"
+"""Where the middleware leaves the request's `Caller` in the ASGI scope for the handlers."""
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    internal: bool
+    """The request carries the cluster secret: internal fields (KV transfer, tenant) count."""
+    namespace: str = ""
+    """The tenant's prefix-cache namespace ("" for none)."""
+
+
+PUBLIC_CALLER = Caller(internal=False)
+
+
+def caller_of(scope: Scope) -> Caller:
+    return scope.get(CALLER_KEY, PUBLIC_CALLER)
 
 
 class EdgeMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        secret: str,
+        keys: TenantKeys | None = None,
+        public_metrics: bool = False,
+        max_body_bytes: int = 32 << 20,
+    ) -> None:
         self.app = app
-        self.api_key = api_key.encode() if api_key else None
+        self.secret = secret
+        self.keys = keys or TenantKeys()
+        self.public_metrics = public_metrics
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -23,23 +53,10 @@ class EdgeMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
-            auth = headers.get(b"authorization", b"")
-            key = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(key, self.api_key):
-                await _reply(
-                    scope,
-                    receive,
-                    send,
-                    APIError(
-                        "Incorrect API key provided."
-                        if key
-                        else "Missing API key: send 'Authorization: Bearer <key>'.",
-                        401,
-                        code="invalid_api_key",
-                    ),
-                )
-                return
+        err = self._admit(scope, headers)
+        if err is not None:
+            await _reply(scope, receive, send, err)
+            return
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             await _reply(scope, receive, send, self._too_large())
@@ -73,6 +90,42 @@ class EdgeMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+    def _admit(self, scope: Scope, headers: dict[bytes, bytes]) -> APIError | None:
+        """Record the caller in the scope, or say why the request may not pass."""
+        path = scope["path"]
+        if path in OPEN_PATHS or (path == "/metrics" and self.public_metrics):
+            return None
+        given = headers.get(INTERNAL_HEADER.encode(), b"").decode("latin-1")
+        if is_internal({INTERNAL_HEADER: given}, self.secret):
+            # A peer (the router) resolved the tenant already; only a peer is believed on it.
+            tenant = headers.get(TENANT_HEADER.encode(), b"").decode("latin-1")
+            scope[CALLER_KEY] = Caller(internal=True, namespace=tenant)
+            return None
+        if path in INTERNAL_PATHS:
+            return APIError(
+                f"{path} is internal to the ember cluster: it needs the cluster secret "
+                f"(header {INTERNAL_HEADER})."
+                if not given
+                else "Incorrect cluster secret.",
+                401,
+                code="invalid_cluster_secret",
+            )
+        if not self.keys.enabled:
+            scope[CALLER_KEY] = PUBLIC_CALLER
+            return None
+        auth = headers.get(b"authorization", b"").decode("latin-1")
+        tenant = self.keys.lookup(auth)
+        if tenant is None:
+            return APIError(
+                "Incorrect API key provided."
+                if auth
+                else "Missing API key: send 'Authorization: Bearer <key>'.",
+                401,
+                code="invalid_api_key",
+            )
+        scope[CALLER_KEY] = Caller(internal=False, namespace=self.keys.namespace(tenant))
+        return None
 
     def _too_large(self) -> APIError:
         return APIError(

@@ -1,24 +1,91 @@
 """Request bodies of the OpenAI API as pydantic models (the HTTP edge), and their translation into
-engine sampling parameters. Unknown fields are ignored, as OpenAI does."""
+engine sampling parameters. Unknown fields are ignored, as OpenAI does.
+
+Every field is range-checked here to what the engine can represent, so no request reaches the core
+with a value it cannot hold: integers are strict (no "5", no true), floats finite, token ids within
+int32 (and the vocabulary: `check_vocab`), JSON objects at most MAX_JSON_DEPTH deep."""
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+import orjson
+from fastapi import Request
+from fastapi.routing import APIRoute
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from starlette.responses import Response
 
 from ember.sampling_params import SamplingParams, StructuredOutputsParams
+from ember.server.errors import APIError
+
+MAX_N = 128
+MAX_PROMPTS = 1024
+"""Prompts in one completions request (each is a sequence, times n, for admission)."""
+MAX_STOP = 64
+MAX_STOP_CHARS = 1024
+"""A stream holds back as many characters as the longest stop string, so that bounds it too."""
+MAX_STOP_TOKEN_IDS = 1024
+MAX_TOOLS = 128
+"""OpenAI's own limit on tools per request."""
+MAX_JSON_DEPTH = 64
+"""Nesting of any JSON object a request carries (schemas, tool parameters, template kwargs).
+Measured: llguidance stops compiling a schema at 128 levels, orjson stops encoding at 255."""
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+
+def _depth_ok(value: Any) -> Any:
+    """Reject JSON values nested past MAX_JSON_DEPTH (iteratively: no recursion to exhaust)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"nested more than {MAX_JSON_DEPTH} levels deep")
+        if isinstance(v, dict):
+            stack.extend((x, depth + 1) for x in v.values())
+        elif isinstance(v, list):
+            stack.extend((x, depth + 1) for x in v)
+    return value
+
+
+JSONObject = Annotated[dict[str, Any], AfterValidator(_depth_ok)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
+class StrictJSONRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = orjson.loads(await self.body())
+        return self._json
+
+
+class StrictJSONRoute(APIRoute):
+    """Request bodies parsed as strict JSON (orjson): a lone surrogate ("\\ud800"), NaN, Infinity
+    or nesting past 1024 levels is a 400 here, where Python's json would hand them on to fail
+    later (a surrogate cannot be tokenized nor written back out)."""
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            return await handler(StrictJSONRequest(request.scope, request.receive))
+
+        return route
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: OpenAI rejects "5" for an integer and 1 for a boolean (floats still take ints);
+    # no NaN or infinity reaches a sampler.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class FunctionDef(_Model):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.\-]+$")
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: JSONObject | None = None
     strict: bool | None = None
 
 
@@ -43,7 +110,7 @@ class TextPart(_Model):
 
 class ToolCallFunction(_Model):
     name: str
-    arguments: str | dict[str, Any] = "{}"
+    arguments: str | JSONObject = "{}"
 
 
 class MessageToolCall(_Model):
@@ -70,6 +137,15 @@ class ChatMessage(_Model):
             raise ValueError("an assistant message needs 'content' or 'tool_calls'")
         return self
 
+    @property
+    def num_chars(self) -> int:
+        """Characters of text this message puts into the prompt (tool calls aside)."""
+        if isinstance(self.content, list):
+            text = sum(len(p.text) for p in self.content)
+        else:
+            text = len(self.content or "")
+        return text + len(self.reasoning_content or "")
+
     def for_template(self) -> dict[str, Any]:
         """The dict a chat template sees: text parts joined, tool-call arguments as objects."""
         msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
@@ -91,11 +167,13 @@ class ChatMessage(_Model):
 class StructuredOutputs(_Model):
     """vLLM's extension: constrain the output to a JSON schema, a regex or a Lark grammar."""
 
-    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_schema: JSONObject | str | None = Field(default=None, alias="json")
     regex: str | None = None
     grammar: str | None = None
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(
+        extra="ignore", strict=True, allow_inf_nan=False, populate_by_name=True
+    )
 
     def params(self) -> StructuredOutputsParams:
         schema = self.json_schema
@@ -111,42 +189,58 @@ class StreamOptions(_Model):
 
 class ResponseFormat(_Model):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JSONObject | None = None
 
 
 class _Sampling(_Model):
     """Fields shared by chat and completions."""
 
-    model: str | None = None
+    model: str | None = Field(default=None, max_length=1024)  # echoed in a 404: bounded
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # and <= vocab: check_vocab
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=128)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stop: StopString | list[StopString] | None = Field(default=None, max_length=MAX_STOP)
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    seed: int | None = Field(default=None, ge=-(2**63), le=INT64_MAX)
+    """Sample i draws with seed + i (an int64 in the core): see `_check_seed`."""
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
     structured_outputs: StructuredOutputs | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: JSONObject | None = None
     """Prefill/decode disaggregation (vLLM's field): set by the router, see KVTransferParams."""
+    cache_salt: str | None = Field(default=None, max_length=256)
+    """vLLM's field: prompts share cached prefix blocks only with requests of the same salt."""
 
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and any(not s for s in v):
-            raise ValueError("stop strings must be non-empty")
-        return v
+    @model_validator(mode="after")
+    def _check_seed(self) -> _Sampling:
+        if self.seed is not None and self.seed + self.n - 1 > INT64_MAX:
+            raise ValueError(f"seed + n - 1 must be at most {INT64_MAX} (sample i uses seed + i)")
+        return self
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """What the model's vocabulary bounds; a 400 naming the field otherwise."""
+        if self.top_k is not None and self.top_k > vocab_size:
+            raise APIError(
+                f"top_k must be -1, 0 or at most the vocabulary size {vocab_size}, got {self.top_k}",
+                param="top_k",
+            )
+        bad = [t for t in self.stop_token_ids or () if t >= vocab_size]
+        if bad:
+            raise APIError(
+                f"stop_token_ids out of the vocabulary [0, {vocab_size}): {bad[:5]}",
+                param="stop_token_ids",
+            )
 
     def sampling_params(
         self,
@@ -185,12 +279,12 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JSONObject | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -231,7 +325,14 @@ class CompletionRequest(_Sampling):
             raise ValueError("best_of other than n is not supported")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be empty")
+        if self.num_prompts > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
         return self
+
+    @property
+    def num_prompts(self) -> int:
+        p = self.prompt
+        return 1 if isinstance(p, str) or isinstance(p[0], int) else len(p)
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

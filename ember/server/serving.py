@@ -6,22 +6,24 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-import msgspec
 import orjson
 from starlette.requests import Request
 
 from ember.engine.async_llm import AsyncLLM, RequestStream
-from ember.engine.core_client import EngineDeadError
+from ember.engine.core_client import EngineDeadError, RequestFailedError
 from ember.engine.messages import KVTransferParams
 from ember.outputs import CompletionOutput, RequestOutput
 from ember.sampling_params import SamplingParams
 from ember.server.errors import APIError
+from ember.server.kv_params import check_decode_leg, parse_kv_transfer, signed_body
 from ember.server.metrics import ServerMetrics
+from ember.server.middleware import caller_of
+from ember.trust import cache_namespace, new_secret
 
 DONE = b"data: [DONE]\n\n"
 
@@ -50,12 +52,26 @@ def stop_holdback(params: SamplingParams) -> int:
     return max((len(s) for s in params.stop or ()), default=1) - 1
 
 
+class TrustedFields(Protocol):
+    """The request fields whose meaning depends on who sent them."""
+
+    cache_salt: str | None
+    kv_transfer_params: dict[str, Any] | None
+
+
 @dataclass(slots=True)
 class ServingContext:
     engine: AsyncLLM
     metrics: ServerMetrics
     served_model_names: list[str]
     max_waiting: int
+    reserved: int = field(default=0, init=False)
+    """Sequences admitted but not yet submitted (their prompts are still being tokenized)."""
+    secret: str = field(default_factory=new_secret, repr=False)
+    """The cluster secret: signs the KV parameters this engine hands out, checks those it gets."""
+    kv_peers: dict[str, str] = field(default_factory=dict)
+    """`--kv-peers`: the origin of each prefill engine a decode engine may read KV from -> the URL
+    that releases its leases (empty: any engine that signs with the cluster secret)."""
 
     @property
     def model_name(self) -> str:
@@ -67,25 +83,58 @@ class ServingContext:
         raise APIError(
             f"The model `{model}` does not exist.",
             404,
-            type="NotFoundError",
+            type="not_found_error",
             param="model",
             code="model_not_found",
         )
 
-    def check_capacity(self) -> None:
+    def check_capacity(self, num_seqs: int = 1) -> None:
+        """Admission counts sequences (prompts x n), not requests, against max_num_seqs +
+        max_waiting: a request that could never fit is a 400, one that does not fit now a 429."""
         engine = self.engine
         if not engine.is_ready:
             raise APIError(
                 engine.dead or "the engine is not ready", 503, headers={"Retry-After": "5"}
             )
         limit = (engine.ready.max_num_seqs if engine.ready else 0) + self.max_waiting
-        if engine.num_unfinished >= limit:
+        if num_seqs > limit:
             raise APIError(
-                f"the server is over capacity ({engine.num_unfinished} requests in flight); "
+                f"this request needs {num_seqs} sequences (prompts x n); this server admits at "
+                f"most {limit} at once",
+                param="n",
+                code="too_many_sequences",
+            )
+        # Every sample of every unfinished request (the output processor tracks each one).
+        in_flight = len(engine.processor.parent_of) + self.reserved
+        if in_flight + num_seqs > limit:
+            raise APIError(
+                f"the server is over capacity ({in_flight} sequences in flight, limit {limit}); "
                 "retry later",
                 429,
                 code="too_many_requests",
                 headers={"Retry-After": "1"},
+            )
+
+    @contextmanager
+    def admit(self, num_seqs: int) -> Iterator[None]:
+        """Check capacity and hold the sequences' places while their prompts are tokenized off
+        the event loop, so requests arriving meanwhile cannot all pass the same check."""
+        self.check_capacity(num_seqs)
+        self.reserved += num_seqs
+        try:
+            yield
+        finally:
+            self.reserved -= num_seqs
+
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """Refuse, before tokenizing it, a text that cannot fit max_model_len whatever it holds."""
+        bound = self.engine.inputs.max_prompt_chars
+        if num_chars > bound:
+            raise APIError(
+                f"This model's maximum context length is {self.engine.max_model_len} tokens; "
+                f"a prompt of {num_chars} characters cannot fit (the limit is {bound} characters)",
+                param=param,
+                code="context_length_exceeded",
             )
 
     def resolve_max_tokens(self, prompt_len: int, requested: int | None) -> int:
@@ -109,6 +158,24 @@ class ServingContext:
             )
         return requested
 
+    def trusted_inputs(
+        self, raw: Request, req: TrustedFields
+    ) -> tuple[str | None, KVTransferParams | None]:
+        """The request's prefix-cache salt (its tenant's namespace joined with its own `cache_salt`)
+        and its KV transfer parameters, which count only from a peer with the cluster secret: a
+        client's are dropped, as if it had sent none."""
+        caller = caller_of(raw.scope)
+        salt = cache_namespace(caller.namespace, req.cache_salt)
+        if not caller.internal:
+            return salt, None
+        params = parse_kv_transfer(req.kv_transfer_params)
+        return salt, check_decode_leg(params, self.secret, self.kv_peers)
+
+    def kv_transfer_body(self, out: RequestOutput, raw: Request) -> dict[str, Any] | None:
+        """A prefill leg's answer: where its KV waits, signed (see kv_params.signed_body)."""
+        params = out.kv_transfer_params
+        return None if params is None else signed_body(params, str(raw.base_url), self.secret)
+
     async def submit(
         self,
         request_id: str,
@@ -119,6 +186,14 @@ class ServingContext:
     ) -> RequestStream:
         """Submit to the engine; bad input raises APIError now. The caller owns the stream and
         must `aclose()` it (which aborts the request if it has not finished)."""
+        remote_prefill = kv_transfer is not None and kv_transfer.do_remote_prefill
+        if remote_prefill and params.logprobs is not None:
+            # The first token was sampled on the prefill engine, with no logprobs kept.
+            raise APIError(
+                "logprobs are not available for a request whose prompt was prefilled on "
+                "another engine (kv_transfer_params.do_remote_prefill)",
+                param="logprobs",
+            )
         try:
             return await self.engine.add_request(
                 request_id, prompt, params, cache_salt, kv_transfer
@@ -211,6 +286,8 @@ def stream_error(e: BaseException) -> bytes:
         return sse(e.body())
     if isinstance(e, EngineDeadError):
         return sse(APIError(f"engine failure: {e}", 503).body())
+    if isinstance(e, RequestFailedError):
+        return sse(APIError(str(e), 500).body())
     return sse(APIError(f"internal error: {type(e).__name__}: {e}", 500).body())
 
 
@@ -254,23 +331,3 @@ async def merge_streams(
     finally:
         for task in pending:
             task.cancel()
-
-
-def parse_kv_transfer(raw: dict[str, Any] | None) -> KVTransferParams | None:
-    """The request's `kv_transfer_params`, checked; None when absent."""
-    if raw is None:
-        return None
-    try:
-        return msgspec.convert(raw, KVTransferParams)
-    except msgspec.ValidationError as e:
-        raise APIError(f"kv_transfer_params: {e}", param="kv_transfer_params") from e
-
-
-def kv_transfer_body(out: RequestOutput, raw: Request) -> dict[str, Any] | None:
-    """A prefill leg's answer: where its KV waits, and the URL that releases it."""
-    params = out.kv_transfer_params
-    if params is None:
-        return None
-    body = msgspec.to_builtins(params)
-    body["release_url"] = str(raw.base_url) + "kv/release"
-    return body

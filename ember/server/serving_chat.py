@@ -3,6 +3,7 @@ OpenAI's exact shapes, streamed (SSE chunks ending in `data: [DONE]`) or whole."
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -14,16 +15,14 @@ from starlette.responses import Response, StreamingResponse
 
 from ember.engine.async_llm import RequestStream
 from ember.outputs import CompletionOutput, RequestOutput
-from ember.sampling_params import StructuredOutputsParams
+from ember.sampling_params import SamplingParams, StructuredOutputsParams
 from ember.server.errors import APIError
 from ember.server.protocol import ChatCompletionRequest, NamedToolChoice
 from ember.server.serving import (
     DONE,
     ServingContext,
     chat_logprobs,
-    kv_transfer_body,
     new_id,
-    parse_kv_transfer,
     sse,
     stop_holdback,
     stream_error,
@@ -53,20 +52,40 @@ class ChatHandler:
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         ctx = self.ctx
         model = ctx.check_model(req.model)
-        ctx.check_capacity()
-        tok = ctx.engine.tokenizer
+        req.check_vocab(ctx.engine.inputs.vocab_size)
+        ctx.check_prompt_chars(sum(m.num_chars for m in req.messages), "messages")
+        with ctx.admit(req.n):
+            # Templating, tokenizing and compiling a grammar take seconds on a large body: in a
+            # worker thread, so other streams and /health go on meanwhile.
+            ids, params, parser, tools = await asyncio.to_thread(self._prepare, req)
+            rid = new_id("chatcmpl")
+            cache_salt, kv_transfer = ctx.trusted_inputs(raw, req)
+            stream = await ctx.submit(rid, ids, params, cache_salt, kv_transfer)
+        # Each choice streams through a parser of its own (they keep state).
+        make_parser = (lambda: type(parser)(tools)) if parser is not None else None
+        if req.stream:
+            body = self._stream(req, model, rid, stream, raw, make_parser, stop_holdback(params))
+            return StreamingResponse(body, media_type="text/event-stream")
+        return await self._full(req, model, rid, stream, raw, make_parser)
+
+    def _prepare(
+        self, req: ChatCompletionRequest
+    ) -> tuple[list[int], SamplingParams, ToolParser | None, list[dict[str, Any]] | None]:
+        """The prompt's token ids, the sampling parameters, the tool parser and the tools."""
+        ctx = self.ctx
         messages = [m.for_template() for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         try:
-            text = tok.apply_chat_template(
+            text = ctx.engine.tokenizer.apply_chat_template(
                 messages,
                 tools=tools,
                 add_generation_prompt=req.add_generation_prompt,
                 **(req.chat_template_kwargs or {}),
             )
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, RecursionError) as e:
             raise APIError(f"cannot render the chat template: {e}", param="messages") from e
-        ids = tok.encode(text, add_special_tokens=False)
+        ctx.check_prompt_chars(len(text), "messages")
+        ids = ctx.engine.inputs.encode([text], add_special_tokens=False)[0]
         max_tokens = ctx.resolve_max_tokens(len(ids), req.requested_max_tokens)
         use_tools = bool(req.tools) and req.tool_choice != "none" and self.parser_cls is not None
         parser = self.parser_cls(tools) if use_tools and self.parser_cls is not None else None
@@ -75,19 +94,10 @@ class ChatHandler:
             structured = self._structured(req, parser)
             params = req.sampling_params(max_tokens, req.num_logprobs, skip_special, structured)
             if params.structured_outputs is not None:
-                self.ctx.engine.grammar.validate(params.structured_outputs)
+                ctx.engine.grammar.validate(params.structured_outputs)
         except ValueError as e:
             raise APIError(str(e)) from e
-        rid = new_id("chatcmpl")
-        stream = await ctx.submit(
-            rid, ids, params, kv_transfer=parse_kv_transfer(req.kv_transfer_params)
-        )
-        # Each choice streams through a parser of its own (they keep state).
-        make_parser = (lambda: type(parser)(tools)) if parser is not None else None
-        if req.stream:
-            body = self._stream(req, model, rid, stream, raw, make_parser, stop_holdback(params))
-            return StreamingResponse(body, media_type="text/event-stream")
-        return await self._full(req, model, rid, stream, raw, make_parser)
+        return ids, params, parser, tools
 
     def _structured(
         self, req: ChatCompletionRequest, parser: ToolParser | None
@@ -151,7 +161,7 @@ class ChatHandler:
             "usage": usage(final),
             "system_fingerprint": None,
         }
-        kv = kv_transfer_body(final, raw)
+        kv = self.ctx.kv_transfer_body(final, raw)
         if kv is not None:
             body["kv_transfer_params"] = kv
         return Response(orjson.dumps(body), media_type="application/json")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -12,16 +13,15 @@ from starlette.responses import Response, StreamingResponse
 
 from ember.engine.async_llm import RequestStream
 from ember.outputs import RequestOutput
+from ember.sampling_params import SamplingParams
 from ember.server.errors import APIError
 from ember.server.protocol import CompletionRequest
 from ember.server.serving import (
     DONE,
     ServingContext,
     completion_logprobs,
-    kv_transfer_body,
     merge_streams,
     new_id,
-    parse_kv_transfer,
     sse,
     stop_holdback,
     stream_error,
@@ -36,45 +36,69 @@ class CompletionHandler:
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         ctx = self.ctx
         model = ctx.check_model(req.model)
-        ctx.check_capacity()
-        tok = ctx.engine.tokenizer
-        prompts: list[tuple[str, list[int]]] = []
-        for p in req.prompts():
+        req.check_vocab(ctx.engine.inputs.vocab_size)
+        given = req.prompts()
+        for p in given:  # what cannot fit is refused before any tokenizing
             if isinstance(p, str):
-                prompts.append((p, tok.encode(p)))
-                continue
-            # Checked before decoding for echo, which cannot take ids outside the vocabulary.
-            try:
-                ctx.engine.inputs.check_token_ids(p)
-            except ValueError as e:
-                raise APIError(str(e), param="prompt") from e
-            prompts.append((tok.decode(p, skip_special_tokens=False) if req.echo else "", p))
+                ctx.check_prompt_chars(len(p), "prompt")
+            elif len(p) >= ctx.engine.max_model_len:
+                ctx.resolve_max_tokens(len(p), None)
         rid = new_id("cmpl")
-        kv_transfer = parse_kv_transfer(req.kv_transfer_params)
-        if kv_transfer is not None and len(prompts) != 1:
+        cache_salt, kv_transfer = ctx.trusted_inputs(raw, req)
+        if kv_transfer is not None and len(given) != 1:
             raise APIError("kv_transfer_params needs a single prompt", param="prompt")
         streams: list[RequestStream] = []
-        try:
-            for i, (_, ids) in enumerate(prompts):
-                if not ids:
-                    raise APIError("prompt is empty", param="prompt")
-                max_tokens = ctx.resolve_max_tokens(len(ids), req.max_tokens or 16)
-                try:
-                    params = req.sampling_params(max_tokens, req.logprobs)
-                    if params.structured_outputs is not None:
-                        ctx.engine.grammar.validate(params.structured_outputs)
-                except ValueError as e:
-                    raise APIError(str(e)) from e
-                streams.append(await ctx.submit(f"{rid}-{i}", ids, params, kv_transfer=kv_transfer))
-        except BaseException:
-            for s in streams:
-                await s.aclose()
-            raise
-        holdback = stop_holdback(params)
+        with ctx.admit(len(given) * req.n):
+            # Tokenizing (and decoding for echo) a large batch takes seconds: off the event loop.
+            prompts, all_params = await asyncio.to_thread(self._prepare, req, given)
+            try:
+                for i, ((_, ids), params) in enumerate(zip(prompts, all_params, strict=True)):
+                    streams.append(
+                        await ctx.submit(f"{rid}-{i}", ids, params, cache_salt, kv_transfer)
+                    )
+            except BaseException:
+                for s in streams:
+                    await s.aclose()
+                raise
+        holdback = stop_holdback(all_params[0])
         if req.stream:
             body = self._stream(req, model, rid, prompts, streams, raw, holdback)
             return StreamingResponse(body, media_type="text/event-stream")
         return await self._full(req, model, rid, prompts, streams, raw)
+
+    def _prepare(
+        self, req: CompletionRequest, given: list[str | list[int]]
+    ) -> tuple[list[tuple[str, list[int]]], list[SamplingParams]]:
+        """Each prompt's (text for echo, token ids) and sampling parameters."""
+        inputs = self.ctx.engine.inputs
+        texts = [p for p in given if isinstance(p, str)]
+        encoded = iter(inputs.encode(texts) if texts else [])
+        prompts: list[tuple[str, list[int]]] = []
+        for p in given:
+            if isinstance(p, str):
+                prompts.append((p, next(encoded)))
+                continue
+            # Checked before decoding for echo, which cannot take ids outside the vocabulary.
+            try:
+                inputs.check_token_ids(p)
+            except ValueError as e:
+                raise APIError(str(e), param="prompt") from e
+            text = inputs.tokenizer.decode(p, skip_special_tokens=False) if req.echo else ""
+            prompts.append((text, p))
+        all_params: list[SamplingParams] = []
+        for _, ids in prompts:
+            if not ids:
+                raise APIError("prompt is empty", param="prompt")
+            max_tokens = self.ctx.resolve_max_tokens(len(ids), req.max_tokens or 16)
+            try:
+                params = req.sampling_params(max_tokens, req.logprobs)
+                # One grammar for every prompt: compiled (checked) once.
+                if params.structured_outputs is not None and not all_params:
+                    self.ctx.engine.grammar.validate(params.structured_outputs)
+            except ValueError as e:
+                raise APIError(str(e)) from e
+            all_params.append(params)
+        return prompts, all_params
 
     async def _collect(
         self, streams: list[RequestStream], raw: Request
@@ -130,7 +154,7 @@ class CompletionHandler:
             "usage": _usage(prompt_tokens, completion_tokens, cached),
             "system_fingerprint": None,
         }
-        kv = kv_transfer_body(finals[0], raw)
+        kv = self.ctx.kv_transfer_body(finals[0], raw)
         if kv is not None:
             body["kv_transfer_params"] = kv
         return Response(orjson.dumps(body), media_type="application/json")

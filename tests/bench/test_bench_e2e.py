@@ -102,3 +102,66 @@ def test_rate_sweep_writes_one_summary_per_rate_and_the_load_plot(
     # Each rate sends prompts of its own, or the later rates would measure a warm cache.
     assert sweep[1]["summary"]["cache_hit_ratio"] < 0.2
     assert (tmp_path / "sweep-sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def small_server(tiny_model_dir) -> Iterator[Server]:
+    """The context `ember up` and the README's servers have (2,048 tokens)."""
+    s = start_server(tiny_model_dir("llama"), "--max-model-len", "2048")
+    yield s
+    s.stop()
+
+
+def test_readme_agentic_example_is_sized_to_a_2048_token_server(
+    small_server: Server, tmp_path: Path
+) -> None:
+    """Defect 14: the README's agentic run (3,000-token system prompt, 256 tokens a turn) had every
+    request rejected by a 2,048-token server; now it is scaled to fit, with a warning."""
+    r = bench(
+        "--url", small_server.url, "--workload", "agentic", "--sessions", "2", "--turns", "4",
+        "--out", str(tmp_path), "--name", "agent",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "does not fit the server's max_model_len 2048" in r.stderr
+    res = result(tmp_path, "agent")
+    assert res["summary"]["errors"] == 0 and res["summary"]["completed"] == 8
+    assert all(rec["prompt_tokens"] + rec["completion_tokens"] <= 2048 for rec in res["records"])
+    assert max(rec["prompt_tokens"] for rec in res["records"]) > 1024  # it fills, not starves
+
+
+def test_readme_trace_example_is_cut_to_a_2048_token_server(
+    small_server: Server, tmp_path: Path
+) -> None:
+    trace = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
+    r = bench(
+        "--url", small_server.url, "--workload", "trace", "--time-scale", "0",
+        "--trace-file", str(trace / "mooncake_conversation_trace.jsonl"), "--max-requests", "4",
+        "--out", str(tmp_path), "--name", "trace",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "did not fit the server's max_model_len 2048" in r.stderr
+    s = result(tmp_path, "trace")["summary"]
+    assert s["errors"] == 0 and s["completed"] == 4
+
+
+def test_system_tokens_counts_the_servers_tokens(server: Server, tmp_path: Path) -> None:
+    """Defect 14: `--system-tokens` counted words (1.7 tokens each for the tiny tokenizer)."""
+    prompt = {}
+    for n in (300, 900):
+        r = bench(
+            "--url", server.url, "--workload", "agentic", "--sessions", "1", "--turns", "1",
+            "--system-tokens", str(n), "--max-tokens", "2", "--out", str(tmp_path), "--name", f"s{n}",
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        prompt[n] = result(tmp_path, f"s{n}")["records"][0]["prompt_tokens"]
+    assert prompt[900] - prompt[300] == pytest.approx(600, rel=0.1)
+
+
+def test_exit_1_when_every_request_failed(server: Server, tmp_path: Path) -> None:
+    """Defect 14: `ember bench` exited 0 when nothing succeeded."""
+    r = bench(
+        "--url", server.url, "--workload", "random", "--num-requests", "3", "--input-len", "8",
+        "--output-len", "2", "--model", "no-such-model", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert r.returncode == 1
+    assert "ember bench: error: all 3 requests failed, e.g. HTTP 404" in r.stderr

@@ -13,7 +13,15 @@ import httpx
 import orjson
 import pytest
 
-from tests.servers import Server, start_router, start_server, wait_healthy, wait_router_caught_up
+from ember.trust import internal_headers
+from tests.servers import (
+    SECRET,
+    Server,
+    start_router,
+    start_server,
+    wait_healthy,
+    wait_router_caught_up,
+)
 
 pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine is not installed")
 
@@ -117,7 +125,8 @@ def loads(cluster: Cluster) -> dict[str, dict]:
 
 def decisions(router: Server) -> dict[str, float]:
     out: dict[str, float] = {}
-    for line in httpx.get(f"{router.url}/metrics").text.splitlines():
+    metrics = httpx.get(f"{router.url}/metrics", headers=internal_headers(SECRET)).text
+    for line in metrics.splitlines():
         if line.startswith("ember_router_decisions_total{"):
             path = line.split('path="')[1].split('"')[0]
             out[path] = out.get(path, 0.0) + float(line.rsplit(" ", 1)[1])

@@ -13,8 +13,12 @@ import httpx
 import orjson
 import pytest
 
+from ember.trust import internal_headers
 from tests.router.test_pd import ENGINE, chat_body, long_text, post
-from tests.servers import Server, start_router, start_server, wait_healthy
+from tests.servers import SECRET, Server, start_router, start_server, wait_healthy
+
+INTERNAL = internal_headers(SECRET)
+"""Calls that stand in for ember's own processes (KV transfer parameters, /metrics)."""
 
 pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine is not installed")
 
@@ -87,7 +91,10 @@ def test_expired_lease_frees_blocks_and_decode_prefills_locally(
     try:
         body = chat_body(long_text(31, 300))
         leg = post(
-            prefill, "/chat/completions", {**body, "kv_transfer_params": {"do_remote_decode": True}}
+            prefill,
+            "/chat/completions",
+            {**body, "kv_transfer_params": {"do_remote_decode": True}},
+            INTERNAL,
         )
         kvp = leg["kv_transfer_params"]
         assert kvp["lease_id"] and kvp["block_ids"] and kvp["first_token_id"] >= 0
@@ -97,11 +104,12 @@ def test_expired_lease_frees_blocks_and_decode_prefills_locally(
         after = wait_all_free([prefill], 5)[prefill.url]
         assert after["leases"] == 0 and after["lease_expiries"] == 1
         assert after["free_blocks"] == after["total_blocks"]
-        assert "ember:kv_lease_expiries_total" in httpx.get(f"{prefill.url}/metrics").text
+        metrics = httpx.get(f"{prefill.url}/metrics", headers=INTERNAL).text
+        assert "ember:kv_lease_expiries_total" in metrics
         # A decode leg that comes too late must not trust those blocks: it prefills locally.
         before = cluster.decode.load()
         late = {**body, "kv_transfer_params": {**kvp, "do_remote_prefill": True}}
-        got = post(cluster.decode, "/chat/completions", late)
+        got = post(cluster.decode, "/chat/completions", late, INTERNAL)
         want = post(cluster.decode, "/chat/completions", body)
         assert got["choices"][0]["message"] == want["choices"][0]["message"]
         assert cluster.decode.load()["remote_kv_failures"] == before["remote_kv_failures"] + 1

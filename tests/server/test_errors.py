@@ -8,7 +8,9 @@ import httpx
 import openai
 import pytest
 
+from ember.trust import internal_headers
 from tests.server.conftest import Server
+from tests.servers import SECRET
 
 MSGS = [{"role": "user", "content": "hi"}]
 
@@ -81,6 +83,7 @@ def test_malformed_json_and_wrong_types(server: Server) -> None:
 def test_unknown_model_and_route_are_404(server: Server) -> None:
     err = assert_error(post(server, "/chat/completions", {"model": "gpt-9", "messages": MSGS}), 404)
     assert "gpt-9" in err["message"]
+    assert (err["type"], err["code"]) == ("not_found_error", "model_not_found")
     assert_error(httpx.get(f"{server.url}/v2/nothing"), 404)
     with pytest.raises(openai.NotFoundError):
         server.client().chat.completions.create(model="gpt-9", messages=MSGS)
@@ -123,6 +126,9 @@ def test_api_key_required_everywhere_but_health(server_factory) -> None:
     with pytest.raises(openai.AuthenticationError):
         s.client(api_key="nope").models.list()
     assert [m.id for m in s.client().models.list().data] == ["tiny"]
+    # The internal face takes the cluster secret, not an API key.
+    assert_error(httpx.get(f"{s.url}/load", headers={"Authorization": "Bearer sekrit"}), 401)
+    assert httpx.get(f"{s.url}/load", headers=internal_headers(SECRET)).status_code == 200
 
 
 def test_queue_bound_gives_429_with_retry_after(server_factory) -> None:
@@ -138,7 +144,8 @@ def test_queue_bound_gives_429_with_retry_after(server_factory) -> None:
             # Both admitted (one running, one waiting): asked of the server, not guessed with a
             # sleep (a fixed 1 s failed once on a fast run: 400 tokens took less).
             for _ in range(500):
-                if (await client.get(f"{s.url}/load")).json()["in_flight"] >= 2:
+                load = await client.get(f"{s.url}/load", headers=internal_headers(SECRET))
+                if load.json()["in_flight"] >= 2:
                     break
                 await asyncio.sleep(0.01)
             third = await client.post(f"{s.base}/completions", json=body)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import httpx
 
+from ember.trust import internal_headers
 from tests.server.conftest import Server
+from tests.servers import SECRET
 
 MSGS = [{"role": "user", "content": "Write a function that adds two numbers."}]
 
@@ -159,7 +161,7 @@ def test_health_load_and_metrics(server: Server) -> None:
     for key in ("running", "waiting", "prefill_tokens", "decode_tokens", "kv_usage"):
         assert key in load
     server.client().chat.completions.create(model="tiny", messages=MSGS, max_tokens=2)
-    text = httpx.get(f"{server.url}/metrics").text
+    text = httpx.get(f"{server.url}/metrics", headers=internal_headers(SECRET)).text
     for name in (
         "ember:time_to_first_token_seconds_count",
         "ember:inter_token_latency_seconds_count",

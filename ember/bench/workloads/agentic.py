@@ -164,16 +164,18 @@ class AgenticWorkload:
 
     The runner starts session i at `session_start(i)` with `first(i)`, and after each answer (and
     `think_time_s`) sends `next(prev, answer_text)` until it returns None. Every request carries
-    `session`; the runner sends it as `x-session-affinity` when `affinity` is True.
+    `session`; the runner sends it as `x-session-affinity` when `affinity` is True. Lengths are
+    in words (the workload has no tokenizer): `ember bench` converts its token counts with the
+    server's measured tokens per word (ember.bench.fit).
     """
 
     sessions: int
     turns: int
     _: KW_ONLY
     model: str
-    system_tokens: int = 3000
-    tool_result_tokens: tuple[int, int] = (200, 600)
-    user_tokens: tuple[int, int] = (50, 200)
+    system_words: int = 3000
+    tool_result_words: tuple[int, int] = (200, 600)
+    user_words: tuple[int, int] = (50, 200)
     max_tokens: int = 256
     think_time_s: float = 0.0
     rate: float | None = None
@@ -190,9 +192,9 @@ class AgenticWorkload:
             )
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
-        _range(self.tool_result_tokens, "tool_result_tokens")
-        _range(self.user_tokens, "user_tokens")
-        self.system_prompt = agent_system_prompt(self.system_tokens)
+        _range(self.tool_result_words, "tool_result_words")
+        _range(self.user_words, "user_words")
+        self.system_prompt = agent_system_prompt(self.system_words)
         self._starts = poisson_arrivals(self.sessions, self.rate, np.random.default_rng(self.seed))
 
     def session_start(self, session_idx: int) -> float:
@@ -204,7 +206,7 @@ class AgenticWorkload:
         """Turn 0 of a session: the system prompt and the user's task."""
         self._check_index(session_idx)
         rng = self._rng(session_idx, 0)
-        task = _words(rng, int(rng.integers(*self.user_tokens, endpoint=True)))
+        task = _words(rng, int(rng.integers(*self.user_words, endpoint=True)))
         messages = [
             {"role": "system", "content": self.system_prompt},
             {"role": "user", "content": f"Task: {task}"},
@@ -218,7 +220,7 @@ class AgenticWorkload:
         if turn >= self.turns:
             return None
         rng = self._rng(session_idx, turn)
-        result = _words(rng, int(rng.integers(*self.tool_result_tokens, endpoint=True)))
+        result = _words(rng, int(rng.integers(*self.tool_result_words, endpoint=True)))
         messages = [
             *prev.body["messages"],
             {"role": "assistant", "content": answer_text},

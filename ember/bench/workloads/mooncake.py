@@ -3,6 +3,7 @@ hash id naming one block of prompt tokens, so requests share exactly the prefixe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from ember.bench.workloads.prompts import (
     check_replay_args,
     check_vocab,
     completion_request,
+    fit_lengths,
     token_list,
 )
 
@@ -105,17 +107,21 @@ def load_mooncake_trace(
     max_requests: int | None = None,
     vocab: tuple[int, int] = DEFAULT_VOCAB,
     block_size: int = MOONCAKE_BLOCK_SIZE,
+    max_model_len: int | None = None,
 ) -> list[PlannedRequest]:
     """The trace as `/v1/completions` requests of token-id prompts, sent at timestamp * time_scale.
 
     Each prompt is its row's blocks (`block_tokens`) cut to input_length; each request generates
     exactly output_length tokens. `time_scale` < 1 replays faster, 0 sends everything at once.
     Prompts are built up front: the whole published conversation trace (12k requests, 145M prompt
-    tokens) takes about 10 s and 1.4 GB; `max_requests` bounds both.
+    tokens) takes about 10 s and 1.4 GB; `max_requests` bounds both. With `max_model_len`, rows
+    longer than that are cut first (`fit_lengths`), so the ideal hit ratio is the cut trace's.
     """
     check_replay_args(time_scale, max_requests)
     check_vocab(vocab)
     rows = read_mooncake_rows(path, max_requests=max_requests, block_size=block_size)
+    if max_model_len is not None:
+        rows = [_fit_row(row, max_model_len) for row in rows]
     requests: list[PlannedRequest] = []
     cached = ideal_cached_tokens(rows, block_size=block_size)
     for i, row in enumerate(rows):
@@ -132,6 +138,11 @@ def load_mooncake_trace(
             )
         )
     return requests
+
+
+def _fit_row(row: MooncakeRow, limit: int) -> MooncakeRow:
+    n, m = fit_lengths(row.input_length, row.output_length, limit)
+    return dataclasses.replace(row, input_length=n, output_length=m)
 
 
 def ideal_hit_ratio(requests: Iterable[PlannedRequest]) -> float:

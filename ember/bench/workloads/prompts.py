@@ -102,3 +102,12 @@ def check_replay_args(time_scale: float, max_requests: int | None) -> None:
         raise ValueError(f"time_scale must be >= 0, got {time_scale}")
     if max_requests is not None and max_requests < 0:
         raise ValueError(f"max_requests must be >= 0 or None, got {max_requests}")
+
+
+def fit_lengths(input_len: int, output_len: int, limit: int) -> tuple[int, int]:
+    """(input, output) cut so that input + output <= limit: the output to at most half the
+    context, the prompt to the rest (its start, so shared prefixes stay shared)."""
+    if input_len + output_len <= limit:
+        return input_len, output_len
+    out = max(1, min(output_len, limit // 2))
+    return max(1, min(input_len, limit - out)), out

@@ -6,20 +6,30 @@ Peers find each other with no metadata server (P2PHANDSHAKE): a peer's address i
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from ipaddress import ip_address
 from queue import SimpleQueue
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ember.kv.transport.base import KVTransport, TransferError, check_batch, check_registrable
+from ember.kv.transport.listen_host import (
+    PinError,
+    listening_sockets,
+    loaded_libraries,
+    pinned_bind,
+    resolve_ip,
+)
 
 if TYPE_CHECKING:
     import torch
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # The library's own allowance for moving bytes, on top of its fixed timeout (1 GiB per second).
 _BYTES_PER_S = 1 << 30
@@ -35,15 +45,18 @@ class MooncakeTransport(KVTransport):
         # MC_LOG_LEVEL (not glog's GLOG_minloglevel, which it ignores) keeps warnings and errors.
         os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
         try:
-            from mooncake.engine import TransferEngine  # lazy: the wheel is an optional extra
+            import mooncake.engine as native  # lazy: the wheel is an optional extra
         except ImportError as e:
             raise TransferError(
                 "the Mooncake transfer engine is not installed: pip install 'ember[pd-cpu]' "
                 "(and Debian's libibverbs1) on CPU machines, mooncake-transfer-engine on GPUs"
             ) from e
 
-        engine = TransferEngine()
-        if engine.initialize(host, "P2PHANDSHAKE", protocol, "") != 0:
+        engine = native.TransferEngine()
+        # The wheel's own libraries (engine.so, libasio.so, ...) sit in and beside its package.
+        libraries = loaded_libraries(os.path.dirname(os.path.dirname(native.__file__)))
+        libraries = [p for p in libraries if "/mooncake" in p]
+        if _initialize(engine, libraries, host, protocol) != 0:
             raise TransferError(f"Mooncake failed to initialize on {host} over {protocol}")
         self._engine: Any = engine
         self._address = f"{host}:{engine.get_rpc_port()}"
@@ -126,6 +139,21 @@ class MooncakeTransport(KVTransport):
         # a call that timed out still holds the engine until the library lets that call go.
         self._workers.close()
         self._engine = None
+
+
+def _initialize(engine: Any, libraries: list[str], host: str, protocol: str) -> int:
+    """Start the engine with its two listeners (handshake, TCP data) bound to `host` only."""
+    before = listening_sockets()
+    try:
+        with pinned_bind(libraries, host):
+            rc = engine.initialize(host, "P2PHANDSHAKE", protocol, "")
+    except PinError as e:
+        log.warning("Mooncake listens on every interface, not only %s: %s", host, e)
+        return engine.initialize(host, "P2PHANDSHAKE", protocol, "")
+    wide = {a for a in listening_sockets() - before if ip_address(a[0]).is_unspecified}
+    if wide and not resolve_ip(host).is_unspecified:
+        log.warning("Mooncake listens on every interface, not only %s: %s", host, sorted(wide))
+    return rc
 
 
 class _Workers:

@@ -12,7 +12,7 @@ from ember.server.protocol import ChatCompletionRequest
 
 
 def small(**kw: object) -> AgenticWorkload:
-    args: dict = {"system_tokens": 300, "tool_result_tokens": (20, 40), "user_tokens": (5, 10)}
+    args: dict = {"system_words": 300, "tool_result_words": (20, 40), "user_words": (5, 10)}
     args.update(kw)
     return AgenticWorkload(3, 4, model="m", **args)
 
@@ -102,7 +102,7 @@ def test_a_turn_does_not_depend_on_the_order_sessions_run() -> None:
 
 def test_session_starts_and_affinity() -> None:
     assert [small().session_start(i) for i in range(3)] == [0.0, 0.0, 0.0]
-    w = AgenticWorkload(200, 1, model="m", rate=10.0, system_tokens=10)
+    w = AgenticWorkload(200, 1, model="m", rate=10.0, system_words=10)
     starts = [w.session_start(i) for i in range(200)]
     assert starts[0] == 0.0 and starts == sorted(starts)
     assert starts[-1] / 199 == pytest.approx(0.1, rel=0.3)

@@ -19,7 +19,9 @@ from ember.bench.workloads import (
 from ember.bench.workloads.mooncake import MooncakeRow
 from ember.server.protocol import CompletionRequest
 
-REAL_TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+# ../shared beside the clone (as CI has it); a missing trace fails the test, it does not skip.
+TRACES = Path(__file__).resolve().parents[3] / ".." / "shared" / "traces"
+REAL_TRACE = TRACES / "mooncake_conversation_trace.jsonl"
 
 # (timestamp ms, input_length, output_length, hash_ids) and, by hand, what an ideal cache holds.
 ROWS = [
@@ -165,8 +167,8 @@ def test_ideal_cache_is_longest_prefix_shared_with_an_earlier_prompt(
     assert ideal_cached_tokens(rows, block_size=4) == _reference_ideal(rows, 4)
 
 
-@pytest.mark.skipif(not REAL_TRACE.exists(), reason="no /work/shared/traces")
 def test_real_trace_loads() -> None:
+    assert REAL_TRACE.is_file(), f"{REAL_TRACE} is missing (CI has ../shared beside the clone)"
     reqs = load_mooncake_trace(REAL_TRACE, model="m", max_requests=500)
     assert len(reqs) == 500
     assert all(0 <= r.ideal_cached_tokens <= len(r.body["prompt"]) for r in reqs)
@@ -177,3 +179,16 @@ def test_real_trace_loads() -> None:
     print(f"real Mooncake conversation trace: {len(rows)} requests, ideal hit ratio {ratio:.4f}")
     assert 0 < ratio < 1
     assert 0 < ideal_hit_ratio(reqs) < 1
+
+
+def test_real_trace_cut_to_a_servers_context() -> None:
+    """`ember bench` against a 2,048-token server: every request fits, and the ideal ratio is the
+    cut trace's (no more cached tokens than a cut prompt has)."""
+    assert REAL_TRACE.is_file(), f"{REAL_TRACE} is missing (CI has ../shared beside the clone)"
+    full = load_mooncake_trace(REAL_TRACE, model="m", max_requests=50)
+    reqs = load_mooncake_trace(REAL_TRACE, model="m", max_requests=50, max_model_len=2048)
+    assert any(len(r.body["prompt"]) + r.body["max_tokens"] > 2048 for r in full)
+    assert all(len(r.body["prompt"]) + r.body["max_tokens"] <= 2048 for r in reqs)
+    assert all(0 <= r.ideal_cached_tokens <= len(r.body["prompt"]) for r in reqs)
+    for cut, whole in zip(reqs, full, strict=True):  # a cut prompt is the start of the whole one
+        assert whole.body["prompt"][: len(cut.body["prompt"])] == cut.body["prompt"]
