@@ -42,6 +42,9 @@ FORWARDED_HEADERS = ("x-session-affinity", "x-session-id", "x-request-id")
 """The client's headers an engine sees; never its Authorization nor any x-ember-* header."""
 CLIENT_ONLY_FIELDS = ("kv_transfer_params",)
 """Internal request fields: a client's are dropped, only the router sets them."""
+MAX_BODY_DEPTH = 128
+"""A body nested deeper is refused here: orjson cannot encode past 254 levels, and the engines
+take no field nested past 64 (their message names the field)."""
 OFFLOAD_BYTES = 64 << 10
 """Bodies above this are parsed and tokenized in a thread, so a big prompt stalls no stream."""
 WHOLE_LEG_LIMIT_S = 3600.0
@@ -96,6 +99,8 @@ class Router:
             return error_response("the request body is not valid JSON", 400)
         if not isinstance(body, dict):
             return error_response("the request body must be a JSON object", 400)
+        if await asyncio.to_thread(_too_deep, body) if big else _too_deep(body):
+            return error_response(f"the request body nests past {MAX_BODY_DEPTH} levels", 400)
         for name in CLIENT_ONLY_FIELDS:
             body.pop(name, None)
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
@@ -532,6 +537,20 @@ def _passed_on(upstream: aiohttp.ClientResponse, data: bytes) -> web.Response:
     headers = {h: upstream.headers[h] for h in PASSED_HEADERS if h in upstream.headers}
     ctype = upstream.headers.get("content-type", "application/json").split(";")[0]
     return web.Response(body=data, status=upstream.status, content_type=ctype, headers=headers)
+
+
+def _too_deep(value: Any) -> bool:
+    """Whether a JSON value nests past MAX_BODY_DEPTH (iteratively: no recursion to exhaust)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > MAX_BODY_DEPTH:
+            return True
+        if isinstance(v, dict):
+            stack.extend((x, depth + 1) for x in v.values())
+        elif isinstance(v, list):
+            stack.extend((x, depth + 1) for x in v if isinstance(x, (dict, list)))
+    return False
 
 
 def _max_tokens(body: dict[str, Any]) -> int | None:

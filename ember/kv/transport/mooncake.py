@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from ipaddress import ip_address
@@ -141,8 +144,45 @@ class MooncakeTransport(KVTransport):
         self._engine = None
 
 
+BENIGN_START_LINES = (
+    "Local segment descriptor not found",  # E-level, at every P2P start: no segment registered yet
+    "Logging before InitGoogleLogging",
+    "Using default malloc/free for protocol: tcp",
+)
+BENIGN_TCP_START_LINES = ("No RDMA devices found",)
+"""What Mooncake prints at every start that says nothing is wrong (no RDMA is news only to an
+RDMA set-up). Every other line it prints while starting is passed on."""
+
+
+@contextmanager
+def _start_log_filtered(protocol: str) -> Iterator[None]:
+    """Hold the native library's stderr (fd 2) while it starts, then pass on all but the lines
+    above: `ember serve` should not greet its user with an E-level line that means nothing."""
+    benign = BENIGN_START_LINES + (BENIGN_TCP_START_LINES if protocol == "tcp" else ())
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            lines = held.read().decode(errors="replace").splitlines(keepends=True)
+            kept = [line for line in lines if not any(b in line for b in benign)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
 def _initialize(engine: Any, libraries: list[str], host: str, protocol: str) -> int:
     """Start the engine with its two listeners (handshake, TCP data) bound to `host` only."""
+    with _start_log_filtered(protocol):
+        return _initialize_bound(engine, libraries, host, protocol)
+
+
+def _initialize_bound(engine: Any, libraries: list[str], host: str, protocol: str) -> int:
     before = listening_sockets()
     try:
         with pinned_bind(libraries, host):

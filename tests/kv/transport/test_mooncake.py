@@ -174,3 +174,29 @@ def _wait_idle(transport: Any, limit_s: float = 10.0) -> None:
     deadline = time.monotonic() + limit_s
     while transport._workers._busy and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def test_start_prints_no_benign_error_lines() -> None:
+    """`ember serve` used to greet its user with Mooncake's E-level "Local segment descriptor not
+    found" at every start (and W-level noise about RDMA on a TCP set-up): it means nothing."""
+    import subprocess
+
+    code = "from ember.kv.transport import make_transport; make_transport('mooncake').close()"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "Local segment descriptor not found" not in run.stderr
+    assert not [line for line in run.stderr.splitlines() if line[:1] == "E"], run.stderr
+
+
+def test_the_start_filter_passes_on_every_other_line(capfd: pytest.CaptureFixture[str]) -> None:
+    from ember.kv.transport.mooncake import _start_log_filtered
+
+    with _start_log_filtered("tcp"):
+        os.write(2, b"E1126 transfer_metadata.cpp:1098] Local segment descriptor not found\n")
+        os.write(2, b"E1126 tcp_transport.cpp:1] a real failure\n")
+        os.write(2, b"W1126 topology.cpp:201] No RDMA devices found\n")
+    err = capfd.readouterr().err
+    assert err == "E1126 tcp_transport.cpp:1] a real failure\n"
+    with _start_log_filtered("rdma"):
+        os.write(2, b"W1126 topology.cpp:201] No RDMA devices found\n")
+    assert "No RDMA devices found" in capfd.readouterr().err  # news on an RDMA set-up
