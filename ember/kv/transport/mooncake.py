@@ -12,9 +12,9 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
 from ipaddress import ip_address
 from queue import SimpleQueue
 from typing import TYPE_CHECKING, Any, TypeVar
