@@ -105,6 +105,8 @@ def label(pid: int) -> str:
     if "serve" in words and "--role" in words:
         port = words[words.index("--port") + 1] if "--port" in words else "?"
         return f"{words[words.index('--role') + 1]}:{port}"
+    if any("resource_tracker" in w for w in words):
+        return "resource-tracker"
     if any("multiprocessing" in w or "spawn_main" in w for w in words):
         return "engine-core"
     return " ".join(words[-3:])

@@ -19,8 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 import orjson
@@ -28,7 +27,8 @@ from aiohttp import web
 
 from ember.router.answers import DONE, as_chunks, cached_tokens, set_cached, sse
 from ember.router.endpoint import Endpoint, NoEndpointError
-from ember.router.errors import FAULT_HEADER, PASSED_HEADERS, error_body, error_response
+from ember.router.errors import PASSED_HEADERS, error_body, error_response
+from ember.router.legs import LegError, Legs
 from ember.router.metrics import RouterMetrics
 from ember.router.pool import Choice, EndpointPool
 from ember.router.prompt import PromptInfo, PromptReader
@@ -36,7 +36,6 @@ from ember.trust import TENANT_HEADER, Tenant, TenantKeys, cache_namespace
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
 FORWARDED_HEADERS = ("x-session-affinity", "x-session-id", "x-request-id")
 """The client's headers an engine sees; never its Authorization nor any x-ember-* header."""
@@ -47,12 +46,6 @@ MAX_BODY_DEPTH = 128
 take no field nested past 64 (their message names the field)."""
 OFFLOAD_BYTES = 64 << 10
 """Bodies above this are parsed and tokenized in a thread, so a big prompt stalls no stream."""
-WHOLE_LEG_LIMIT_S = 3600.0
-"""A whole answer from an engine that keeps answering /load may take this long (a safety net)."""
-
-
-class LegError(Exception):
-    """An endpoint failed before it sent anything: the leg may be retried elsewhere."""
 
 
 class Refused(Exception):
@@ -82,7 +75,7 @@ class Router:
         self.session = session
         """Carries the cluster secret on every call (see app.py): only engines are called."""
         self.disagg_min_uncached = disagg_min_uncached
-        self.max_attempts = max_attempts
+        self.legs = Legs(pool, metrics, session, max_attempts)
         self.keys = keys or TenantKeys()
         self.stall_timeout_s = stall_timeout_s
 
@@ -151,7 +144,7 @@ class Router:
         headers: dict[str, str],
     ) -> web.StreamResponse:
         try:
-            upstream, choice = await self._send_leg("decode", path, body, prompt, session, headers)
+            upstream, choice = await self.legs.send("decode", path, body, prompt, session, headers)
         except (LegError, NoEndpointError) as e:
             self.metrics.failures.labels("before_first_byte").inc()
             return error_response(str(e), 503)
@@ -204,7 +197,7 @@ class Router:
         finished = False
         try:
             try:
-                upstream, d = await self._send_leg(
+                upstream, d = await self.legs.send(
                     "decode", path, decode_body, prompt, session, headers
                 )
             except (LegError, NoEndpointError) as e:
@@ -232,14 +225,14 @@ class Router:
         first: Choice,
     ) -> tuple[dict[str, Any], Endpoint]:
         """The prefill leg's answer and its endpoint (retried on other prefill endpoints)."""
-        resp, choice = await self._send_leg("prefill", path, body, prompt, session, headers, first)
+        resp, choice = await self.legs.send("prefill", path, body, prompt, session, headers, first)
         ep = choice.endpoint
         if resp.status != 200:
-            data = await self._read_whole(resp, ep)
+            data = await self.legs.read_whole(resp, ep)
             raise Refused(_passed_on(resp, data))
         # The headers of a whole answer come once the prefill is done, so the engine holds a
         # lease now: if the client hangs up while the body is read, read on and release it.
-        reading = asyncio.ensure_future(self._read_whole(resp, ep))
+        reading = asyncio.ensure_future(self.legs.read_whole(resp, ep))
         try:
             data = await asyncio.shield(reading)
         except asyncio.CancelledError:
@@ -260,124 +253,6 @@ class Router:
             kvp = orjson.loads(reading.result()).get("kv_transfer_params")
             if isinstance(kvp, dict):
                 self._release_soon(ep, kvp)
-
-    # -- legs ----------------------------------------------------------------------------------
-
-    def _post(self, ep: Endpoint, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
-        return self.session.post(
-            ep.url + path,
-            data=orjson.dumps(body),
-            headers={**headers, "content-type": "application/json"},
-            # No read timeout: liveness is judged by the engine's /load (see _alive) and, for a
-            # stream, by the bytes it sends (see _relay).
-            timeout=aiohttp.ClientTimeout(total=None, connect=5, sock_read=None),
-        )
-
-    async def _alive(self, ep: Endpoint, aw: Awaitable[T]) -> T:
-        """Await an engine's answer for as long as the engine is alive: its /load keeps answering
-        the pool's poller (a stopped or hung engine is marked down within a few polls). A queued
-        or long prefill is not cut by a fixed timeout."""
-        task = asyncio.ensure_future(aw)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + WHOLE_LEG_LIMIT_S
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=max(self.pool.poll_s, 0.05))
-                if done:
-                    return task.result()
-                if not ep.healthy:
-                    raise LegError(f"{ep.url} stopped answering /load")
-                if loop.time() > deadline:
-                    raise LegError(f"{ep.url} took over {WHOLE_LEG_LIMIT_S:.0f} s")
-        finally:
-            if not task.done():
-                task.cancel()
-
-    async def _open(
-        self, ep: Endpoint, path: str, body: dict[str, Any], headers: dict[str, str]
-    ) -> aiohttp.ClientResponse:
-        """POST a leg. A pooled keep-alive connection the engine had already closed fails before
-        any byte (ServerDisconnectedError): that is retried once on the same endpoint."""
-        for attempt in (0, 1):
-            try:
-                return await self._alive(ep, self._post(ep, path, body, headers).__aenter__())
-            except aiohttp.ServerDisconnectedError:
-                if attempt:
-                    raise
-                log.info("stale connection to %s: retrying once", ep.url)
-        raise AssertionError("unreachable")
-
-    async def _read_whole(self, resp: aiohttp.ClientResponse, ep: Endpoint) -> bytes:
-        try:
-            return await self._alive(ep, resp.read())
-        except (TimeoutError, aiohttp.ClientError) as e:
-            self.pool.breakers[ep.url].record_failure()
-            raise LegError(f"the answer from {ep.url} broke off: {e}") from e
-        finally:
-            resp.release()
-
-    async def _send_leg(
-        self,
-        leg: str,
-        path: str,
-        body: dict[str, Any],
-        prompt: PromptInfo,
-        session: str | None,
-        headers: dict[str, str],
-        first: Choice | None = None,
-    ) -> tuple[aiohttp.ClientResponse, Choice]:
-        """Open a streamed or whole leg on `first` (or the pool's choice). Retried elsewhere only
-        when the engine failed (no answer, or its own 5xx) or its queue was full (429); anything
-        else, a 4xx or an answer marked as the request's fault, is the answer."""
-        tried: set[str] = set()
-        last = "no endpoint answered"
-        busy: tuple[aiohttp.ClientResponse, Choice] | None = None
-        for attempt in range(self.max_attempts):
-            if attempt == 0 and first is not None:
-                choice = first
-            else:
-                try:
-                    choice = self.pool.choose(leg, prompt, session, exclude=tried)
-                except NoEndpointError:
-                    if attempt == 0:
-                        raise
-                    break
-            if attempt:
-                self.metrics.retries.labels(leg).inc()
-            ep = choice.endpoint
-            tried.add(ep.url)
-            # A prefill leg's uncached tokens count against its endpoint until its answer comes
-            # (a whole answer: the headers arrive when the prefill is done).
-            queued = choice.uncached_tokens if leg == "prefill" else 0
-            ep.add_load(prefill_tokens=queued, requests=int(leg == "prefill"))
-            try:
-                resp = await self._open(ep, path, body, headers)
-            except (TimeoutError, aiohttp.ClientError, LegError) as e:
-                self.pool.breakers[ep.url].record_failure()
-                log.warning("%s leg on %s failed: %s", leg, ep.url, e)
-                last = f"{ep.url}: {e}"
-                continue
-            finally:
-                ep.remove_load(prefill_tokens=queued, requests=int(leg == "prefill"))
-            if resp.status == 429:
-                # A full queue is not a failure: try another engine, else pass the 429 on.
-                self.pool.breakers[ep.url].record_success()
-                if busy is not None:
-                    busy[0].release()
-                busy = (resp, choice)
-                continue
-            if resp.status >= 500 and resp.headers.get(FAULT_HEADER) != "request":
-                self.pool.breakers[ep.url].record_failure()
-                last = f"{ep.url} answered {resp.status}"
-                resp.release()
-                continue
-            self.pool.breakers[ep.url].record_success()
-            if busy is not None:
-                busy[0].release()
-            return resp, choice
-        if busy is not None:
-            return busy
-        raise LegError(last)
 
     async def _relay(
         self,
@@ -406,7 +281,7 @@ class Router:
         self, upstream: aiohttp.ClientResponse, ep: Endpoint, cached: int | None
     ) -> tuple[web.StreamResponse, bool]:
         try:
-            data = await self._read_whole(upstream, ep)
+            data = await self.legs.read_whole(upstream, ep)
         except LegError as e:
             self.metrics.failures.labels("mid_stream").inc()
             return error_response(str(e), 502), False
