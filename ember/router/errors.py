@@ -8,23 +8,10 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-FAULT_HEADER = "x-ember-fault"
-"""An engine's answer that failed because of the request itself says `x-ember-fault: request`: the
-router passes it on and never retries it elsewhere (another engine would fail it the same way)."""
+from ember.openai_errors import FAULT_HEADER, error_type
+
 PASSED_HEADERS = ("retry-after", FAULT_HEADER)
 """Headers of an engine's error answer that reach the client."""
-
-
-def error_type(status: int) -> str:
-    if status == 401:
-        return "authentication_error"
-    if status == 404:
-        return "not_found_error"
-    if status == 429:
-        return "rate_limit_error"
-    if status >= 500:
-        return "server_error"
-    return "invalid_request_error"
 
 
 def error_body(

@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 import aiohttp
 import orjson
 
+from ember.openai_errors import FAULT_HEADER
 from ember.router.endpoint import Endpoint, NoEndpointError
-from ember.router.errors import FAULT_HEADER
 from ember.router.metrics import RouterMetrics
 from ember.router.pool import Choice, EndpointPool
 from ember.router.prompt import PromptInfo

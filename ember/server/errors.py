@@ -7,9 +7,7 @@ from http import HTTPStatus
 import orjson
 from starlette.responses import Response
 
-FAULT_HEADER = "x-ember-fault"
-"""Set to "request" on an answer that failed because of the request itself: a router passes it on
-and never retries it on another engine."""
+from ember.openai_errors import FAULT_HEADER, error_type
 
 
 class APIError(Exception):
@@ -28,7 +26,7 @@ class APIError(Exception):
         super().__init__(message)
         self.message = message
         self.status = status
-        self.type = type or _default_type(status)
+        self.type = type or error_type(status)
         self.param = param
         self.code = code
         self.headers = headers or {}
@@ -57,18 +55,6 @@ class APIError(Exception):
             media_type="application/json",
             headers=headers,
         )
-
-
-def _default_type(status: int) -> str:
-    if status == 401:
-        return "authentication_error"
-    if status == 404:
-        return "not_found_error"
-    if status == 429:
-        return "rate_limit_error"
-    if status >= 500:
-        return "server_error"
-    return "invalid_request_error"
 
 
 def error_from_status(status: int, message: str | None = None) -> APIError:
