@@ -8,7 +8,7 @@ Each configuration runs in a process of its own: a cold run (Triton compiles on 
 warm one. The `LLM` runs also time the host's output processing (detokenization, outputs).
 Prints a table; writes JSON to $OUT (or benchmarks/results/) named with the GPU.
 
-    python benchmarks/llm_gpu.py [--quick]
+    python benchmarks/llm_gpu.py [--quick] [--fresh-triton-cache]
 """
 
 from __future__ import annotations
@@ -137,6 +137,11 @@ def child(name: str, quick: bool) -> dict[str, object]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
     ap.add_argument("--quick", action="store_true", help="small sizes, to check the script")
+    ap.add_argument(
+        "--fresh-triton-cache",
+        action="store_true",
+        help="a new Triton cache per configuration (without it, later ones find kernels compiled)",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -149,11 +154,17 @@ def main() -> None:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [sys.executable, __file__, "--child", name, "--child-out", f.name]
             cmd += ["--quick"] if args.quick else []
-            subprocess.run(cmd, check=True)
+            env = dict(os.environ)
+            if args.fresh_triton_cache:
+                # Each configuration compiles its kernels itself, so the cold runs compare.
+                env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"triton-{name}-")
+            subprocess.run(cmd, check=True, env=env)
             results["configs"][name] = json.loads(Path(f.name).read_text())  # type: ignore[index]
     out_dir = Path(os.environ.get("OUT") or "benchmarks/results")
     tag = gpu.replace(" ", "_").replace("/", "_")
-    (out_dir / f"llm_gpu-{tag}.json").write_text(json.dumps(results, indent=2))
+    results["fresh_triton_cache"] = args.fresh_triton_cache
+    suffix = "-fresh-triton-cache" if args.fresh_triton_cache else ""
+    (out_dir / f"llm_gpu-{tag}{suffix}.json").write_text(json.dumps(results, indent=2))
     cfgs: dict[str, dict] = results["configs"]  # type: ignore[assignment]
     core_warm = cfgs["engine_core"]["warm"]["output_tok_s"]
     print(f"GPU: {gpu}; load {sizes(args.quick)} (prompts, in, out)")
