@@ -1,0 +1,82 @@
+"""Tenant isolation through the whole cluster: a router with two API keys over a prefill and a
+decode engine. Tenant B's guess of tenant A's prompt finds nothing cached anywhere (no engine counts
+a prefix-cache hit for it, so it costs exactly a miss's work), while A's own repeat hits; the
+internal routes that could list the cache are closed without the cluster secret."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.servers import Server, start_router, start_server, wait_router_caught_up
+
+pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine is not installed")
+
+KA, KB = "sk-tenant-a", "sk-tenant-b"
+ENGINE = ("--cpu-threads", "1", "--max-model-len", "1024")
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir) -> Iterator[tuple[Server, list[Server]]]:
+    model = tiny_model_dir("llama")
+    prefill = start_server(model, "--role", "prefill", *ENGINE)
+    decode = start_server(model, "--role", "decode", "--kv-peers", prefill.url, *ENGINE)
+    router = start_router(model, prefill=[prefill], decode=[decode], extra=["--api-key", KA, KB])
+    yield router, [prefill, decode]
+    for s in (router, decode, prefill):
+        s.stop()
+
+
+def chat(router: Server, key: str, text: str) -> dict:
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": 2, "temperature": 0}
+    r = httpx.post(
+        f"{router.url}/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {key}"},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def cached(answer: dict) -> int:
+    return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def hits(engines: list[Server]) -> int:
+    return sum(e.load()["prefix_cache_hits"] for e in engines)
+
+
+def test_one_tenant_cannot_hit_anothers_cache(cluster) -> None:
+    router, engines = cluster
+    secret = "Tenant A's system prompt: the launch code is 4-8-15-16-23-42. " * 12
+    assert cached(chat(router, KA, secret)) == 0
+    wait_router_caught_up(router, engines)  # the router's prefix index has A's blocks
+    assert cached(chat(router, KA, secret)) > 100  # A's own repeat: the prompt is cached
+    wait_router_caught_up(router, engines)
+    before = hits(engines)
+    guess = chat(router, KB, secret)
+    assert cached(guess) == 0
+    # Not one block of B's request was found in any engine's cache: B paid a miss, to the token.
+    assert hits(engines) == before
+    # And B's own repeat hits B's own blocks.
+    wait_router_caught_up(router, engines)
+    assert cached(chat(router, KB, secret)) > 100
+
+
+def test_the_cache_cannot_be_listed_without_the_secret(cluster) -> None:
+    router, engines = cluster
+    for e in engines:
+        for path in ("/kv_events?since=0", "/load", "/metrics"):
+            r = httpx.get(f"{e.url}{path}", timeout=5)
+            assert r.status_code == 401, (e.url, path, r.text)
+            # Nor with a tenant's own API key.
+            r = httpx.get(f"{e.url}{path}", headers={"authorization": f"Bearer {KA}"}, timeout=5)
+            assert r.status_code == 401
+    for path in ("/load", "/metrics"):
+        r = httpx.get(f"{router.url}{path}", headers={"authorization": f"Bearer {KA}"}, timeout=5)
+        assert r.status_code == 401, (path, r.text)
+    r = httpx.get(f"{router.url}/v1/models", headers={"authorization": "Bearer sk-nobody"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
