@@ -1,6 +1,7 @@
 """`ember router`: an aiohttp server in front of pools of prefill, decode and colocated engines.
-Public routes: /v1/chat/completions, /v1/completions (routed), /v1/models (an API key when keys are
-configured), /health (always open). Internal routes, for the cluster secret only: /load (the
+Public routes: /v1/chat/completions, /v1/completions (routed), /v1/models, /tokenize and /detokenize
+(forwarded to a healthy decode-capable engine; all need an API key when keys are configured),
+/health (always open). Internal routes, for the cluster secret only: /load (the
 router's view of each endpoint) and /metrics (open with --public-metrics)."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ember.openai_errors import FAULT_HEADER
 from ember.router.errors import error_response, openai_errors
 from ember.router.metrics import RouterMetrics
 from ember.router.pool import EndpointPool
@@ -29,6 +31,8 @@ POOL = web.AppKey("pool", EndpointPool)
 ROUTER = web.AppKey("router", Router)
 TENANT = web.RequestKey("tenant", Tenant)
 INTERNAL_ROUTES = ("/load", "/metrics")
+KEYED_ROUTES = ("/tokenize", "/detokenize")
+"""Public routes outside /v1/ that still need an API key (vLLM serves them at the root)."""
 
 
 def build_app(
@@ -53,7 +57,8 @@ def build_app(
         open_route = public_metrics and path == "/metrics"
         if path in INTERNAL_ROUTES and not internal and not open_route:
             return error_response("this route needs the cluster secret", 401)
-        if path.startswith("/v1/") and keys.enabled and not internal:
+        keyed = path.startswith("/v1/") or path in KEYED_ROUTES
+        if keyed and keys.enabled and not internal:
             tenant = keys.lookup(request.headers.get("authorization"))
             if tenant is None:
                 return error_response("invalid or missing API key", 401, code="invalid_api_key")
@@ -94,18 +99,26 @@ def build_app(
         router = request.app[ROUTER]
         return await router.handle(request, "/v1/completions", False, request.get(TENANT))
 
-    async def models(request: web.Request) -> web.StreamResponse:
+    async def forward(request: web.Request) -> web.StreamResponse:
+        """/v1/models, /tokenize, /detokenize: any healthy decode-capable engine answers (they
+        share the model and its tokenizer); one that fails is skipped, its answer otherwise
+        passed on as it is (a 4xx for a bad body or an unknown model included)."""
         router = request.app[ROUTER]
-        for ep in pool.endpoints.values():
-            if not ep.healthy:
-                continue
+        body = await request.read() if request.method == "POST" else None
+        headers = {"content-type": "application/json"} if body is not None else {}
+        for ep in pool.candidates("decode"):
             try:
-                async with router.session.get(
-                    f"{ep.url}/v1/models", timeout=aiohttp.ClientTimeout(total=10)
+                async with router.session.request(
+                    request.method,
+                    ep.url + request.path,
+                    data=body,
+                    headers=headers,
+                    timeout=aiohttp.ClientTimeout(total=30),
                 ) as r:
-                    return web.Response(
-                        body=await r.read(), status=r.status, content_type="application/json"
-                    )
+                    if r.status >= 500 and r.headers.get(FAULT_HEADER) != "request":
+                        continue
+                    ctype = r.headers.get("content-type", "application/json").split(";")[0]
+                    return web.Response(body=await r.read(), status=r.status, content_type=ctype)
             except (TimeoutError, aiohttp.ClientError):
                 continue
         return error_response("no healthy endpoint", 503)
@@ -150,7 +163,9 @@ def build_app(
 
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models", forward)
+    app.router.add_post("/tokenize", forward)
+    app.router.add_post("/detokenize", forward)
     app.router.add_get("/health", health)
     app.router.add_get("/load", load)
     app.router.add_get("/metrics", prometheus)

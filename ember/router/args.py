@@ -51,7 +51,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         "--disagg-min-uncached",
         type=int,
         default=256,
-        help="prompts with fewer uncached tokens go whole to a decode engine",
+        help="prompts with fewer uncached tokens go whole to a decode engine (not a session's: "
+        "with x-session-affinity or x-session-id, every turn prefills on the session's engine)",
     )
     p.add_argument("--poll-interval", type=float, default=0.5, help="seconds between /load polls")
     p.add_argument(

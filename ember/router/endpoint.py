@@ -73,6 +73,10 @@ class Endpoint:
     """Context tokens of sequences decoding here (corrected by each report)."""
     active_requests: int = 0
     reported: LoadReport | None = None
+    progress: tuple[Any, ...] = ()
+    """The engine's counters that move whenever it works (see `note_progress`)."""
+    progress_at: float = 0.0
+    """When (monotonic) those counters last changed."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -120,6 +124,17 @@ class Endpoint:
         blended = (1.0 - w) * self.active_decode_tokens + w * report.num_decode_tokens
         self.active_decode_tokens = round(blended)
         self.reported = report
+
+    def note_progress(self, counters: tuple[Any, ...], now: float) -> None:
+        """Record the engine's work counters from a `/load` report: a busy engine changes them
+        every step (its queue shrinks, its context grows), a hung one does not."""
+        if counters != self.progress:
+            self.progress, self.progress_at = counters, now
+
+    def progressing(self, window_s: float, now: float) -> bool:
+        """Whether the engine answers `/load` and did some work in the last `window_s`: a request
+        waiting in its queue is then waiting its turn, not stuck."""
+        return self.healthy and now - self.progress_at < window_s
 
     @property
     def queued_prefill_tokens(self) -> int:

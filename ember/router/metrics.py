@@ -23,7 +23,10 @@ class RouterMetrics:
         )
         self.cached_estimated = Counter(
             "ember_router_cached_tokens_estimated",
-            "Prompt tokens the router expected to find cached where it sent them",
+            "Prompt tokens the router expected cached where it sent them: its prefix index's "
+            "match at routing time, so blocks announced by KV events it had polled; blocks a "
+            "concurrent request was still computing there are not counted, though the engine "
+            "may hit them by the time it runs the request",
             registry=r,
         )
         self.cached_reported = Counter(

@@ -24,6 +24,18 @@ log = logging.getLogger(__name__)
 
 MAX_EVENT_PAGES = 64
 """Pages of KV events one poll fetches at most; the next poll goes on from there."""
+PROGRESS_KEYS = (
+    "running",
+    "waiting",
+    "in_flight",
+    "prefill_tokens",
+    "decode_tokens",
+    "prefix_cache_queries",
+    "kv_event_seq",
+    "remote_kv_loads",
+)
+"""Keys of an engine's `/load` of which one changes whenever the engine does work (a step, a new
+request, a KV read): how the router tells a queue that moves from an engine that hangs."""
 
 
 @dataclass(slots=True)
@@ -152,7 +164,9 @@ class EndpointPool:
                 body = await r.json()
             if not body.get("ready"):
                 raise ValueError("not ready")
-            ep.apply_report(LoadReport.from_load_json(body, time.monotonic()))
+            now = time.monotonic()
+            ep.apply_report(LoadReport.from_load_json(body, now))
+            ep.note_progress(tuple(body.get(k) for k in PROGRESS_KEYS), now)
             engine_id = body.get("engine_id", "")
             if engine_id != info.engine_id:  # a new engine behind the url: its cache is new too
                 self.prefix.forget(ep.url)

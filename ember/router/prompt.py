@@ -56,9 +56,10 @@ class PromptReader:
         messages = body.get("messages") or []
         if self.tokenizer is None:
             return PromptInfo(len(str(messages)) // CHARS_PER_TOKEN, None)
+        tools = body.get("tools")
         text = self.tokenizer.apply_chat_template(
-            messages,
-            tools=body.get("tools"),
+            [template_message(m) for m in messages],
+            tools=[template_tool(t) for t in tools] if tools else None,
             add_generation_prompt=body.get("add_generation_prompt", True),
             **(body.get("chat_template_kwargs") or {}),
         )
@@ -97,3 +98,35 @@ class PromptReader:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         batch = self.tokenizer.backend.encode_batch([text], add_special_tokens=add_special_tokens)
         return batch[0].ids
+
+
+def template_message(m: dict[str, Any]) -> dict[str, Any]:
+    """A message as `ember serve` hands it to the chat template (`ChatMessage.for_template`): text
+    parts joined, "developer" as "system", unknown fields and nulls dropped. A client's raw message
+    (OpenCode's content parts, a tool call's `index`) renders other tokens, and the prefix index
+    then missed every block after the first such message."""
+    role = m["role"]
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role}
+    content = m.get("content")
+    out["content"] = "".join(p["text"] for p in content) if isinstance(content, list) else content
+    for key in ("name", "tool_call_id", "reasoning_content"):
+        if m.get(key) is not None:
+            out[key] = m[key]
+    if m.get("tool_calls"):
+        out["tool_calls"] = [_tool_call(tc) for tc in m["tool_calls"]]
+    return out
+
+
+def template_tool(t: dict[str, Any]) -> dict[str, Any]:
+    """A tool as the engine's template sees it (`Tool.model_dump(exclude_none=True)`)."""
+    f = t["function"]
+    fn = {k: f[k] for k in ("name", "description", "parameters", "strict") if f.get(k) is not None}
+    return {"type": t.get("type", "function"), "function": fn}
+
+
+def _tool_call(tc: dict[str, Any]) -> dict[str, Any]:
+    f = tc["function"]
+    out: dict[str, Any] = {"id": tc["id"]} if tc.get("id") is not None else {}
+    out["type"] = tc.get("type", "function")
+    out["function"] = {"name": f["name"], "arguments": f.get("arguments", "{}")}
+    return out

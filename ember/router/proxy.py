@@ -7,7 +7,8 @@ one colocated leg), relay the stream, rewrite the usage, and end cleanly whateve
   another endpoint; an answer that failed for the request's own reason (a 4xx, `x-ember-fault:
   request`) is the client's as it is. A 429 (the engine's queue is full) is tried elsewhere first.
 - No fixed read timeout: a whole answer is awaited while its engine keeps answering `/load`; a
-  stream that sends nothing for `stall_timeout_s` ends with an error event and `[DONE]`.
+  stream that sends nothing for `stall_timeout_s` while its engine does no work either (its `/load`
+  counters stand still) ends with an error event and `[DONE]`.
 - When no prefill engine can take a leg, a decode engine prefills in place.
 - A client that hangs up cancels the handler: open legs are closed (each engine aborts) and the
   prefill lease is released at the prefill endpoint the router chose. A hang-up is never counted
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
 import aiohttp
@@ -128,6 +130,13 @@ class Router:
             p = self.pool.choose("prefill", prompt, session)
         except NoEndpointError:
             return None  # decode-capable endpoints can still prefill locally
+        if session is not None:
+            # A session's every turn takes its prefill leg on the session's prefill engine, short
+            # or not, so that the session's KV grows in one place: that engine's prefix cache then
+            # holds every earlier turn's prompt, a short turn costs it little (most is cached), and
+            # the decode engine reads only the blocks it lacks. Run in place on a decode engine, a
+            # short turn left a hole that the next long turn's prefill recomputed (issue 11).
+            return p
         if p.uncached_tokens < self.disagg_min_uncached:
             return None  # conditional disaggregation: a short uncached part is cheaper in place
         return p
@@ -314,10 +323,12 @@ class Router:
             # Reading the engine and writing to the client fail for different reasons: only the
             # first is the engine's fault (a client that hung up says nothing about the engine).
             try:
-                async with asyncio.timeout(self.stall_timeout_s):
-                    line = await upstream.content.readline()
+                line = await self._next_line(upstream, ep)
             except TimeoutError:
-                failure = f"the engine at {ep.url} sent nothing for {self.stall_timeout_s:g} s"
+                failure = (
+                    f"the engine at {ep.url} sent nothing and did no work "
+                    f"for {self.stall_timeout_s:g} s"
+                )
                 break
             except aiohttp.ClientError as e:
                 failure = f"the engine at {ep.url} failed mid-stream"
@@ -351,6 +362,25 @@ class Router:
         with contextlib.suppress(ConnectionError):
             await resp.write_eof()
         return resp, done
+
+    async def _next_line(self, upstream: aiohttp.ClientResponse, ep: Endpoint) -> bytes:
+        """The engine's next line. TimeoutError when it sent nothing for `stall_timeout_s` and
+        its `/load` showed no work meanwhile: a request queued behind others in a busy engine
+        waits its turn however long (issue 11), a hung or dead engine is given up on. The read
+        is never cancelled while it waits: a cancelled readline would drop a partial line."""
+        read = asyncio.ensure_future(upstream.content.readline())
+        try:
+            while True:
+                done, _ = await asyncio.wait({read}, timeout=self.stall_timeout_s)
+                if done:
+                    return read.result()
+                # The window spans a few polls: a busy engine's counters are seen to move.
+                window = max(self.stall_timeout_s, 4 * self.pool.poll_s)
+                if not ep.progressing(window, time.monotonic()):
+                    raise TimeoutError
+        finally:
+            if not read.done():
+                read.cancel()
 
     async def _answer_from_prefill(
         self, request: web.Request, presp: dict[str, Any], body: dict[str, Any], cached: int | None
