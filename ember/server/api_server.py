@@ -1,6 +1,6 @@
 """`ember serve`: the OpenAI-compatible HTTP server (FastAPI on uvicorn) in front of an engine-core
-process. Routes: /v1/chat/completions, /v1/completions, /v1/models, /health, /load, /metrics, and
-for disaggregation /kv/release (a decode engine frees a prefill lease) and /kv_events (the prefix
+process. Routes: /v1/chat/completions, /v1/completions, /v1/models, vLLM's /tokenize and
+/detokenize, /health, /load, /metrics, and for disaggregation /kv/release (a decode engine frees a prefill lease) and /kv_events (the prefix
 cache's block events, for a router's prefix index)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ember.engine.async_llm import AsyncLLM
 from ember.engine.config import EngineConfig
 from ember.engine.core_client import RequestFailedError
 from ember.server.connections import guarded_protocol, raise_fd_limit
-from ember.server.errors import APIError, error_from_status
+from ember.server.errors import APIError, error_from_status, validation_error
 from ember.server.kv_params import kv_peer_urls
 from ember.server.metrics import ServerMetrics
 from ember.server.middleware import EdgeMiddleware
@@ -31,6 +31,7 @@ from ember.server.protocol import ChatCompletionRequest, CompletionRequest, Stri
 from ember.server.serving import ServingContext
 from ember.server.serving_chat import ChatHandler
 from ember.server.serving_completion import CompletionHandler
+from ember.server.serving_tokenize import TokenizeHandler
 from ember.trust import TenantKeys, new_secret, resolve_secret
 
 log = logging.getLogger("ember.server")
@@ -61,6 +62,7 @@ def build_app(
     )
     chat = ChatHandler(ctx, tool_call_parser)
     completions = CompletionHandler(ctx)
+    tokens = TokenizeHandler(ctx)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202 - FastAPI's lifespan protocol
@@ -96,7 +98,9 @@ def build_app(
         message = e.detail if isinstance(e.detail, str) else None
         if e.status_code == 404:
             message = "Not found: no such route"
-        return error_from_status(e.status_code, message).response()
+        err = error_from_status(e.status_code, message)
+        err.headers = dict(e.headers or {})  # a 405's Allow
+        return err.response()
 
     @app.exception_handler(RequestFailedError)
     async def _request_failed(_: Request, e: RequestFailedError) -> Response:
@@ -117,6 +121,14 @@ def build_app(
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         _refuse_if_draining(app)
         return await completions.create(body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await tokens.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await tokens.detokenize(request)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -202,26 +214,6 @@ def build_app(
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-def validation_error(errors: Any) -> APIError:
-    """pydantic's 422 becomes OpenAI's 400, naming the first offending parameter (its path in the
-    body, without pydantic's union-member tags such as `str` or `list[constrained-int]`)."""
-    first = errors[0] if errors else {}
-    if first.get("type") == "json_invalid":
-        why = (first.get("ctx") or {}).get("error") or first.get("msg", "")
-        return APIError(f"the request body is not valid JSON: {why}")
-    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p)]
-    param = ".".join(loc) or None
-    msg = first.get("msg", "invalid request").removeprefix("Value error, ")
-    return APIError(f"{param}: {msg}" if param else msg, 400, param=param)
-
-
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
-
-
-def _is_union_tag(part: object) -> bool:
-    return isinstance(part, str) and (part in _TYPE_TAGS or not part.replace("_", "a").isalnum())
 
 
 def _refuse_if_draining(app: FastAPI) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from http import HTTPStatus
+from typing import Any
 
 import orjson
 from starlette.responses import Response
@@ -63,3 +64,23 @@ def error_from_status(status: int, message: str | None = None) -> APIError:
     except ValueError:
         phrase = "Error"
     return APIError(message or phrase, status)
+
+
+def validation_error(errors: Any) -> APIError:
+    """pydantic's 422 becomes OpenAI's 400, naming the first offending parameter (its path in the
+    body, without pydantic's union-member tags such as `str` or `list[constrained-int]`)."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        why = (first.get("ctx") or {}).get("error") or first.get("msg", "")
+        return APIError(f"the request body is not valid JSON: {why}")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p)]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid request").removeprefix("Value error, ")
+    return APIError(f"{param}: {msg}" if param else msg, 400, param=param)
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _is_union_tag(part: object) -> bool:
+    return isinstance(part, str) and (part in _TYPE_TAGS or not part.replace("_", "a").isalnum())

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from fastapi import Request
 from fastapi.routing import APIRoute
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.responses import Response
 
 from ember.sampling_params import SamplingParams, StructuredOutputsParams
@@ -303,7 +303,13 @@ class ChatCompletionRequest(_Sampling):
 
     @property
     def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens wins over the deprecated max_tokens (OpenAI's and vLLM's rule)."""
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        """The field `requested_max_tokens` came from, for an error to name."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     @property
     def num_logprobs(self) -> int | None:
@@ -341,3 +347,48 @@ class CompletionRequest(_Sampling):
         if all(isinstance(x, int) for x in p):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
+
+
+class TokenizeCompletionRequest(_Model):
+    """vLLM's POST /tokenize for a text prompt (`vllm bench serve` probes it)."""
+
+    model: str | None = Field(default=None, max_length=1024)
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Model):
+    """vLLM's POST /tokenize for a conversation: the prompt the chat route would run."""
+
+    model: str | None = Field(default=None, max_length=1024)
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    """vLLM's default: the chat template already has the special tokens."""
+    chat_template_kwargs: JSONObject | None = None
+    return_token_strs: bool = False
+    continue_final_message: bool = False
+    chat_template: str | None = None
+
+    # Refused rather than ignored: ignoring them would count a prompt other than the one asked for.
+    @field_validator("continue_final_message")
+    @classmethod
+    def _no_continue(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("continue_final_message is not supported")
+        return v
+
+    @field_validator("chat_template")
+    @classmethod
+    def _no_template(cls, v: str | None) -> str | None:
+        if v is not None:
+            raise ValueError("a chat template from the request is not accepted (as vLLM's default)")
+        return v
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = Field(default=None, max_length=1024)
+    tokens: list[TokenId]
+    """Within int32 here; within the vocabulary: checked by the handler."""

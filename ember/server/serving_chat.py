@@ -17,7 +17,7 @@ from ember.engine.async_llm import RequestStream
 from ember.outputs import CompletionOutput, RequestOutput
 from ember.sampling_params import SamplingParams, StructuredOutputsParams
 from ember.server.errors import APIError
-from ember.server.protocol import ChatCompletionRequest, NamedToolChoice
+from ember.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
 from ember.server.serving import (
     DONE,
     ServingContext,
@@ -44,6 +44,32 @@ class _Choice:
     done: bool = False
 
 
+def tool_dicts(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """The tools as the chat template sees them."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
+def render_chat(
+    ctx: ServingContext,
+    messages: list[ChatMessage],
+    tools: list[dict[str, Any]] | None,
+    add_generation_prompt: bool,
+    chat_template_kwargs: dict[str, Any] | None,
+) -> str:
+    """The prompt text of a conversation (encode it without special tokens: the template has
+    them). Blocking: call it off the event loop. /tokenize renders through here too, so the count
+    it reports is the prompt the chat route runs."""
+    try:
+        return ctx.engine.tokenizer.apply_chat_template(
+            [m.for_template() for m in messages],
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            **(chat_template_kwargs or {}),
+        )
+    except (ValueError, TypeError, RecursionError) as e:
+        raise APIError(f"cannot render the chat template: {e}", param="messages") from e
+
+
 class ChatHandler:
     def __init__(self, ctx: ServingContext, tool_parser: str | None) -> None:
         self.ctx = ctx
@@ -53,6 +79,7 @@ class ChatHandler:
         ctx = self.ctx
         model = ctx.check_model(req.model)
         req.check_vocab(ctx.engine.inputs.vocab_size)
+        ctx.check_max_tokens(req.requested_max_tokens, req.max_tokens_param)
         ctx.check_prompt_chars(sum(m.num_chars for m in req.messages), "messages")
         with ctx.admit(req.n):
             # Templating, tokenizing and compiling a grammar take seconds on a large body: in a
@@ -73,20 +100,13 @@ class ChatHandler:
     ) -> tuple[list[int], SamplingParams, ToolParser | None, list[dict[str, Any]] | None]:
         """The prompt's token ids, the sampling parameters, the tool parser and the tools."""
         ctx = self.ctx
-        messages = [m.for_template() for m in req.messages]
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        try:
-            text = ctx.engine.tokenizer.apply_chat_template(
-                messages,
-                tools=tools,
-                add_generation_prompt=req.add_generation_prompt,
-                **(req.chat_template_kwargs or {}),
-            )
-        except (ValueError, TypeError, RecursionError) as e:
-            raise APIError(f"cannot render the chat template: {e}", param="messages") from e
+        tools = tool_dicts(req.tools)
+        text = render_chat(
+            ctx, req.messages, tools, req.add_generation_prompt, req.chat_template_kwargs
+        )
         ctx.check_prompt_chars(len(text), "messages")
         ids = ctx.engine.inputs.encode([text], add_special_tokens=False)[0]
-        max_tokens = ctx.resolve_max_tokens(len(ids), req.requested_max_tokens)
+        max_tokens = ctx.resolve_max_tokens(len(ids), req.requested_max_tokens, "messages")
         use_tools = bool(req.tools) and req.tool_choice != "none" and self.parser_cls is not None
         parser = self.parser_cls(tools) if use_tools and self.parser_cls is not None else None
         skip_special = parser.adjust_skip_special_tokens() if parser is not None else None

@@ -37,12 +37,13 @@ class CompletionHandler:
         ctx = self.ctx
         model = ctx.check_model(req.model)
         req.check_vocab(ctx.engine.inputs.vocab_size)
+        ctx.check_max_tokens(req.max_tokens, "max_tokens")
         given = req.prompts()
         for p in given:  # what cannot fit is refused before any tokenizing
             if isinstance(p, str):
                 ctx.check_prompt_chars(len(p), "prompt")
             elif len(p) >= ctx.engine.max_model_len:
-                ctx.resolve_max_tokens(len(p), None)
+                ctx.resolve_max_tokens(len(p), None, "prompt")
         rid = new_id("cmpl")
         cache_salt, kv_transfer = ctx.trusted_inputs(raw, req)
         if kv_transfer is not None and len(given) != 1:
@@ -89,7 +90,8 @@ class CompletionHandler:
         for _, ids in prompts:
             if not ids:
                 raise APIError("prompt is empty", param="prompt")
-            max_tokens = self.ctx.resolve_max_tokens(len(ids), req.max_tokens or 16)
+            # vLLM's default for completions is 16 tokens (chat's is the rest of the context).
+            max_tokens = self.ctx.resolve_max_tokens(len(ids), req.max_tokens or 16, "prompt")
             try:
                 params = req.sampling_params(max_tokens, req.logprobs)
                 # One grammar for every prompt: compiled (checked) once.
