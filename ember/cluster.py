@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -22,12 +23,14 @@ import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import NoReturn
 
 from ember.trust import SECRET_ENV, TenantKeys, internal_headers, new_secret
 
@@ -46,6 +49,25 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="per engine step")
+    p.add_argument(
+        "--max-num-seqs", type=int, default=None, help="sequences an engine runs at once"
+    )
+    p.add_argument("--dtype", default=None, help="the engines' dtype (engine default: auto)")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model ids clients send (the first is the one answers carry); default: the "
+        "model argument, or for the embedded tiny model its directory's name (tiny-llama)",
+    )
+    p.add_argument(
+        "--engine-args",
+        default="",
+        metavar="ARGS",
+        help='any other `ember serve` flags for every engine, one string: "--kv-lease-s 60 '
+        '--block-size 32" (flags ember up sets itself are refused)',
+    )
     p.add_argument("--kv-transport", default="mooncake", choices=["mooncake", "cuda_ipc"])
     p.add_argument("--disagg-min-uncached", type=int, default=256)
     p.add_argument(
@@ -81,6 +103,45 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--exit-after-demo", action="store_true", help="stop the cluster after the demo request"
     )
+
+
+UP_SETS = frozenset((
+    "--host", "--port", "--role", "--device", "--max-model-len", "--kv-transport", "--kv-host",
+    "--cpu-threads", "--log-level", "--kv-peers", "--kv-timeout", "--max-num-batched-tokens",
+    "--max-num-seqs", "--dtype", "--served-model-name", "--api-key", "--api-keys-file",
+    "--shared-cache", "--cluster-secret",
+))  # fmt: skip
+"""`ember serve` flags that ember up sets itself (or has a flag of its own for)."""
+
+
+class _StrictParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(f"--engine-args: {message}")
+
+
+def engine_extra_args(text: str) -> list[str]:
+    """`--engine-args`, split as a shell would and checked against `ember serve`'s parser now:
+    a typo is a one-line error before anything starts, not an engine that dies starting."""
+    from ember.server.args import add_serve_args
+
+    extra = shlex.split(text)
+    taken = sorted({a.split("=")[0] for a in extra if a.split("=")[0] in UP_SETS})
+    if taken:
+        raise ValueError(f"--engine-args: ember up sets {', '.join(taken)} itself (ember up -h)")
+    p = _StrictParser(prog="ember serve", allow_abbrev=False, add_help=False)
+    add_serve_args(p)
+    p.parse_args(["MODEL", *extra])
+    return extra
+
+
+def served_names(args: argparse.Namespace, model: str) -> list[str] | None:
+    """`--served-model-name`, else for the embedded tiny model its directory's name (and its path,
+    which older clients send), else None: the engines then serve the model argument as given."""
+    if names := getattr(args, "served_model_name", None):
+        return list(names)
+    if getattr(args, "model", "") is None:
+        return [Path(model).name, model]
+    return None
 
 
 @dataclass(slots=True)
@@ -164,6 +225,8 @@ def start_cluster(
         urls[role].append(f"http://{args.host}:{port}")
     procs = [] if procs is None else procs
     batched = getattr(args, "max_num_batched_tokens", None)
+    names = served_names(args, model)
+    extra = engine_extra_args(getattr(args, "engine_args", "") or "")
     for role, port in plan:
         cmd = [
             "serve", model, "--host", args.host, "--port", str(port), "--role", role,
@@ -173,10 +236,17 @@ def start_cluster(
         ]  # fmt: skip
         if batched:
             cmd += ["--max-num-batched-tokens", str(batched)]
+        if names:
+            cmd += ["--served-model-name", *names]
+        if getattr(args, "max_num_seqs", None) is not None:
+            cmd += ["--max-num-seqs", str(args.max_num_seqs)]
+        if getattr(args, "dtype", None):
+            cmd += ["--dtype", args.dtype]
         if getattr(args, "kv_timeout", None) is not None:
             cmd += ["--kv-timeout", str(args.kv_timeout)]
         if role != "prefill" and urls["prefill"]:
             cmd += ["--kv-peers", *urls["prefill"]]  # the only engines it reads KV from
+        cmd += extra
         name = f"{role}-{sum(p.name.startswith(role) for p in procs)}"
         procs.append(spawn(name, f"http://{args.host}:{port}", cmd, env))
     rcmd = [
@@ -208,6 +278,47 @@ def write_keys_file(keys: TenantKeys) -> str | None:
     return path
 
 
+def listening_inodes(port: int) -> set[str]:
+    """Inodes of the sockets listening on `port` (any address), from /proc/net/tcp and tcp6."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f[9])
+    return inodes
+
+
+def holds_port(pid: int, port: int) -> bool | None:
+    """Whether process `pid` itself listens on `port`; None where /proc cannot tell (not Linux)."""
+    if not Path("/proc/net/tcp").exists():
+        return None
+    want = listening_inodes(port)
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in want:
+            return True
+    return False
+
+
+def answers_as(p: Proc) -> bool:
+    """`p` answers /health on its port and the port is `p`'s own: a healthy stranger on it (an
+    earlier cluster's router, say) is not our child, which failed to bind or is still starting."""
+    port = urllib.parse.urlsplit(p.url).port
+    return _healthy(p.url) and (port is None or holds_port(p.popen.pid, port) is not False)
+
+
 def wait_healthy(procs: list[Proc], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     waiting = list(procs)
@@ -215,7 +326,7 @@ def wait_healthy(procs: list[Proc], timeout_s: float) -> None:
         for p in list(waiting):
             if p.popen.poll() is not None:
                 raise RuntimeError(f"{p.name} exited with {p.popen.returncode} while starting")
-            if _healthy(p.url):
+            if answers_as(p):
                 waiting.remove(p)
         if time.monotonic() > deadline:
             raise TimeoutError(f"not healthy after {timeout_s:.0f} s: {[p.name for p in waiting]}")
@@ -346,7 +457,7 @@ class Supervisor:
         lo, hi = RESTART_BACKOFF_S
         for p in self.engines:
             if p.popen.poll() is None:
-                if p.name in self.recovering and _healthy(p.url):
+                if p.name in self.recovering and answers_as(p):
                     self.recovering.discard(p.name)
                     self.backoff[p.name] = lo
                     print(f"{p.name} is back: {p.url}", flush=True)
@@ -369,6 +480,7 @@ class Supervisor:
 
 
 def print_up(router: str, procs: list[Proc], model: str, keyed: bool) -> None:
+    """`model` is the id clients send: the first served name."""
     print(f"ember is up: {router}  (engines: {', '.join(p.url for p in procs[:-1])})")
     auth = "-H 'authorization: Bearer YOUR_KEY' " if keyed else ""
     print(
@@ -387,6 +499,8 @@ def run_cluster(args: argparse.Namespace) -> int:
     model = args.model or str(ensure_tiny("llama"))
     if not Path(model).is_dir():
         raise FileNotFoundError(f"model directory {model!r} does not exist")
+    engine_extra_args(args.engine_args)  # a bad flag is an error now, not a dying engine later
+    served = (served_names(args, model) or [model])[0]
 
     signals = StopSignals()
     # An operator who sets EMBER_CLUSTER_SECRET can reach the internal routes (/load, /metrics).
@@ -400,10 +514,10 @@ def run_cluster(args: argparse.Namespace) -> int:
         wait_healthy(procs, args.ready_timeout)
         router = procs[-1].url
         wait_routed(router, secret)
-        print_up(router, procs, model, keys.enabled)
+        print_up(router, procs, served, keys.enabled)
         if args.demo:
             key = next(iter(keys.keys), None)
-            print(f"demo answer: {demo_request(router, model, key)!r}", flush=True)
+            print(f"demo answer: {demo_request(router, served, key)!r}", flush=True)
             if args.exit_after_demo:
                 return 0
         print("Ctrl-C stops the cluster.", flush=True)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -176,3 +179,105 @@ def test_busy_port_is_a_one_line_error_at_once(tiny_model_dir, busy: int) -> Non
     assert r.stderr.strip() == f"ember: error: port {port + busy} is in use"
     assert "ember is up" not in r.stdout
     assert not listening(port + (2 - busy))  # nothing was started
+
+
+def test_up_flags_reach_the_engines_and_the_named_model_answers(tiny_model_dir) -> None:
+    """Issue 11, defects 1 and 4: `ember up` had no --served-model-name (a configured name got
+    404), no --max-num-seqs, --dtype, nor a way to pass any other engine flag."""
+    port = three_free_ports()
+    model = str(tiny_model_dir("llama"))
+    proc = up(
+        model, port, "--prefill", "0", "--decode", "0", "--both", "1",
+        "--served-model-name", "ember-tiny", "alias", "--max-num-seqs", "4", "--dtype", "float32",
+        "--engine-args", "--block-size 32 --kv-lease-s 60",
+    )  # fmt: skip
+    try:
+        lines = read_until(proc, "ember is up", 120)
+        lines += read_until(proc, "  curl ", 5)
+        assert '"model": "ember-tiny"' in lines[-1]
+        argv = children_of(proc.pid)[engine_pid(proc.pid, port + 1)]
+        for flag, value in (("--block-size", "32"), ("--kv-lease-s", "60"),
+                            ("--max-num-seqs", "4"), ("--dtype", "float32")):  # fmt: skip
+            assert argv[argv.index(flag) + 1] == value
+        url = f"http://127.0.0.1:{port}"
+        listed = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
+        assert [m["id"] for m in listed] == ["ember-tiny", "alias"]
+        assert complete(url, "ember-tiny") == 200 and complete(url, "alias") == 200
+        assert complete(url, model) == 404  # named: the path is no longer an id
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+@pytest.mark.parametrize(
+    ("engine_args", "says"),
+    [
+        ("--block-sise 32", "--engine-args: unrecognized arguments: --block-sise 32"),
+        ("--port 9", "--engine-args: ember up sets --port itself (ember up -h)"),
+        ("--kv-lease-s 'x", "No closing quotation"),
+    ],
+)
+def test_bad_engine_args_are_a_one_line_error_at_once(
+    tiny_model_dir, engine_args: str, says: str
+) -> None:
+    port = three_free_ports()
+    cmd = [sys.executable, "-m", "ember.cli", "up", str(tiny_model_dir("llama"))]
+    r = subprocess.run(
+        [*cmd, "--port", str(port), "--engine-args", engine_args],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ember: error: ") and says in lines[0], lines
+    assert not listening(port + 1)  # nothing was started
+
+
+class HealthyStranger(BaseHTTPRequestHandler):
+    """Another cluster's router on our port: healthy, and all its engines too."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        body = json.dumps({"status": "ok", "endpoints": [{"healthy": True}]}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+def test_up_is_not_up_when_its_router_cannot_bind(tiny_model_dir) -> None:
+    """Defect 8 of issue 11: a stranger that took the router's port after ember up checked it
+    answered /health, and ember up printed "ember is up" for a router that had exited."""
+    port = three_free_ports()
+    proc = up(str(tiny_model_dir("llama")), port)
+    deadline = time.monotonic() + 30
+    while len(children_of(proc.pid)) < 3:  # the router is started last: it has yet to bind
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.02)
+    stranger = ThreadingHTTPServer(("127.0.0.1", port), HealthyStranger)
+    threading.Thread(target=stranger.serve_forever, daemon=True).start()
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        stranger.shutdown()
+        stranger.server_close()
+    assert "ember is up" not in out
+    assert proc.returncode == 1
+    for p in (port + 1, port + 2):
+        assert not listening(p)
+
+
+def test_served_names_default_to_the_tiny_models_directory_name() -> None:
+    from argparse import Namespace
+
+    from ember.cluster import served_names
+
+    tiny = "/home/u/.cache/ember/models/tiny-llama"
+    # No model argument (the embedded tiny model): its directory's name first, the path still works.
+    assert served_names(Namespace(model=None, served_model_name=None), tiny) == ["tiny-llama", tiny]
+    # A model the user named: served as given (vLLM's default), unless --served-model-name says.
+    assert served_names(Namespace(model="/m/qwen", served_model_name=None), "/m/qwen") is None
+    named = Namespace(model="/m/qwen", served_model_name=["qwen"])
+    assert served_names(named, "/m/qwen") == ["qwen"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ember.attention.backend import AttentionBackend
 from ember.attention.metadata import AttentionMetadata
@@ -31,13 +32,24 @@ def gather_kv(
     return k, v
 
 
+SCORE_BUDGET = 1 << 24
+"""Attention scores (fp32) one query block may hold: 64 MiB. A whole 11k-token prompt's dense
+[heads, q, k] matrix took a CPU engine to 5.35 GB; query blocks bound it whatever the prompt."""
+
+
+def query_block_rows(num_heads: int, seq_len: int) -> int:
+    """Queries per block so that one block's scores fit SCORE_BUDGET (at least one row)."""
+    return max(1, SCORE_BUDGET // max(1, num_heads * seq_len))
+
+
 def paged_attention_ref(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new queries over its whole paged context (fp32 math)."""
+    """Causal attention of each sequence's new queries over its whole paged context (fp32 math),
+    in query blocks: memory is bounded by SCORE_BUDGET, not by prompt length squared."""
     num_heads = q.shape[1]
     out = torch.empty_like(q)
     qsl = metadata.query_start_loc_cpu
@@ -46,17 +58,25 @@ def paged_attention_ref(
         if qe == qs:
             continue
         k, v = gather_kv(kv_cache, metadata.block_tables[i], seq_len)
-        group = num_heads // k.shape[1]
-        k = k.float().repeat_interleave(group, dim=1)
-        v = v.float().repeat_interleave(group, dim=1)
-        qi = q[qs:qe].float()
-        scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
-        # Query j sits at position seq_len - q_len + j and sees keys at positions <= its own.
-        q_pos = torch.arange(seq_len - (qe - qs), seq_len).unsqueeze(1)
-        k_pos = torch.arange(seq_len).unsqueeze(0)
-        scores.masked_fill_((k_pos > q_pos).unsqueeze(0), float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[qs:qe] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+        # [H, L, D]; grouped heads stay grouped (enable_gqa): no repeated copy of K and V.
+        k = k.float().transpose(0, 1)
+        v = v.float().transpose(0, 1)
+        first_pos = seq_len - (qe - qs)  # query j sits at first_pos + j
+        rows = query_block_rows(num_heads, seq_len)
+        for b0 in range(qs, qe, rows):
+            b1 = min(qe, b0 + rows)
+            # The block's last query sees keys 0..end-1; earlier ones see fewer (bottom-right).
+            end = first_pos + (b1 - qs)
+            mask = torch.ones(b1 - b0, end, dtype=torch.bool).tril(end - (b1 - b0))
+            o = F.scaled_dot_product_attention(
+                q[b0:b1].float().transpose(0, 1),
+                k[:, :end],
+                v[:, :end],
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[b0:b1] = o.transpose(0, 1).to(q.dtype)
     return out
 
 

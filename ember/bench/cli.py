@@ -36,6 +36,13 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--rates", default=None, help="a sweep, e.g. 1,2,4,8: one run per rate")
     p.add_argument("--max-requests", type=int, default=None)
     p.add_argument("--duration", type=float, default=None, help="stop sending after S seconds")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="a request with no end after S seconds fails as a timeout; requests still running "
+        "S seconds after the last was sent are cut off and counted as timeouts too",
+    )
     p.add_argument("--slo-ttft", type=float, default=None, help="goodput SLO, TTFT in ms")
     p.add_argument("--slo-tpot", type=float, default=None, help="goodput SLO, TPOT in ms")
     p.add_argument("--out", default="bench-results", help="directory for JSON, tables and PNGs")
@@ -59,6 +66,12 @@ def run_parser() -> argparse.ArgumentParser:
     g.add_argument("--trace-file", default=None)
     g.add_argument("--trace-format", choices=["mooncake", "azure"], default="mooncake")
     g.add_argument("--time-scale", type=float, default=1.0, help="multiply trace timestamps")
+    g.add_argument(
+        "--block-size",
+        type=int,
+        default=512,
+        help="prompt tokens per hash id of a Mooncake trace (the published traces: 512)",
+    )
     g = p.add_argument_group("random")
     g.add_argument("--num-requests", type=int, default=100)
     g.add_argument("--input-len", default="512", help="N or LO:HI")
@@ -73,12 +86,12 @@ def _span(text: str) -> int | tuple[int, int]:
     return int(text)
 
 
-def warn_cut_rows(path: str, max_requests: int | None, limit: int | None) -> None:
+def warn_cut_rows(path: str, max_requests: int | None, limit: int | None, block_size: int) -> None:
     from ember.bench.workloads import read_mooncake_rows
 
     if limit is None:
         return
-    rows = read_mooncake_rows(path, max_requests=max_requests)
+    rows = read_mooncake_rows(path, max_requests=max_requests, block_size=block_size)
     cut = sum(r.input_length + r.output_length > limit for r in rows)
     if cut:
         warn(
@@ -101,6 +114,8 @@ def run_once(
     limits = RunLimits(
         max_requests=args.max_requests,
         duration_s=args.duration,
+        grace_s=args.timeout,
+        request_timeout_s=args.timeout,
         api_key=args.api_key,
         affinity=not args.no_affinity,
         progress=not args.no_progress,
@@ -134,9 +149,12 @@ def run_once(
                     max_requests=args.max_requests,
                     vocab=(lo, hi),
                     model=model,
+                    block_size=args.block_size,
                     max_model_len=info.max_model_len,  # cut rows before the ideal ratio
                 )
-                warn_cut_rows(args.trace_file, args.max_requests, info.max_model_len)
+                warn_cut_rows(
+                    args.trace_file, args.max_requests, info.max_model_len, args.block_size
+                )
             else:
                 planned = w.load_azure_trace(
                     args.trace_file,
@@ -170,6 +188,8 @@ def cmd_run(argv: list[str]) -> int:
     from ember.bench.report import markdown_table, plot_cdfs, plot_sweep, sweep_table, write_json
 
     args = run_parser().parse_args(argv)
+    if args.block_size < 1 or args.timeout <= 0:
+        raise ValueError("--block-size must be >= 1 and --timeout > 0")
     info = server_info(args.url, args.api_key)  # a server that is down fails here, in one line
     if args.model:
         info = ServerInfo(args.model, info.max_model_len)

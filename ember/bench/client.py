@@ -63,6 +63,7 @@ async def send(
         session=req.session,
         turn=req.turn,
         ideal_cached_tokens=req.ideal_cached_tokens,
+        sent_prompt_tokens=req.prompt_token_count,
     )
     last: float | None = None
     text: list[str] = []
@@ -103,7 +104,10 @@ async def send(
                     rec.completion_tokens = usage.get("completion_tokens") or 0
                     details = usage.get("prompt_tokens_details") or {}
                     rec.cached_tokens = details.get("cached_tokens") or 0
-    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+    except TimeoutError:
+        # Our own cut-off, not the server's doing: say so (aiohttp raises a bare TimeoutError).
+        rec.error = f"timeout: no end within {timeout_s:g} s (ember bench --timeout)"
+    except (aiohttp.ClientError, ValueError) as e:
         rec.error = f"{type(e).__name__}: {e}"[:200]
     rec.output_text = "".join(text)
     if rec.error is None and not done:

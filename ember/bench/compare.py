@@ -25,6 +25,7 @@ _SCALARS: tuple[tuple[str, str, int], ...] = (
     ("goodput (req/s)", "goodput", 2),
     ("goodput fraction", "goodput_fraction", 3),
     ("cache hit ratio", "cache_hit_ratio", 3),
+    ("cache hit ratio, all sent", "sent_cache_hit_ratio", 3),
     ("ideal cache hit ratio", "ideal_cache_hit_ratio", 3),
 )
 

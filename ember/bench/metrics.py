@@ -94,8 +94,14 @@ def summarize(
     `errors` and grouped in `error_kinds`. ITL pools every completed request's gaps. Throughputs
     divide by `duration_s`. `goodput` is completed requests meeting every given SLO per second
     (with no SLO, every completed request counts); `goodput_fraction` is their share of all
-    requests sent. `cache_hit_ratio` is cached / prompt tokens; `ideal_cache_hit_ratio` has the same
-    denominator and is None when no completed record carries `ideal_cached_tokens`.
+    requests sent. `cache_hit_ratio` is cached / prompt tokens of completed requests.
+
+    Trace replay (records that carry `ideal_cached_tokens`) is judged over every request sent, so
+    that failures cannot hide a cache's misses: `ideal_cache_hit_ratio` and `sent_cache_hit_ratio`
+    (measured, a failed request counting as all misses) share the denominator, the prompt tokens
+    sent; `completed_ideal_cache_hit_ratio` is the ideal over the completed ones, beside
+    `cache_hit_ratio`. `trace_requests` and `trace_failed` count that set. All are None without
+    ideal counts.
     """
     if duration_s <= 0:
         raise ValueError(f"duration_s must be positive, got {duration_s}")
@@ -111,7 +117,6 @@ def summarize(
     prompt = sum(r.prompt_tokens for r in done)
     completion = sum(r.completion_tokens for r in done)
     cached = sum(r.cached_tokens for r in done)
-    ideal = [r.ideal_cached_tokens for r in done if r.ideal_cached_tokens is not None]
     good = sum(meets_slo(r, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s) for r in done)
 
     return {
@@ -136,5 +141,30 @@ def summarize(
         "completion_tokens": completion,
         "cached_tokens": cached,
         "cache_hit_ratio": _ratio(cached, prompt),
-        "ideal_cache_hit_ratio": _ratio(sum(ideal), prompt) if ideal else None,
+        **_trace_hits(records),
+    }
+
+
+def _sent_prompt(r: RequestRecord) -> int:
+    return r.sent_prompt_tokens if r.sent_prompt_tokens is not None else r.prompt_tokens
+
+
+def _trace_hits(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """Measured and ideal prefix-cache hits over the same requests: all sent, and completed."""
+    traced = [r for r in records if r.ideal_cached_tokens is not None]
+    if not traced:
+        return dict.fromkeys(
+            ("ideal_cache_hit_ratio", "sent_cache_hit_ratio", "completed_ideal_cache_hit_ratio",
+             "trace_requests", "trace_failed"),
+        )  # fmt: skip
+    done = [r for r in traced if r.ok]
+    sent = sum(_sent_prompt(r) for r in traced)
+    return {
+        "ideal_cache_hit_ratio": _ratio(sum(r.ideal_cached_tokens or 0 for r in traced), sent),
+        "sent_cache_hit_ratio": _ratio(sum(r.cached_tokens for r in done), sent),
+        "completed_ideal_cache_hit_ratio": _ratio(
+            sum(r.ideal_cached_tokens or 0 for r in done), sum(_sent_prompt(r) for r in done)
+        ),
+        "trace_requests": len(traced),
+        "trace_failed": len(traced) - len(done),
     }

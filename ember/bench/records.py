@@ -25,6 +25,14 @@ class PlannedRequest:
     ideal_cached_tokens: int | None = None
     """Trace replay: prompt tokens an ideal prefix cache would hold, from the hash_ids."""
 
+    @property
+    def prompt_token_count(self) -> int | None:
+        """Tokens of a token-id prompt (trace and random workloads); None for text or chat."""
+        prompt = self.body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            return len(prompt)
+        return None
+
 
 @dataclass(slots=True)
 class RequestRecord:
@@ -45,6 +53,9 @@ class RequestRecord:
     cached_tokens: int = 0
     """usage.prompt_tokens_details.cached_tokens, as the server reported it."""
     ideal_cached_tokens: int | None = None
+    sent_prompt_tokens: int | None = None
+    """Prompt tokens the client sent, where it knows them (token-id prompts): a failed request's
+    share of the ideal hit ratio needs a denominator the server never reported."""
     error: str | None = None
     output_text: str = ""
 

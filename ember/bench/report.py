@@ -115,11 +115,25 @@ def markdown_table(summary: Mapping[str, Any]) -> str:
     ranked = sorted(kinds.items(), key=lambda kv: -kv[1])
     detail = "; ".join(f"{n} x `{' '.join(kind.split())}`" for kind, n in ranked)
     lines.append(f"- errors: {summary['errors']}" + (f" ({detail})" if detail else ""))
-    cache = f"- cache hit: {format_percent(summary['cache_hit_ratio'])}"
-    if summary.get("ideal_cache_hit_ratio") is not None:
-        cache += f" (ideal {format_percent(summary['ideal_cache_hit_ratio'])})"
-    lines.append(cache)
+    lines += _cache_lines(summary)
     return "\n".join(lines) + "\n"
+
+
+def _cache_lines(summary: Mapping[str, Any]) -> list[str]:
+    """Measured hits; for a trace, beside the ideal over the same requests: all sent (a failed one
+    counts as all misses), then the completed ones only."""
+    measured = format_percent(summary["cache_hit_ratio"])
+    if summary.get("trace_requests") is None:  # no ideal counts (not a trace replay)
+        return [f"- cache hit: {measured}"]
+    sent, failed = summary["trace_requests"], summary["trace_failed"]
+    return [
+        f"- cache hit over all {sent} requests sent: "
+        f"{format_percent(summary['sent_cache_hit_ratio'])} "
+        f"(ideal {format_percent(summary['ideal_cache_hit_ratio'])}); "
+        f"{failed} failed, counted as misses",
+        f"- cache hit over the {sent - failed} completed: {measured} "
+        f"(ideal {format_percent(summary['completed_ideal_cache_hit_ratio'])})",
+    ]
 
 
 def sweep_table(sweep: Sequence[Mapping[str, Any]]) -> str:

@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import aiohttp
 
@@ -38,6 +38,8 @@ class RunLimits:
     duration_s: float | None = None
     """Stop sending after this long; requests in flight then are waited for (up to grace_s)."""
     grace_s: float = 600.0
+    request_timeout_s: float = 600.0
+    """A request with no end after this long fails as a timeout (ours, not the server's)."""
     api_key: str | None = None
     affinity: bool = True
     progress: bool = True
@@ -74,6 +76,33 @@ def _connector() -> aiohttp.TCPConnector:
     return aiohttp.TCPConnector(limit=0, force_close=False)
 
 
+def cut_off(req: PlannedRequest, start: float, grace_s: float) -> RequestRecord:
+    """The record of a request still running when the run's grace period ended: a failure the
+    report counts (it used to vanish, or surface as the closed session's ServerDisconnectedError)."""
+    return RequestRecord(
+        req.request_id,
+        start=start,
+        session=req.session,
+        turn=req.turn,
+        ideal_cached_tokens=req.ideal_cached_tokens,
+        sent_prompt_tokens=req.prompt_token_count,
+        error=f"timeout: still running {grace_s:g} s after sending ended (ember bench's cut-off)",
+    )
+
+
+Running = dict["asyncio.Task[None]", tuple[PlannedRequest, float]]
+"""Each task that has a request in flight -> that request and when it was sent."""
+
+
+async def _stop(running: Running, grace_s: float, records: list[RequestRecord]) -> None:
+    """Cancel what is still running (before the session closes under it) and record each."""
+    pending = [t for t in running if not t.done()]
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    records.extend(cut_off(*running[t], grace_s) for t in pending)
+
+
 async def run_open_loop(
     base_url: str, planned: Sequence[PlannedRequest], limits: RunLimits
 ) -> tuple[list[RequestRecord], float]:
@@ -85,11 +114,17 @@ async def run_open_loop(
     records: list[RequestRecord] = []
     async with aiohttp.ClientSession(connector=_connector()) as http:
         started = now()
-        tasks = []
+        running: Running = {}
 
         async def one(req: PlannedRequest) -> None:
             rec = await send(
-                http, base_url, req, started, api_key=limits.api_key, affinity=limits.affinity
+                http,
+                base_url,
+                req,
+                started,
+                api_key=limits.api_key,
+                affinity=limits.affinity,
+                timeout_s=limits.request_timeout_s,
             )
             records.append(rec)
             progress.update(rec)
@@ -100,11 +135,12 @@ async def run_open_loop(
                 break
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(req)))
+            running[asyncio.create_task(one(req))] = (req, now() - started)
             progress.sent += 1
             progress.update()
-        if tasks:
-            await asyncio.wait(tasks, timeout=limits.grace_s)
+        if running:
+            await asyncio.wait(running, timeout=limits.grace_s)
+            await _stop(running, limits.grace_s, records)
         duration = now() - started
     progress.close()
     return records, duration
@@ -119,16 +155,19 @@ async def run_sessions(
     budget = [limits.max_requests if limits.max_requests is not None else 1 << 62]
     async with aiohttp.ClientSession(connector=_connector()) as http:
         started = now()
+        running: Running = {}
 
         def over_time() -> bool:
             return limits.duration_s is not None and now() - started > limits.duration_s
 
         async def session(i: int) -> None:
+            me = cast("asyncio.Task[None]", asyncio.current_task())
             await asyncio.sleep(max(0.0, workload.session_start(i)))
             req: PlannedRequest | None = workload.first(i)
             while req is not None and budget[0] > 0 and not over_time():
                 budget[0] -= 1
                 progress.sent += 1
+                running[me] = (req, now() - started)
                 rec = await send(
                     http,
                     base_url,
@@ -136,7 +175,9 @@ async def run_sessions(
                     started,
                     api_key=limits.api_key,
                     affinity=limits.affinity and workload.affinity,
+                    timeout_s=limits.request_timeout_s,
                 )
+                del running[me]
                 records.append(rec)
                 progress.update(rec)
                 if rec.error is not None:
@@ -145,10 +186,12 @@ async def run_sessions(
                     await asyncio.sleep(workload.think_time_s)
                 req = workload.next(req, rec.output_text)
 
-        await asyncio.wait(
-            [asyncio.create_task(session(i)) for i in range(workload.sessions)],
-            timeout=(limits.duration_s or 1e9) + limits.grace_s,
-        )
+        sessions = [asyncio.create_task(session(i)) for i in range(workload.sessions)]
+        await asyncio.wait(sessions, timeout=(limits.duration_s or 1e9) + limits.grace_s)
+        await _stop(running, limits.grace_s, records)
+        for t in sessions:  # the rest wait between turns: cancelled, they record nothing
+            t.cancel()
+        await asyncio.gather(*sessions, return_exceptions=True)
         duration = now() - started
     progress.close()
     return records, duration

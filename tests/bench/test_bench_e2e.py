@@ -67,6 +67,29 @@ def test_trace_replay_reports_the_ideal_hit_ratio(server: Server, tmp_path: Path
     assert 0 < s["cache_hit_ratio"] <= s["ideal_cache_hit_ratio"]
 
 
+def test_trace_with_its_own_block_size(server: Server, tmp_path: Path) -> None:
+    """Defect 7 of issue 11: no --block-size, so a trace of 16-token blocks was read as 512.
+    Hash ids no other test uses: the module's server must have cached none of these blocks."""
+    rows = [
+        {"timestamp": 0, "input_length": 64, "output_length": 2, "hash_ids": [90, 91, 92, 93]},
+        {"timestamp": 100, "input_length": 64, "output_length": 2, "hash_ids": [90, 91, 95, 96]},
+    ]
+    trace = tmp_path / "trace16.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = bench(
+        "--url", server.url, "--workload", "trace", "--trace-file", str(trace),
+        "--block-size", "16", "--out", str(tmp_path), "--name", "t16",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    s = result(tmp_path, "t16")["summary"]
+    assert s["completed"] == 2 and s["trace_failed"] == 0
+    # Row 2 shares 2 of its 4 blocks (32 tokens): the ideal, and what the engine (16-token blocks)
+    # reports. Read as 512-token blocks, row 2 would repeat row 1 whole (ideal 50%).
+    assert s["ideal_cache_hit_ratio"] == pytest.approx(32 / 128)
+    assert s["sent_cache_hit_ratio"] == pytest.approx(32 / 128)
+    assert "- cache hit over all 2 requests sent: 25.0% (ideal 25.0%); 0 failed" in r.stdout
+
+
 def test_random_runs_and_compare(server: Server, tmp_path: Path) -> None:
     for name, rate in (("a", "50"), ("b", "20")):
         r = bench(

@@ -55,9 +55,18 @@ def fake_app(seen: list[dict]) -> web.Application:
         await resp.write(b"data: " + orjson.dumps(error) + b"\n\ndata: [DONE]\n\n")
         return resp
 
+    async def hang(request: web.Request) -> web.StreamResponse:
+        """A request stuck in a queue: headers, then nothing for longer than any cut-off."""
+        await request.read()
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.sleep(1e5)
+        return resp
+
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/broken", broken)
+    app.router.add_post("/v1/hang", hang)
     return app
 
 
@@ -67,13 +76,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def bench(planned: list[PlannedRequest], seen: list[dict]):  # noqa: ANN201
+async def bench(  # noqa: ANN201
+    planned: list[PlannedRequest], seen: list[dict], limits: RunLimits | None = None
+):
     runner = web.AppRunner(fake_app(seen))
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     try:
-        limits = RunLimits(progress=False, api_key="k")
+        limits = limits or RunLimits(progress=False, api_key="k")
         return await run_open_loop(f"http://127.0.0.1:{port}", planned, limits)
     finally:
         await runner.cleanup()
@@ -116,3 +127,53 @@ def test_open_loop_sends_at_the_planned_times_and_counts_errors() -> None:
     assert by_id["r2"].error == "engine died" and not by_id["r2"].ok
     s = summarize(records, 1.0)
     assert s["errors"] == 1 and s["completed"] == 2
+
+
+def traced(i: int, path: str, ideal: int) -> PlannedRequest:
+    """A trace-replay request: a 1000-token token-id prompt and its ideal cached tokens."""
+    body = {"model": "m", "prompt": [7] * PROMPT, "max_tokens": 4}
+    return PlannedRequest(f"t{i}", path, body, send_at=0.0, ideal_cached_tokens=ideal)
+
+
+@pytest.mark.parametrize(
+    ("request_timeout_s", "grace_s", "says"),
+    [
+        (5.0, 50.0, "timeout: no end within 5 s (ember bench --timeout)"),
+        # The run's own cut-off: the record used to vanish (or read ServerDisconnectedError).
+        (1000.0, 5.0, "timeout: still running 5 s after sending ended (ember bench's cut-off)"),
+    ],
+)
+def test_the_bench_cut_off_is_a_timeout_and_counts_against_the_ideal(
+    request_timeout_s: float, grace_s: float, says: str
+) -> None:
+    """Defect 7 of issue 11: a slice whose ideal was 4.17% printed "cache hit 0.0% (ideal 0.0%)",
+    the ideal taken over the completed requests only, which had nothing to reuse."""
+    from ember.bench.report import markdown_table
+
+    reqs = [traced(0, "/v1/hang", 0), traced(1, "/v1/hang", 500), traced(2, "/v1/hang", 1000)]
+    limits = RunLimits(progress=False, grace_s=grace_s, request_timeout_s=request_timeout_s)
+    records, duration = virtual_time.run(bench(reqs, [], limits))
+    assert sorted(r.request_id for r in records) == ["t0", "t1", "t2"]
+    assert {r.error for r in records} == {says}
+    s = summarize(records, duration)
+    assert s["errors"] == 3 and (s["trace_requests"], s["trace_failed"]) == (3, 3)
+    assert s["ideal_cache_hit_ratio"] == pytest.approx(1500 / 3000)
+    assert s["sent_cache_hit_ratio"] == 0.0
+    assert "- cache hit over all 3 requests sent: 0.0% (ideal 50.0%); 3 failed" in (
+        markdown_table(s)
+    )
+
+
+def test_ideal_and_measured_hits_cover_the_same_requests() -> None:
+    # t0 completes (250 of 1000 cached, ideal 0); t1 fails (ideal 600): over all sent, measured
+    # 250 / 2000 against ideal 600 / 2000; over the completed one, 25% against 0%.
+    reqs = [traced(0, "/v1/chat/completions", 0), traced(1, "/v1/broken", 600)]
+    reqs[0].body = {"model": "m", "messages": [{"role": "user", "content": "1"}]}
+    records, duration = virtual_time.run(bench(reqs, []))
+    s = summarize(records, duration)
+    assert (s["trace_requests"], s["trace_failed"]) == (2, 1)
+    # t0's prompt is text: its denominator is the server's count (1000), t1's the 1000 sent.
+    assert s["sent_cache_hit_ratio"] == pytest.approx(250 / 2000)
+    assert s["ideal_cache_hit_ratio"] == pytest.approx(600 / 2000)
+    assert s["cache_hit_ratio"] == pytest.approx(250 / 1000)
+    assert s["completed_ideal_cache_hit_ratio"] == 0.0
