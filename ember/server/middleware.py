@@ -14,6 +14,8 @@ from ember.trust import INTERNAL_HEADER, TENANT_HEADER, TenantKeys, is_internal
 OPEN_PATHS = frozenset({"/health"})
 INTERNAL_PATHS = frozenset({"/load", "/kv_events", "/kv/release", "/metrics"})
 """The internal face: only ember's own processes (with the cluster secret) may call these."""
+PUBLIC_PATHS = frozenset({"/tokenize", "/detokenize"})
+"""Public routes outside /v1/ (vLLM's): like /v1/*, they need an API key when keys are set."""
 CALLER_KEY = "ember.caller"
 """Where the middleware leaves the request's `Caller` in the ASGI scope for the handlers."""
 

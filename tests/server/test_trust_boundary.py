@@ -17,7 +17,7 @@ import pytest
 
 from ember.server.api_server import build_app, engine_config_from_args
 from ember.server.args import add_serve_args
-from ember.server.middleware import INTERNAL_PATHS, OPEN_PATHS
+from ember.server.middleware import INTERNAL_PATHS, OPEN_PATHS, PUBLIC_PATHS
 from ember.trust import TENANT_HEADER, TenantKeys, internal_headers, sign_kv_params
 from tests.server.conftest import Server
 from tests.servers import SECRET, free_port
@@ -131,7 +131,9 @@ def test_every_route_is_public_or_internal_by_name() -> None:
     docs = {"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
     paths = {getattr(r, "path", "") for r in app.routes} - docs
     unclassified = {
-        p for p in paths if not p.startswith("/v1/") and p not in OPEN_PATHS | INTERNAL_PATHS
+        p
+        for p in paths
+        if not p.startswith("/v1/") and p not in OPEN_PATHS | INTERNAL_PATHS | PUBLIC_PATHS
     }
     assert not unclassified
     assert {"/load", "/kv_events", "/kv/release", "/metrics"} <= paths
