@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 
 KV_EVENTS_KEPT = 200_000
+LEASE_MARGIN_S = 0.5
+"""A lease this close to its expiry is not answered by the API process: the core is asked."""
 
 
 class AsyncLLM:
@@ -60,6 +62,8 @@ class AsyncLLM:
         self._client: CoreClient | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._lease_replies: dict[str, asyncio.Future[bool]] = {}
+        self._leases: dict[str, float] = {}
+        """Prefill leases this engine handed out -> when the core lets each expire (monotonic)."""
         # The prefix cache's block events, numbered, for routers that poll /kv_events.
         self.kv_events: deque[tuple[int, str, str]] = deque(maxlen=KV_EVENTS_KEPT)
         self.kv_event_seq = 0
@@ -145,9 +149,19 @@ class AsyncLLM:
             await stream.aclose()
 
     async def release_lease(self, lease_id: str, timeout_s: float = 5.0) -> bool:
-        """Free a prefill lease's blocks; True if it was still held (so its KV was intact)."""
+        """Free a prefill lease's blocks; True if it was still held (so its KV was intact).
+
+        A lease this process handed out and the core cannot have let expire yet is answered here at
+        once: the core frees it only on a release, on expiry, or when it stops, so "held" is
+        certain, and the core is told to free it when it next reads its inputs. Waiting for that
+        reply instead cost a decode engine its read whenever the prefill engine sat in a long step
+        (the release timed out, and the decode side prefilled the prompt again)."""
         if self._client is None or self.dead is not None:
             raise EngineDeadError(self.dead or "engine not started")
+        until = self._leases.pop(lease_id, None)
+        if until is not None and time.monotonic() < until - LEASE_MARGIN_S:
+            await self._client.send(ReleaseLease(lease_id))
+            return True
         fut = self._lease_replies.get(lease_id)
         if fut is None:
             fut = asyncio.get_running_loop().create_future()
@@ -158,6 +172,15 @@ class AsyncLLM:
         finally:
             if fut.done():
                 self._lease_replies.pop(lease_id, None)
+
+    def _note_leases(self, outputs: list[EngineCoreOutput]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            kv = out.kv_transfer_params
+            if kv is not None and kv.lease_id and out.lease_until > now:
+                self._leases[kv.lease_id] = out.lease_until
+        if len(self._leases) > 4096:  # leases that expired unreleased: forget them
+            self._leases = {k: t for k, t in self._leases.items() if t > now}
 
     def events_since(self, seq: int) -> tuple[int, bool, list[tuple[int, str, str]]]:
         """(newest seq, whether events after `seq` were dropped, the events after `seq`)."""
@@ -200,6 +223,7 @@ class AsyncLLM:
                         fut.set_result(released)
                 if not msg.outputs:
                     continue
+                self._note_leases(msg.outputs)
                 core_outputs = await self._fail_errored(client, msg.outputs)
                 outputs, to_stop = self.processor.process(core_outputs)
                 for out in outputs:

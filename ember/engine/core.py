@@ -242,6 +242,12 @@ class EngineCore:
             return None
         return req.kv_transfer if req.kv_transfer.lease_id else None
 
+    def _lease_until(self, lease: KVTransferParams | None) -> float:
+        if lease is None or self.connector is None:
+            return 0.0
+        held = self.connector.leases.get(lease.lease_id)
+        return held[1] if held is not None else 0.0
+
     def release_lease(self, lease_id: str) -> bool:
         return self.connector is not None and self.connector.release(lease_id)
 
@@ -373,7 +379,8 @@ class EngineCore:
                     finish_reason=req.status.finish_reason,
                     stop_reason=req.stop_reason,
                     num_cached_tokens=max(req.num_cached_tokens, 0),
-                    kv_transfer_params=self._lease_of(req),
+                    kv_transfer_params=(lease := self._lease_of(req)),
+                    lease_until=self._lease_until(lease),
                 )
             )
         return outputs

@@ -78,6 +78,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     kv_transfer_params: KVTransferParams | None = None
     """Set on a prefill-role request's last output: where its KV waits for the decode side."""
+    lease_until: float = 0.0
+    """With kv_transfer_params: when the core will let the lease expire (time.monotonic(), the
+    system-wide clock both processes read), so the API process can answer a release itself."""
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

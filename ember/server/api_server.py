@@ -191,7 +191,15 @@ def build_app(
             raise APIError('the body must be {"lease_id": "..."}', param="lease_id") from e
         if not isinstance(lease_id, str):
             raise APIError("lease_id must be a string", param="lease_id")
-        return {"lease_id": lease_id, "released": await engine.release_lease(lease_id)}
+        try:
+            released = await engine.release_lease(lease_id)
+        except TimeoutError as e:  # the core is in a long step and the lease is not one we know
+            raise APIError(
+                "the engine did not answer in time; the lease's state is unknown",
+                503,
+                headers={"Retry-After": "1"},
+            ) from e
+        return {"lease_id": lease_id, "released": released}
 
     @app.get("/kv_events")
     async def kv_events(since: int = 0, limit: int = KV_EVENTS_PAGE) -> dict[str, Any]:
