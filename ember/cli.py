@@ -1,4 +1,4 @@
-"""The `ember` command: `ember model make-tiny`, `ember generate`, `ember demo`, `ember serve`,
+"""The `ember` command: `ember model make-tiny`, `ember model import-gguf`, `ember generate`, `ember demo`, `ember serve`,
 `ember router`, `ember up`, `ember bench`."""
 
 from __future__ import annotations
@@ -18,6 +18,15 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     path = make_tiny(Path(args.out_dir), args.arch, seed=args.seed, num_shards=args.shards)
     size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     print(f"wrote tiny {args.arch} model to {path} ({size / 2**20:.1f} MiB)")
+    return 0
+
+
+def cmd_import_gguf(args: argparse.Namespace) -> int:
+    from ember.models.gguf import import_gguf
+
+    path = import_gguf(Path(args.file), Path(args.out_dir), args.dtype)
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    print(f"imported {args.file} to {path} ({args.dtype}, {size / 2**20:.1f} MiB)")
     return 0
 
 
@@ -127,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--shards", type=int, default=1)
     tiny.set_defaults(func=cmd_make_tiny)
+    gguf = msub.add_parser("import-gguf", help="write a GGUF file as an HF-format model directory")
+    gguf.add_argument("file")
+    gguf.add_argument("out_dir")
+    gguf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    gguf.set_defaults(func=cmd_import_gguf)
 
     gen = sub.add_parser("generate", help="generate from one prompt, offline")
     gen.add_argument("model")
