@@ -491,12 +491,15 @@ def print_up(router: str, procs: list[Proc], model: str, keyed: bool) -> None:
 
 
 def run_cluster(args: argparse.Namespace) -> int:
+    from ember.models.resolve import resolve_model
     from ember.models.tiny import ensure_tiny
 
     keys = TenantKeys.load(args.api_key or (), args.api_keys_file, args.shared_cache)
     # A busy port is the user's to fix: say so now, not after a minute of waiting on engines.
     check_ports(args.host, [args.port, *(port for _, port in engine_plan(args))])
-    model = args.model or str(ensure_tiny("llama"))
+    model = resolve_model(args.model) if args.model else str(ensure_tiny("llama"))
+    if args.model and model != args.model and not args.served_model_name:
+        args.served_model_name = [args.model]  # a .gguf file: served under the name given
     if not Path(model).is_dir():
         raise FileNotFoundError(f"model directory {model!r} does not exist")
     engine_extra_args(args.engine_args)  # a bad flag is an error now, not a dying engine later

@@ -8,6 +8,7 @@ from typing import Any
 
 from ember.engine.config import EngineConfig
 from ember.engine.llm_engine import LLMEngine
+from ember.models.resolve import resolve_model
 from ember.outputs import RequestOutput
 from ember.sampling_params import SamplingParams
 from ember.tokenizer.tokenizer import Tokenizer
@@ -24,7 +25,8 @@ class LLM:
             raise TypeError(
                 f"unknown LLM arguments: {unknown}; known: {sorted(fields - {'model'})}"
             )
-        self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
+        # A .gguf file is imported once into ember's cache (ember/models/resolve.py).
+        self.engine = LLMEngine(EngineConfig(model=resolve_model(str(model)), **kwargs))
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:

@@ -17,6 +17,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ember.models.resolve import resolve_model
 from ember.openai_errors import FAULT_HEADER
 from ember.router.errors import error_response, openai_errors
 from ember.router.metrics import RouterMetrics
@@ -192,7 +193,7 @@ def run_router(args: argparse.Namespace) -> int:
     keys = TenantKeys.load(args.api_key, args.api_keys_file, args.shared_cache)
     app = build_app(
         pool,
-        PromptReader(args.model),
+        PromptReader(resolve_model(args.model) if args.model else None),
         keys=keys,
         secret=secret,
         public_metrics=args.public_metrics,

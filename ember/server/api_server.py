@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from ember.engine.async_llm import AsyncLLM
 from ember.engine.config import EngineConfig
 from ember.engine.core_client import RequestFailedError
+from ember.models.resolve import resolve_model
 from ember.server.connections import guarded_protocol, raise_fd_limit
 from ember.server.errors import APIError, error_from_status, validation_error
 from ember.server.kv_params import kv_peer_urls
@@ -294,6 +295,8 @@ def engine_config_from_args(args: argparse.Namespace, cluster_secret: str = "") 
 
 def run_server(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    given = args.model  # a .gguf file is imported once and served under the name given
+    args.model = resolve_model(given)
     secret, configured = resolve_secret(args.cluster_secret)
     if not configured and args.role != "both":
         log.warning(
@@ -311,7 +314,7 @@ def run_server(args: argparse.Namespace) -> int:
     parser = None if args.tool_call_parser in (None, "", "none") else args.tool_call_parser
     app = build_app(
         engine,
-        args.served_model_name or [args.model],
+        args.served_model_name or [given],
         keys=keys,
         secret=secret,
         public_metrics=args.public_metrics,

@@ -304,3 +304,58 @@ def test_unsupported_architecture_is_named(tmp_path) -> None:
     w.close()
     with pytest.raises(ValueError, match="'gpt2' is not supported"):
         import_gguf(path, tmp_path / "out")
+
+
+# ---------------------------------------------------------------- a .gguf path as a model
+
+
+def test_a_gguf_path_is_a_model_imported_once(
+    qwen2: Imported, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ember.models.gguf as gguf_module
+    from ember.models.resolve import resolve_model
+
+    monkeypatch.setenv("EMBER_HOME", str(tmp_path))
+    first = resolve_model(str(qwen2.gguf_file))
+    assert Path(first).parent == tmp_path / "models"
+    assert (Path(first) / "config.json").is_file()
+
+    def no_second_import(*_: object, **__: object) -> None:
+        raise AssertionError("imported again")
+
+    monkeypatch.setattr(gguf_module, "import_gguf", no_second_import)
+    assert resolve_model(str(qwen2.gguf_file)) == first  # the cache, keyed by the file's hash
+    assert resolve_model(str(qwen2.dir)) == str(qwen2.dir)  # a directory is left as it is
+    monkeypatch.undo()
+    monkeypatch.setenv("EMBER_HOME", str(tmp_path))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    by_file = LLM(str(qwen2.gguf_file), max_model_len=256).generate([[5, 6, 7, 8]], params)
+    by_dir = LLM(str(qwen2.dir), max_model_len=256).generate([[5, 6, 7, 8]], params)
+    assert by_file[0].outputs[0].token_ids == by_dir[0].outputs[0].token_ids
+
+
+def test_ember_serve_takes_a_gguf_file(qwen2: Imported, tmp_path: Path) -> None:
+    import httpx
+
+    from ember.cluster import spawn
+    from tests.servers import SECRET, free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = ["serve", str(qwen2.gguf_file), "--port", str(port), "--max-model-len", "256"]
+    proc = spawn("serve", url, args, {"EMBER_HOME": str(tmp_path), "EMBER_CLUSTER_SECRET": SECRET})
+    try:
+        from tests.servers import Server, wait_healthy
+
+        wait_healthy(Server(url, "", proc.popen))
+        models = httpx.get(f"{url}/v1/models", timeout=5).json()["data"]
+        assert [m["id"] for m in models] == [str(qwen2.gguf_file)]  # served under the name given
+        r = httpx.post(
+            f"{url}/v1/completions",
+            json={"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True},
+            timeout=30,
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        proc.popen.terminate()
+        proc.popen.wait(20)
