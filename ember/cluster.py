@@ -39,7 +39,12 @@ RESTART_BACKOFF_S = (1.0, 30.0)
 
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None, help="model directory (default: tiny llama)")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="model directory or .gguf file (default: SmolLM2-135M-Instruct, `ember model get smollm2`)",
+    )
     p.add_argument("--prefill", type=int, default=1, help="prefill engines")
     p.add_argument("--decode", type=int, default=1, help="decode engines")
     p.add_argument("--both", type=int, default=0, help="colocated engines")
@@ -59,7 +64,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="NAME",
         help="the model ids clients send (the first is the one answers carry); default: the "
-        "model argument, or for the embedded tiny model its directory's name (tiny-llama)",
+        "model argument, or for the default model its directory's name (smollm2-135m-instruct)",
     )
     p.add_argument(
         "--engine-args",
@@ -135,8 +140,8 @@ def engine_extra_args(text: str) -> list[str]:
 
 
 def served_names(args: argparse.Namespace, model: str) -> list[str] | None:
-    """`--served-model-name`, else for the embedded tiny model its directory's name (and its path,
-    which older clients send), else None: the engines then serve the model argument as given."""
+    """`--served-model-name`, else for the default model its directory's name (and its path, which
+    older clients send), else None: the engines then serve the model argument as given."""
     if names := getattr(args, "served_model_name", None):
         return list(names)
     if getattr(args, "model", "") is None:
@@ -369,12 +374,20 @@ def stop_cluster(procs: list[Proc], grace_s: float = 10.0) -> None:
             p.popen.wait()
 
 
+DEMO_QUESTION = "What is the capital of France?"
+
+
 def demo_request(url: str, model: str, api_key: str | None = None) -> str:
-    """One streamed chat request through the router; returns the streamed text."""
+    """One streamed chat request through the router, its answer printed as it arrives; returns the
+    streamed text. The system prompt makes the prompt long enough to be split into two legs."""
+    system = "You are a helpful assistant. Answer in one short sentence. " * 40
     body = {
         "model": model,
-        "messages": [{"role": "user", "content": "Say hello to the cluster. " * 80}],
-        "max_tokens": 24,
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": DEMO_QUESTION},
+        ],
+        "max_tokens": 48,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -393,9 +406,11 @@ def demo_request(url: str, model: str, api_key: str | None = None) -> str:
             if "error" in chunk:
                 raise RuntimeError(chunk["error"].get("message"))
             for c in chunk.get("choices", []):
-                text.append(c.get("delta", {}).get("content") or "")
+                delta = c.get("delta", {}).get("content") or ""
+                text.append(delta)
+                print(delta, end="", flush=True)
             if chunk.get("usage"):
-                print(f"usage: {json.dumps(chunk['usage'])}")
+                print(f"\nusage: {json.dumps(chunk['usage'])}", flush=True)
     return "".join(text)
 
 
@@ -491,13 +506,13 @@ def print_up(router: str, procs: list[Proc], model: str, keyed: bool) -> None:
 
 
 def run_cluster(args: argparse.Namespace) -> int:
-    from ember.models.resolve import resolve_model
-    from ember.models.tiny import ensure_tiny
+    from ember.models.resolve import get_model, resolve_model
 
     keys = TenantKeys.load(args.api_key or (), args.api_keys_file, args.shared_cache)
     # A busy port is the user's to fix: say so now, not after a minute of waiting on engines.
     check_ports(args.host, [args.port, *(port for _, port in engine_plan(args))])
-    model = resolve_model(args.model) if args.model else str(ensure_tiny("llama"))
+    # The default is a real model, SmolLM2-135M-Instruct from its PyPI wheel (which make installs).
+    model = resolve_model(args.model) if args.model else str(get_model("smollm2"))
     if args.model and model != args.model and not args.served_model_name:
         args.served_model_name = [args.model]  # a .gguf file: served under the name given
     if not Path(model).is_dir():
@@ -520,7 +535,8 @@ def run_cluster(args: argparse.Namespace) -> int:
         print_up(router, procs, served, keys.enabled)
         if args.demo:
             key = next(iter(keys.keys), None)
-            print(f"demo answer: {demo_request(router, served, key)!r}", flush=True)
+            print(f"demo question: {DEMO_QUESTION}\ndemo answer: ", end="", flush=True)
+            demo_request(router, served, key)
             if args.exit_after_demo:
                 return 0
         print("Ctrl-C stops the cluster.", flush=True)

