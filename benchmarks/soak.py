@@ -237,7 +237,11 @@ def main() -> int:
     args = ap.parse_args()
     secret = new_secret()
     env = {**os.environ, SECRET_ENV: secret, "EMBER_LOG_LEVEL": "ERROR"}
-    cmd = [sys.executable, "-m", "ember.cli", "up", "--port", str(args.port)]
+    from ember.models.tiny import ensure_tiny
+
+    # The tiny model, as the README's soak table was measured (ember up's default is SmolLM2).
+    cmd = [sys.executable, "-m", "ember.cli", "up", str(ensure_tiny("llama"))]
+    cmd += ["--port", str(args.port)]
     cmd += ["--prefill", str(args.prefill), "--decode", str(args.decode)]
     up = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{args.port}"
