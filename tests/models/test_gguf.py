@@ -178,9 +178,16 @@ def check_logits_every_step(m: Imported, prompt: list[int]) -> None:
 
 
 def mixed_lines() -> list[str]:
-    """A few hundred lines: Python source, prose, unicode, emoji, whitespace runs, special tokens."""
-    code = inspect.getsource(textwrap) + inspect.getsource(json.encoder)
-    lines = [line for line in code.splitlines() if line.strip()][:300]
+    """A few thousand lines: Python source (with its docstrings' prose), unicode, emoji, whitespace
+    runs, special tokens."""
+    import argparse
+    import email.message
+    import http.client
+    import pathlib
+
+    sources = (textwrap, json.encoder, argparse, pathlib, http.client, email.message, inspect)
+    code = "".join(inspect.getsource(m) for m in sources)
+    lines = [line for line in code.splitlines() if line.strip()][:3000]
     lines += [
         "Hello, world! How's it going? I'm fine; we'll see. They'd've",
         "Ünïcödé façade naïve coöperate — “quotes” ‘single’ … ½ ¼ € £ ¥",
