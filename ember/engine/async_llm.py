@@ -93,6 +93,11 @@ class AsyncLLM:
     def num_unfinished(self) -> int:
         return len(self._queues)
 
+    @property
+    def num_sequences(self) -> int:
+        """Samples in flight (a request with n=4 counts 4): what admission limits."""
+        return len(self.processor.parent_of)
+
     async def add_request(
         self,
         request_id: str,

@@ -105,7 +105,7 @@ class ServingContext:
                 code="too_many_sequences",
             )
         # Every sample of every unfinished request (the output processor tracks each one).
-        in_flight = len(engine.processor.parent_of) + self.reserved
+        in_flight = engine.num_sequences + self.reserved
         if in_flight + num_seqs > limit:
             raise APIError(
                 f"the server is over capacity ({in_flight} sequences in flight, limit {limit}); "
