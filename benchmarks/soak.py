@@ -13,11 +13,8 @@ import asyncio
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -26,7 +23,9 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ember.trust import SECRET_ENV, internal_headers, new_secret  # noqa: E402
+from ember.cluster import get_load  # noqa: E402
+from ember.trust import new_secret  # noqa: E402
+from ember.up_process import up_process, wait_drained  # noqa: E402
 
 SYSTEM = "You are a coding agent. Tools: read_file, write_file, run. " * 40
 HOSTILE: list[Any] = [
@@ -110,12 +109,6 @@ def label(pid: int) -> str:
     if any("multiprocessing" in w or "spawn_main" in w for w in words):
         return "engine-core"
     return " ".join(words[-3:])
-
-
-def get_json(url: str, secret: str) -> Any:
-    req = urllib.request.Request(url, headers=internal_headers(secret))
-    with urllib.request.urlopen(req, timeout=5) as r:
-        return json.load(r)
 
 
 class Soak:
@@ -236,28 +229,14 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     args = ap.parse_args()
     secret = new_secret()
-    env = {**os.environ, SECRET_ENV: secret, "EMBER_LOG_LEVEL": "ERROR"}
     from ember.models.tiny import ensure_tiny
 
     # The tiny model, as the README's soak table was measured (ember up's default is SmolLM2).
-    cmd = [sys.executable, "-m", "ember.cli", "up", str(ensure_tiny("llama"))]
-    cmd += ["--port", str(args.port)]
-    cmd += ["--prefill", str(args.prefill), "--decode", str(args.decode)]
-    up = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+    model = str(ensure_tiny("llama"))
+    flags = ["--prefill", str(args.prefill), "--decode", str(args.decode)]
     url = f"http://127.0.0.1:{args.port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                eps = get_json(f"{url}/load", secret)["endpoints"]
-                if eps and all(e["healthy"] for e in eps):
-                    break
-            except OSError:
-                pass
-            if up.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"ember up did not come up (exit {up.poll()})")
-            time.sleep(0.5)
-        engines = [e["url"] for e in eps]
+    with up_process(model, args.port, *flags, secret=secret) as up:
+        engines = [e["url"] for e in get_load(url, secret)["endpoints"]]
         pids = children_of(up.pid)
         rss0 = {p: rss_mib(p) for p in pids}
         names = {p: label(p) for p in pids}
@@ -266,23 +245,12 @@ def main() -> int:
         asyncio.run(soak.run())
         elapsed = time.monotonic() - t0
         # Let aborted requests and leases settle, then count what is still held.
-        settle = time.monotonic() + 30
-        while True:
-            state = {e: get_json(f"{e}/load", secret) for e in engines}
-            idle = all(s["running"] == 0 and s["leases"] == 0 for s in state.values())
-            if idle or time.monotonic() > settle:
-                break
-            time.sleep(0.5)
+        state = wait_drained(engines, secret)
         rss1 = {p: rss_mib(p) for p in pids}
         alive = up.poll() is None
-    finally:
-        up.send_signal(signal.SIGTERM)
-        try:
-            up.wait(30)
-        except subprocess.TimeoutExpired:
-            up.kill()
-    leaked = {e: s["total_blocks"] - s["free_blocks"] for e, s in state.items()}
-    leases = {e: s["leases"] for e, s in state.items()}
+    unanswered = [e for e, s in state.items() if "error" in s]
+    leaked = {e: s.get("total_blocks", 0) - s.get("free_blocks", 0) for e, s in state.items()}
+    leases = {e: s.get("leases", 0) for e, s in state.items()}
     five = sum(n for code, n in soak.status.items() if code >= 500)
     result = {
         "minutes": elapsed / 60,
@@ -292,6 +260,7 @@ def main() -> int:
         "http_5xx": five,
         "leaked_blocks": leaked,
         "leases_held": leases,
+        "engines_unanswered": unanswered,
         "cluster_alive": alive,
         "rss_mib": {
             f"{names[p]} ({p})": {"start": rss0[p], "end": rss1.get(p)} for p in pids if rss0[p]
@@ -317,9 +286,11 @@ def main() -> int:
     fails = {k: v for k, v in c.items() if k.startswith("failed:")}
     if fails:
         print(f"failures: {fails}")
+    if unanswered:
+        print(f"no /load answer after the load: {unanswered}")
     print(f"wrote {out}")
     ok = five == 0 and not c["failed"] and not sum(leaked.values()) and not sum(leases.values())
-    return 0 if ok and alive else 1
+    return 0 if ok and alive and not unanswered else 1
 
 
 if __name__ == "__main__":

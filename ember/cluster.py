@@ -8,7 +8,8 @@ Every child gets a fresh cluster secret through its environment (never its comma
 router only, in a private file, for the same reason.
 
 `spawn`, `wait_healthy`, `wait_routed` and `stop_cluster` also start and stop the servers of the
-benchmarks (benchmarks/server_overhead.py, pd_gpu.py, pd_cpu.py)."""
+benchmarks (benchmarks/server_overhead.py, pd_gpu.py, pd_cpu.py); `ember.up_process` runs
+`ember up` itself as a child."""
 
 from __future__ import annotations
 
@@ -338,16 +339,27 @@ def wait_healthy(procs: list[Proc], timeout_s: float) -> None:
         time.sleep(0.3)
 
 
+def get_load(url: str, secret: str, timeout_s: float = 5.0) -> dict:
+    """An engine's or the router's internal /load (it needs the cluster secret)."""
+    req = urllib.request.Request(f"{url}/load", headers=internal_headers(secret))
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        return json.load(r)
+
+
 def router_endpoints(router_url: str, secret: str) -> list[dict]:
     """The router's view of its engines (its internal /load, which needs the cluster secret)."""
-    req = urllib.request.Request(f"{router_url}/load", headers=internal_headers(secret))
-    with urllib.request.urlopen(req, timeout=2) as r:
-        return json.load(r)["endpoints"]
+    return get_load(router_url, secret, timeout_s=2)["endpoints"]
 
 
-def wait_routed(router_url: str, secret: str, timeout_s: float = 60.0) -> None:
+def wait_routed(
+    router_url: str,
+    secret: str,
+    timeout_s: float = 60.0,
+    child: subprocess.Popen[bytes] | None = None,
+) -> None:
     """Until the router has marked every engine behind it healthy (its /health answers once a
-    decode-capable engine is up; a prefill engine it has not polled yet would get no traffic)."""
+    decode-capable engine is up; a prefill engine it has not polled yet would get no traffic).
+    `child`, the process that runs them all (an `ember up`), ends the wait if it exits."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -356,22 +368,31 @@ def wait_routed(router_url: str, secret: str, timeout_s: float = 60.0) -> None:
                 return
         except (urllib.error.URLError, OSError, ValueError, KeyError):
             pass
+        if child is not None and child.poll() is not None:
+            raise RuntimeError(f"it exited with {child.returncode}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"the router at {router_url} has unhealthy engines")
         time.sleep(0.1)
 
 
-def stop_cluster(procs: list[Proc], grace_s: float = 10.0) -> None:
-    for p in reversed(procs):  # the router first: no new requests reach dying engines
-        if p.popen.poll() is None:
-            p.popen.send_signal(signal.SIGTERM)
+def stop_processes(popens: Sequence[subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
+    """SIGTERM to each that still runs, in order; then wait for all of them within `grace_s`,
+    killing any that outlives it."""
+    for p in popens:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    for p in procs:
+    for p in popens:
         try:
-            p.popen.wait(max(0.1, deadline - time.monotonic()))
+            p.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            p.popen.kill()
-            p.popen.wait()
+            p.kill()
+            p.wait()
+
+
+def stop_cluster(procs: list[Proc], grace_s: float = 10.0) -> None:
+    # The router first: no new requests reach dying engines.
+    stop_processes([p.popen for p in reversed(procs)], grace_s)
 
 
 DEMO_QUESTION = "What is the capital of France?"

@@ -5,13 +5,14 @@ from __future__ import annotations
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-from ember.cluster import spawn
+from ember.cluster import spawn, stop_processes
 from ember.trust import SECRET_ENV, internal_headers
 
 SECRET = "test-cluster-secret"
@@ -45,13 +46,7 @@ class Server:
         return httpx.get(f"{self.url}/load", headers=internal_headers(SECRET), timeout=5).json()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_processes([self.proc], 20)
 
 
 def start_server(
@@ -127,3 +122,32 @@ def wait_router_caught_up(router: Server, engines: Sequence[Server], timeout_s: 
         if time.monotonic() > deadline:
             raise AssertionError(f"router index behind the engines: {seen} vs {want}")
         time.sleep(0.05)
+
+
+@dataclass
+class PDCluster:
+    """Prefill engines and a decode engine behind `ember router`: disaggregation, end to end."""
+
+    prefill: list[Server]
+    decode: Server
+    router: Server
+
+    def engines(self) -> list[Server]:
+        """The engines behind the router."""
+        return [*self.prefill, self.decode]
+
+
+@contextmanager
+def pd_cluster(model_dir: Path, *engine_args: str, prefill: int = 2) -> Iterator[PDCluster]:
+    """`prefill` prefill engines and one decode engine, each `ember serve *engine_args`, started
+    together, and a router over them once all answer; every process stopped on leaving."""
+    servers: list[Server] = []
+    try:
+        for role in ["prefill"] * prefill + ["decode"]:
+            servers.append(start_server(model_dir, *engine_args, "--role", role, wait=False))
+        for s in servers:
+            wait_healthy(s)
+        servers.append(start_router(model_dir, prefill=servers[:prefill], decode=servers[-1:]))
+        yield PDCluster(servers[:prefill], servers[prefill], servers[-1])
+    finally:
+        stop_processes([s.proc for s in reversed(servers)], 20)  # the router first

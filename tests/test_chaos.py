@@ -8,8 +8,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,7 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ember.trust import SECRET_ENV, internal_headers
+from ember.cluster import router_endpoints
+from ember.up_process import drained, up_process, wait_drained
 from tests.servers import free_port
 
 SECRET = "chaos-secret"
@@ -38,10 +37,6 @@ def serve_pid(port: int) -> int | None:
             if i + 1 < len(words) and words[i + 1] == str(port).encode():
                 return int(d.name)
     return None
-
-
-def load(url: str) -> dict:
-    return httpx.get(f"{url}/load", headers=internal_headers(SECRET), timeout=10).json()
 
 
 class Client(threading.Thread):
@@ -91,94 +86,57 @@ class Client(threading.Thread):
 
 
 @pytest.mark.slow
-def test_kill_and_freeze_engines_under_load(tiny_model_dir) -> None:
+def test_kill_and_freeze_engines_under_load(tiny_model_dir, tmp_path: Path) -> None:
     port = free_port()
     first_engine = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, SECRET_ENV: SECRET, "EMBER_LOG_LEVEL": "ERROR"}
-    cmd = [
-        sys.executable, "-m", "ember.cli", "up", str(tiny_model_dir("llama")),
-        "--prefill", "2", "--decode", "1", "--port", str(port),
-        "--engine-port", str(first_engine), "--stall-timeout", str(STALL_S), "--kv-timeout", "1.5",
-        "--max-model-len", "1024",
+    flags = [
+        "--prefill", "2", "--decode", "1", "--engine-port", str(first_engine),
+        "--stall-timeout", str(STALL_S), "--kv-timeout", "1.5", "--max-model-len", "1024",
     ]  # fmt: skip
-    up = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     prefill_ports = [first_engine, first_engine + 1]
-    decode_url = f"http://127.0.0.1:{first_engine + 2}"
-    clients: list[Client] = []
-    stop = threading.Event()
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                eps = load(url)["endpoints"]
-                if len(eps) == 3 and all(e["healthy"] for e in eps):
-                    break
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            assert up.poll() is None, up.stderr.read().decode() if up.stderr else ""
-            assert time.monotonic() < deadline, "ember up did not come up"
-            time.sleep(0.3)
+    engines = [f"http://127.0.0.1:{p}" for p in [*prefill_ports, first_engine + 2]]
+    model = str(tiny_model_dir("llama"))
+    log = tmp_path / "up.log"
+    with up_process(model, port, *flags, secret=SECRET, log=log, ready_timeout_s=120) as up:
+        stop = threading.Event()
         clients = [Client(url, seed, stop) for seed in range(3)]
-        for c in clients:
-            c.start()
-        time.sleep(3)
-        killed = serve_pid(prefill_ports[0])
-        frozen = serve_pid(prefill_ports[1])
-        assert killed and frozen
-        os.kill(killed, signal.SIGKILL)
-        time.sleep(1)
-        os.kill(frozen, signal.SIGSTOP)
-        time.sleep(STALL_S * 2 + 1)  # longer than the stall timeout
-        os.kill(frozen, signal.SIGCONT)
-        # The killed engine comes back (a new process on the same port), and the router sees it.
-        deadline = time.monotonic() + 90
-        while True:
-            pid = serve_pid(prefill_ports[0])
-            try:
-                healthy = all(e["healthy"] for e in load(url)["endpoints"])
-            except (httpx.HTTPError, ValueError, KeyError):
-                healthy = False
-            if pid is not None and pid != killed and healthy:
-                break
-            assert time.monotonic() < deadline, "the killed engine was not restarted"
-            time.sleep(0.5)
-        time.sleep(3)  # some traffic through the restarted cluster
-    finally:
-        stop.set()
-        for c in clients:
-            c.join(90)
-    try:
+        try:
+            for c in clients:
+                c.start()
+            time.sleep(3)
+            killed = serve_pid(prefill_ports[0])
+            frozen = serve_pid(prefill_ports[1])
+            assert killed and frozen
+            os.kill(killed, signal.SIGKILL)
+            time.sleep(1)
+            os.kill(frozen, signal.SIGSTOP)
+            time.sleep(STALL_S * 2 + 1)  # longer than the stall timeout
+            os.kill(frozen, signal.SIGCONT)
+            # The killed engine comes back (a new process on the same port), and the router
+            # sees it.
+            deadline = time.monotonic() + 90
+            while True:
+                pid = serve_pid(prefill_ports[0])
+                try:
+                    healthy = all(e["healthy"] for e in router_endpoints(url, SECRET))
+                except (OSError, ValueError, KeyError):
+                    healthy = False
+                if pid is not None and pid != killed and healthy:
+                    break
+                assert time.monotonic() < deadline, "the killed engine was not restarted"
+                time.sleep(0.5)
+            time.sleep(3)  # some traffic through the restarted cluster
+        finally:
+            stop.set()
+            for c in clients:
+                c.join(90)
         assert not any(c.is_alive() for c in clients), "a client hangs"
         failures = [f for c in clients for f in c.failures]
         assert not failures, failures
         assert sum(c.ok for c in clients) >= 10
         assert max(c.longest_s for c in clients) < 30, "a stream took too long"
-        engines = [f"http://127.0.0.1:{p}" for p in prefill_ports] + [decode_url]
-        deadline = time.monotonic() + 30
-        state: dict[str, dict | str] = {}
-        while True:
-            for e in engines:  # a busy machine may be slow to answer: retried until the deadline
-                try:
-                    state[e] = load(e)
-                except httpx.HTTPError as err:
-                    state[e] = repr(err)
-            idle = all(
-                isinstance(s, dict)
-                and s["running"] == 0
-                and s["leases"] == 0
-                and s["free_blocks"] == s["total_blocks"]
-                for s in state.values()
-            )
-            if idle:
-                break
-            assert time.monotonic() < deadline, f"blocks or leases still held: {state}"
-            time.sleep(0.5)
+        state = wait_drained(engines, SECRET)
+        assert all(drained(s) for s in state.values()), f"blocks or leases still held: {state}"
         assert up.poll() is None, "ember up stopped"
-    finally:
-        up.send_signal(signal.SIGTERM)
-        try:
-            up.wait(30)
-        except subprocess.TimeoutExpired:
-            up.kill()
-    assert up.returncode == 0
+    assert up.returncode == 0, log.read_text()[-4000:]

@@ -1,6 +1,10 @@
 """The router's endpoints and what it keeps learning about them: health, each engine's `/load`, and
 its KV events (for the prefix index), polled in the background; plus the choice of an endpoint for
-one leg of a request (session affinity with bounded load, else least cost with prefix credit)."""
+one leg of a request (session affinity with bounded load, else least cost with prefix credit).
+
+A poll whose answer was lost (a timeout, a dropped connection) marks its engine down only after
+`down_after` in a row; a refused connection (nothing listens: the engine is gone), an error status
+or "not ready" mark it down at once. Failed requests count in each engine's circuit breaker."""
 
 from __future__ import annotations
 
@@ -36,6 +40,16 @@ PROGRESS_KEYS = (
 )
 """Keys of an engine's `/load` of which one changes whenever the engine does work (a step, a new
 request, a KV read): how the router tells a queue that moves from an engine that hangs."""
+DOWN_AFTER_LOST_POLLS = 3
+"""Polls in a row whose answer was lost that take an engine out of rotation: one reset connection
+or slow answer on a busy host is noise, not a dead engine."""
+LOST_ANSWER = (
+    TimeoutError,
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientPayloadError,
+    aiohttp.ClientOSError,  # a reset connection (a refused one is its subclass, caught first)
+)
+"""How a poll's answer gets lost on the way from a process that may well be alive."""
 
 
 @dataclass(slots=True)
@@ -68,6 +82,14 @@ class EndpointPool:
     info: dict[str, EngineInfo] = field(default_factory=dict)
     prefix: PrefixIndex = field(default_factory=PrefixIndex)
     rings: dict[str, SessionAffinity] = field(default_factory=dict)
+    down_after: int = DOWN_AFTER_LOST_POLLS
+    """Polls in a row with a lost answer (LOST_ANSWER) that mark an engine down."""
+    lost_polls: dict[str, int] = field(default_factory=dict)
+    """Per endpoint: polls in a row whose answer was lost (reset by any whole answer)."""
+
+    def __post_init__(self) -> None:
+        if self.down_after < 1:
+            raise ValueError(f"down_after must be >= 1, got {self.down_after}")
 
     @classmethod
     def build(
@@ -155,33 +177,52 @@ class EndpointPool:
             await asyncio.sleep(self.poll_s)
 
     async def poll(self, session: aiohttp.ClientSession, ep: Endpoint) -> None:
-        timeout = aiohttp.ClientTimeout(total=max(2.0, self.poll_s * 4))
-        info = self.info[ep.url]
+        """One poll of the endpoint, and what it says about its health."""
         try:
-            async with session.get(f"{ep.url}/load", timeout=timeout) as r:
-                if r.status != 200:
-                    raise ValueError(f"/load answered {r.status}")
-                body = await r.json()
-            if not body.get("ready"):
-                raise ValueError("not ready")
-            now = time.monotonic()
-            ep.apply_report(LoadReport.from_load_json(body, now))
-            ep.note_progress(tuple(body.get(k) for k in PROGRESS_KEYS), now)
-            engine_id = body.get("engine_id", "")
-            if engine_id != info.engine_id:  # a new engine behind the url: its cache is new too
-                self.prefix.forget(ep.url)
-                info.engine_id, info.event_seq = engine_id, 0
-            info.kv_root_hash = bytes.fromhex(body.get("kv_root_hash", ""))
-            info.block_size = int(body.get("block_size", 16))
-            if body.get("kv_event_seq", 0) != info.event_seq:
-                await self._events(session, ep, info, timeout)
+            await self._poll(session, ep)
+        except aiohttp.ClientConnectorError as e:  # refused: no process listens, the engine is gone
+            self._mark_down(ep, e)
+        except LOST_ANSWER as e:
+            lost = self.lost_polls.get(ep.url, 0) + 1
+            self.lost_polls[ep.url] = lost
+            if lost >= self.down_after:
+                self._mark_down(ep, e)
+            else:
+                log.info("poll of %s lost (%d of %d): %r", ep.url, lost, self.down_after, e)
+        except (aiohttp.ClientError, ValueError, KeyError) as e:  # an error status, not ready ...
+            self._mark_down(ep, e)
+        else:
+            self.lost_polls[ep.url] = 0
             if not ep.healthy:
                 log.info("endpoint %s (%s) is up", ep.url, ep.role)
             ep.healthy = True
-        except (TimeoutError, aiohttp.ClientError, ValueError, KeyError) as e:
-            if ep.healthy:
-                log.warning("endpoint %s is down: %s", ep.url, e)
-            ep.healthy = False
+
+    def _mark_down(self, ep: Endpoint, why: Exception) -> None:
+        if ep.healthy:
+            log.warning("endpoint %s is down: %r", ep.url, why)
+        ep.healthy = False
+
+    async def _poll(self, session: aiohttp.ClientSession, ep: Endpoint) -> None:
+        """GET /load (and /kv_events when the engine has new ones); raises when it fails."""
+        timeout = aiohttp.ClientTimeout(total=max(2.0, self.poll_s * 4))
+        info = self.info[ep.url]
+        async with session.get(f"{ep.url}/load", timeout=timeout) as r:
+            if r.status != 200:
+                raise ValueError(f"/load answered {r.status}")
+            body = await r.json()
+        if not body.get("ready"):
+            raise ValueError("not ready")
+        now = time.monotonic()
+        ep.apply_report(LoadReport.from_load_json(body, now))
+        ep.note_progress(tuple(body.get(k) for k in PROGRESS_KEYS), now)
+        engine_id = body.get("engine_id", "")
+        if engine_id != info.engine_id:  # a new engine behind the url: its cache is new too
+            self.prefix.forget(ep.url)
+            info.engine_id, info.event_seq = engine_id, 0
+        info.kv_root_hash = bytes.fromhex(body.get("kv_root_hash", ""))
+        info.block_size = int(body.get("block_size", 16))
+        if body.get("kv_event_seq", 0) != info.event_seq:
+            await self._events(session, ep, info, timeout)
 
     async def _events(
         self,

@@ -10,11 +10,8 @@ land on one prefill engine (read from every engine's `/load` counters).
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ember.trust import SECRET_ENV, internal_headers
+from ember.cluster import get_load
+from ember.up_process import up_process
 from tests.servers import SECRET, free_port
 
 FIXTURE = Path(__file__).with_name("opencode_session.json")
@@ -53,7 +51,7 @@ class Cluster:
 
 
 def engine_load(url: str) -> dict:
-    return httpx.get(f"{url}/load", headers=internal_headers(SECRET), timeout=10).json()
+    return get_load(url, SECRET, timeout_s=10)
 
 
 @pytest.fixture(scope="module")
@@ -61,47 +59,22 @@ def cluster(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     model_dir = tiny_model_dir("llama")
     port, first = free_port(), free_port()
     named = up_has_flag("--served-model-name")
-    cmd = [
-        sys.executable, "-m", "ember.cli", "up", str(model_dir), "--port", str(port),
+    flags = [
         "--engine-port", str(first), "--prefill", str(PREFILL_ENGINES),
         "--max-model-len", str(MAX_MODEL_LEN),
     ]  # fmt: skip
     if named:
-        cmd += ["--served-model-name", SERVED_NAME]
-    env = {**os.environ, SECRET_ENV: SECRET, "EMBER_LOG_LEVEL": "ERROR"}
-    # A file, not a pipe: a cluster that logs a lot must never block on a full pipe.
+        flags += ["--served-model-name", SERVED_NAME]
     log = tmp_path_factory.mktemp("opencode-up") / "stderr.log"
-    with log.open("wb") as err:
-        up = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
-    url = f"http://127.0.0.1:{port}"
     engines = [f"http://127.0.0.1:{first + i}" for i in range(PREFILL_ENGINES + 1)]
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            try:
-                eps = httpx.get(f"{url}/load", headers=internal_headers(SECRET), timeout=5)
-                eps = eps.json()["endpoints"]
-                if len(eps) == len(engines) and all(e["healthy"] for e in eps):
-                    break
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            assert up.poll() is None, log.read_text()[-4000:]
-            assert time.monotonic() < deadline, "ember up did not come up"
-            time.sleep(0.5)
+    with up_process(str(model_dir), port, *flags, secret=SECRET, log=log, ready_timeout_s=240):
         yield Cluster(
-            url,
+            f"http://127.0.0.1:{port}",
             SERVED_NAME if named else str(model_dir),
             named,
             engines[:PREFILL_ENGINES],
             engines[PREFILL_ENGINES:],
         )
-    finally:
-        up.send_signal(signal.SIGTERM)
-        try:
-            up.wait(30)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            up.wait(10)
 
 
 def stream_turn(url: str, turn: dict, model: str, session: str) -> tuple[int, dict | None, str]:

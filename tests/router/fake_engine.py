@@ -39,6 +39,8 @@ class FakeEngine:
     calls: list[Call] = field(default_factory=list)
     refused: int = 0
     """Calls without the cluster secret (answered 401)."""
+    drop_loads: bool = False
+    """While set, /load calls get no answer: their connection is closed (a lost reply)."""
 
     def __post_init__(self) -> None:
         self._loop = asyncio.new_event_loop()
@@ -62,6 +64,10 @@ class FakeEngine:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
 
+    def kill(self) -> None:
+        """As an engine whose process died: its connections close, its port refuses new ones."""
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+
     # -- the server ----------------------------------------------------------------------------
 
     def _run(self, sock: socket.socket) -> None:
@@ -72,7 +78,7 @@ class FakeEngine:
         app.router.add_post("/kv/release", self._release)
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_post("/v1/completions", self._complete)
-        runner = web.AppRunner(app, access_log=None)
+        self._runner = runner = web.AppRunner(app, access_log=None)
         self._loop.run_until_complete(runner.setup())
         self._loop.run_until_complete(web.SockSite(runner, sock).start())
         self._ready.set()
@@ -87,7 +93,11 @@ class FakeEngine:
             return web.json_response({"error": {"message": "secret"}}, status=401)
         return await handler(request)
 
-    async def _load(self, _: web.Request) -> web.Response:
+    async def _load(self, request: web.Request) -> web.Response:
+        if self.drop_loads:
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response()
         return web.json_response(
             {
                 "ready": True,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -22,10 +21,11 @@ from tests.router.conftest import Processes
 from tests.router.test_pd import ENGINE, chat_body, long_text, stream
 from tests.servers import (
     SECRET,
+    PDCluster,
     Server,
+    pd_cluster,
     start_router,
     start_server,
-    wait_healthy,
     wait_router_caught_up,
 )
 
@@ -37,35 +37,15 @@ BLOCK = 16
 KEY = "sk-client"
 
 
-@dataclass
-class Cluster:
-    prefill: list[Server]
-    decode: Server
-    router: Server
-
-    def engines(self) -> list[Server]:
-        return [*self.prefill, self.decode]
-
-
 @pytest.fixture(scope="module")
 def llama(tiny_model_dir) -> Path:
     return tiny_model_dir("llama")
 
 
 @pytest.fixture(scope="module")
-def cluster(llama: Path) -> Iterator[Cluster]:
-    engine = (*ENGINE, *QUEUED)
-    servers = [start_server(llama, *engine, "--role", "prefill", wait=False) for _ in range(2)]
-    servers.append(start_server(llama, *engine, "--role", "decode", wait=False))
-    routers: list[Server] = []
-    try:
-        for s in servers:
-            wait_healthy(s)
-        routers.append(start_router(llama, prefill=servers[:2], decode=servers[2:]))
-        yield Cluster(servers[:2], servers[2], routers[0])
-    finally:
-        for s in [*servers, *routers]:
-            s.stop()
+def cluster(llama: Path) -> Iterator[PDCluster]:
+    with pd_cluster(llama, *ENGINE, *QUEUED) as c:
+        yield c
 
 
 def metric(router: Server, name: str) -> float:
@@ -73,7 +53,7 @@ def metric(router: Server, name: str) -> float:
     return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(name))
 
 
-def test_a_session_grows_its_kv_on_one_prefill_engine(cluster: Cluster) -> None:
+def test_a_session_grows_its_kv_on_one_prefill_engine(cluster: PDCluster) -> None:
     """Turn 2 adds under 256 uncached tokens: it once ran whole on the decode engine, and turn 3
     on the session's prefill engine recomputed it. Now every turn prefills on that one engine,
     and each turn's cached_tokens cover the turns before it."""
@@ -117,7 +97,7 @@ def test_a_session_grows_its_kv_on_one_prefill_engine(cluster: Cluster) -> None:
     )
 
 
-def test_a_queue_longer_than_the_stall_timeout_ends_in_answers(cluster: Cluster) -> None:
+def test_a_queue_longer_than_the_stall_timeout_ends_in_answers(cluster: PDCluster) -> None:
     """Twelve requests at once on engines that take one at a time: most wait in a queue far
     longer than the router's stall timeout (0.5 s). Each is an answer; none a 503, none cut."""
     router = start_router(None, cluster.prefill, [cluster.decode], extra=["--stall-timeout", "0.5"])
@@ -139,7 +119,7 @@ def test_a_queue_longer_than_the_stall_timeout_ends_in_answers(cluster: Cluster)
         router.stop()
 
 
-def test_tokenize_and_detokenize_through_the_router(cluster: Cluster, llama: Path) -> None:
+def test_tokenize_and_detokenize_through_the_router(cluster: PDCluster, llama: Path) -> None:
     router = start_router(llama, cluster.prefill, [cluster.decode], extra=["--api-key", KEY])
     try:
         auth = {"authorization": f"Bearer {KEY}"}
@@ -188,7 +168,7 @@ def shape(r: httpx.Response) -> tuple[int, str, type | None, type | None]:
 
 
 def test_every_router_error_has_the_engines_shape(
-    cluster: Cluster, llama: Path, procs: Processes
+    cluster: PDCluster, llama: Path, procs: Processes
 ) -> None:
     engine = start_server(llama, *ENGINE, "--max-body-bytes", "4000", api_key=KEY)
     router = start_router(

@@ -16,8 +16,9 @@ import pytest
 from ember.trust import internal_headers
 from tests.servers import (
     SECRET,
+    PDCluster,
     Server,
-    start_router,
+    pd_cluster,
     start_server,
     wait_healthy,
     wait_router_caught_up,
@@ -48,18 +49,9 @@ def long_text(seed: int, n: int) -> str:
 
 
 @dataclass
-class Cluster:
+class Cluster(PDCluster):
     both: Server
-    prefill: list[Server]
-    decode: Server
-    router: Server
-
-    def all(self) -> list[Server]:
-        return [self.both, *self.prefill, self.decode, self.router]
-
-    def routed(self) -> list[Server]:
-        """The engines behind the router."""
-        return [*self.prefill, self.decode]
+    """A colocated engine beside the cluster: the reference its answers must equal."""
 
 
 @pytest.fixture(scope="module")
@@ -69,18 +61,13 @@ def llama(tiny_model_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(llama: Path) -> Iterator[Cluster]:
-    servers = [start_server(llama, *ENGINE, wait=False)]
-    servers += [start_server(llama, *ENGINE, "--role", "prefill", wait=False) for _ in range(2)]
-    servers.append(start_server(llama, *ENGINE, "--role", "decode", wait=False))
-    router = None
+    both = start_server(llama, *ENGINE, wait=False)  # starts while the cluster does
     try:
-        for s in servers:
-            wait_healthy(s)
-        router = start_router(llama, prefill=servers[1:3], decode=servers[3:4])
-        yield Cluster(servers[0], servers[1:3], servers[3], router)
+        with pd_cluster(llama, *ENGINE) as pd:
+            wait_healthy(both)
+            yield Cluster(pd.prefill, pd.decode, pd.router, both)
     finally:
-        for s in [*servers, *([router] if router else [])]:
-            s.stop()
+        both.stop()
 
 
 def chat_body(content: str, **kw: object) -> dict:
@@ -173,7 +160,7 @@ def test_a_mostly_cached_prompt_is_not_split(cluster: Cluster) -> None:
     body = chat_body(long_text(5, 300))
     want = post(cluster.both, "/chat/completions", body)["choices"][0]["message"]
     assert post(cluster.router, "/chat/completions", body)["choices"][0]["message"] == want
-    wait_router_caught_up(cluster.router, cluster.routed())  # the index knows that prompt now
+    wait_router_caught_up(cluster.router, cluster.engines())  # the index knows that prompt now
     routed = decisions(cluster.router)
     assert post(cluster.router, "/chat/completions", body)["choices"][0]["message"] == want
     assert decisions(cluster.router).get("colocated", 0) - routed.get("colocated", 0) == 1
@@ -213,7 +200,7 @@ def test_session_turns_land_where_their_cache_is(cluster: Cluster) -> None:
             {"role": "assistant", "content": answer},
             {"role": "user", "content": "tool result: " + long_text(seed + 50, 200)},
         ]
-        wait_router_caught_up(cluster.router, cluster.routed())  # and turn 1's blocks
+        wait_router_caught_up(cluster.router, cluster.engines())  # and turn 1's blocks
         b = leg({**first, "messages": messages}, headers)
         return a, b, a["usage"]["prompt_tokens"]
 

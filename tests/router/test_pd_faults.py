@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -14,20 +13,14 @@ import orjson
 import pytest
 
 from ember.trust import internal_headers
+from ember.up_process import drained, wait_drained
 from tests.router.test_pd import ENGINE, chat_body, long_text, post
-from tests.servers import SECRET, Server, start_router, start_server, wait_healthy
+from tests.servers import SECRET, PDCluster, pd_cluster, start_server
 
 INTERNAL = internal_headers(SECRET)
 """Calls that stand in for ember's own processes (KV transfer parameters, /metrics)."""
 
 pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine is not installed")
-
-
-@dataclass
-class Cluster:
-    prefill: list[Server]
-    decode: Server
-    router: Server
 
 
 @pytest.fixture(scope="module")
@@ -36,34 +29,12 @@ def llama(tiny_model_dir) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cluster(llama: Path) -> Iterator[Cluster]:
-    servers = [start_server(llama, *ENGINE, "--role", "prefill", wait=False) for _ in range(2)]
-    servers.append(start_server(llama, *ENGINE, "--role", "decode", wait=False))
-    router = None
-    try:
-        for s in servers:
-            wait_healthy(s)
-        router = start_router(llama, prefill=servers[:2], decode=servers[2:])
-        yield Cluster(servers[:2], servers[2], router)
-    finally:
-        for s in [*servers, *([router] if router else [])]:
-            s.stop()
+def cluster(llama: Path) -> Iterator[PDCluster]:
+    with pd_cluster(llama, *ENGINE) as c:
+        yield c
 
 
-def wait_all_free(servers: list[Server], timeout_s: float = 10.0) -> dict[str, dict]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        state = {s.url: s.load() for s in servers}
-        idle = all(
-            st["free_blocks"] == st["total_blocks"] and st["leases"] == 0 and st["running"] == 0
-            for st in state.values()
-        )
-        if idle or time.monotonic() > deadline:
-            return state
-        time.sleep(0.1)
-
-
-def test_client_hang_up_frees_blocks_on_both_sides(cluster: Cluster) -> None:
+def test_client_hang_up_frees_blocks_on_both_sides(cluster: PDCluster) -> None:
     body = {**chat_body(long_text(30, 300), max_tokens=1000), "stream": True}
     with httpx.stream(
         "POST", f"{cluster.router.url}/v1/chat/completions", json=body, timeout=60
@@ -75,17 +46,14 @@ def test_client_hang_up_frees_blocks_on_both_sides(cluster: Cluster) -> None:
             if seen >= 5:
                 break
     # The client is gone mid-stream: both legs' blocks must come back.
-    engines = [*cluster.prefill, cluster.decode]
-    busy = {s.url: s.load()["running"] for s in engines}
-    state = wait_all_free(engines)
-    for st in state.values():
-        assert st["free_blocks"] == st["total_blocks"], state
-        assert st["leases"] == 0 and st["running"] == 0, state
+    busy = {s.url: s.load()["running"] for s in cluster.engines()}
+    state = wait_drained([s.url for s in cluster.engines()], SECRET, 10)
+    assert all(drained(st) for st in state.values()), state
     assert sum(busy.values()) <= 1  # it was still decoding when the client left (or just ended)
 
 
 def test_expired_lease_frees_blocks_and_decode_prefills_locally(
-    cluster: Cluster, llama: Path
+    cluster: PDCluster, llama: Path
 ) -> None:
     prefill = start_server(llama, *ENGINE, "--role", "prefill", "--kv-lease-s", "1")
     try:
@@ -101,7 +69,7 @@ def test_expired_lease_frees_blocks_and_decode_prefills_locally(
         held = prefill.load()
         assert held["leases"] == 1 and held["free_blocks"] < held["total_blocks"]
         time.sleep(1.6)
-        after = wait_all_free([prefill], 5)[prefill.url]
+        after = wait_drained([prefill.url], SECRET, 5)[prefill.url]
         assert after["leases"] == 0 and after["lease_expiries"] == 1
         assert after["free_blocks"] == after["total_blocks"]
         metrics = httpx.get(f"{prefill.url}/metrics", headers=INTERNAL).text
@@ -117,7 +85,7 @@ def test_expired_lease_frees_blocks_and_decode_prefills_locally(
         prefill.stop()
 
 
-def test_killed_prefill_engine_is_routed_around(cluster: Cluster) -> None:
+def test_killed_prefill_engine_is_routed_around(cluster: PDCluster) -> None:
     cluster.prefill[0].proc.kill()
     cluster.prefill[0].proc.wait(10)
     for i in range(4):  # at once, before the router's health poll has noticed
@@ -126,7 +94,7 @@ def test_killed_prefill_engine_is_routed_around(cluster: Cluster) -> None:
         assert out["usage"]["completion_tokens"] == 20
 
 
-def test_killed_decode_engine_ends_the_stream_with_an_error(cluster: Cluster) -> None:
+def test_killed_decode_engine_ends_the_stream_with_an_error(cluster: PDCluster) -> None:
     body = {**chat_body(long_text(50, 300), max_tokens=1000), "stream": True}
     lines: list[str] = []
     with httpx.stream(
