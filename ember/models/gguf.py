@@ -1,7 +1,9 @@
 """Import a GGUF file (llama.cpp's format) into a Hugging Face-format model directory.
 
-Weights are dequantized with the `gguf` package, renamed to Hugging Face's names and, for the
-llama architecture, un-permuted the way transformers' own GGUF loader does it.
+Weights are dequantized with the `gguf` package (tested: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0 and the K-quants Q2_K..Q6_K; a type it cannot read is refused, naming type and tensor), renamed
+to Hugging Face's names and, for the llama architecture, un-permuted the way transformers' GGUF
+loader does it.
 """
 
 from __future__ import annotations
@@ -129,8 +131,11 @@ def _weights(
             continue
         try:
             values = dequantize(tensor.data, tensor.tensor_type)
-        except NotImplementedError as e:
-            raise ValueError(f"GGUF tensor {tensor.name!r}: {e}") from None
+        except NotImplementedError:
+            raise ValueError(
+                f"GGUF tensor {tensor.name!r} is of type {tensor.tensor_type.name}, which ember "
+                "cannot import: the gguf package cannot dequantize it"
+            ) from None
         # ggml lists dimensions innermost first; the data arrives as (rows, columns) already.
         values = values.reshape([int(d) for d in reversed(tensor.shape)])
         if llama and ".attn_q." in tensor.name:

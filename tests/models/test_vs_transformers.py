@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM
 
 from ember import LLM, SamplingParams
 from ember.models.tiny import make_tiny
 from tests.capture import captured_logits
+from tests.models.hf_reference import hf_greedy, hf_logits
 
 ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
 ATOL = 1e-4
@@ -43,19 +44,6 @@ def model_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
 
 def hf_model(path: Path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-@torch.no_grad()
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    cfg = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
-    return out[0, len(prompt) :].tolist()
-
-
-@torch.no_grad()
-def hf_logits(model, tokens: list[int]) -> torch.Tensor:
-    return model(torch.tensor([tokens])).logits[0].float()
 
 
 def random_prompt(seed: int, length: int, vocab: int) -> list[int]:
