@@ -17,6 +17,9 @@ class Logprob:
 
 
 SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]
+"""One entry per prompt token: None for the first (nothing precedes it), then the token's logprob
+given the tokens before it and the top alternatives, keyed by token id."""
 
 
 @dataclass(slots=True)
@@ -47,3 +50,5 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     kv_transfer_params: KVTransferParams | None = None
     """Prefill role: where the prompt's KV waits for a decode engine (on the final output)."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """With SamplingParams.prompt_logprobs: set from the first output on."""

@@ -43,6 +43,9 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to the context limit
     min_tokens: int = 0
     logprobs: int | None = None  # top alternatives; 0 returns only the sampled token's logprob
+    prompt_logprobs: int | None = None
+    """Score the prompt: each prompt token's logprob (and rank) given the tokens before it, plus
+    this many top alternatives; None: off. Raw log-softmax of the model, as vLLM's default."""
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
@@ -88,6 +91,8 @@ class SamplingParams:
             )
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be non-negative, got {self.logprobs}.")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must contain only non-empty strings, got {self.stop!r}.")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

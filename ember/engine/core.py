@@ -25,6 +25,7 @@ from ember.engine.messages import (
     SchedulerStats,
 )
 from ember.engine.model_runner import ModelRunner, PendingStep
+from ember.engine.prompt_logprobs import add_prompt_logprobs, take_prompt_logprobs
 from ember.engine.request import Request, RequestStatus
 from ember.engine.sampler import SamplingBatch, make_generator
 from ember.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -195,6 +196,7 @@ class EngineCore:
                 self.connector is None
                 or self.connector.role != "decode"
                 or kvt.num_prompt_tokens != len(msg.prompt_token_ids)
+                or req.scores_prompt  # read KV has no logits to score the prompt with
             ):
                 req.kv_transfer = None  # nothing to read it with, or not our prompt: prefill here
         if msg.sampling_params.structured_outputs is not None:
@@ -207,6 +209,11 @@ class EngineCore:
         represent (an int64 overflow, an id outside the vocabulary) fails here, for this request
         only, not later inside a batch of other users' requests."""
         p = req.sampling_params
+        vocab = self.model_config.vocab_size
+        if p.prompt_logprobs is not None and p.prompt_logprobs > vocab:
+            raise ValueError(
+                f"prompt_logprobs must be at most vocab_size={vocab}, got {p.prompt_logprobs}."
+            )
         blocked = [] if p.min_tokens == 0 else [*req.eos_token_ids, *(p.stop_token_ids or ())]
         # Penalties are plain floats (range-checked at the edge) but make build() count the
         # vocabulary: 1.3 ms a request against 27 us without them (128k vocabulary, measured).
@@ -219,7 +226,7 @@ class EngineCore:
             [req.output_token_ids],
             [req.generator],
             [blocked],
-            self.model_config.vocab_size,
+            vocab,
             "cpu",
         )
 
@@ -362,6 +369,9 @@ class EngineCore:
         so, pending = self._in_flight
         self._in_flight = None
         result = self.runner.finish(pending)
+        for i, scored in enumerate(result.prompt_logprobs):
+            if scored is not None:
+                add_prompt_logprobs(so.requests[i], *scored)
         progressed, _ = self.scheduler.update_from_output(so, result.sampled)
         logprobs_of = {
             req.request_id: lp
@@ -381,6 +391,7 @@ class EngineCore:
                     num_cached_tokens=max(req.num_cached_tokens, 0),
                     kv_transfer_params=(lease := self._lease_of(req)),
                     lease_until=self._lease_until(lease),
+                    prompt_logprobs=take_prompt_logprobs(req),
                 )
             )
         return outputs

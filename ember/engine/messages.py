@@ -69,10 +69,15 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
 CoreInput = EngineCoreRequest | AbortRequests | ReleaseLease | Shutdown
 
 
+TokenLogprobs = list[tuple[int, float, int]]
+"""One position's logprobs: (token id, logprob, rank), the sampled or scored token first, then the
+top alternatives (rank 1, 2, ...)."""
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: list[list[tuple[int, float, int]]] | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -81,6 +86,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     lease_until: float = 0.0
     """With kv_transfer_params: when the core will let the lease expire (time.monotonic(), the
     system-wide clock both processes read), so the API process can answer a release itself."""
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """With SamplingParams.prompt_logprobs, on the output of the step that ends the prompt: entry p
+    scores prompt token p + 1 (the first token has no entry)."""
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

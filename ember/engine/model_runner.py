@@ -1,6 +1,7 @@
 """Turns a scheduled batch into one forward pass: flat inputs, paged-attention metadata, logits for
-the rows that sample, and the sampler. Owns the model, the KV cache tensor and, on a GPU, the CUDA
-graphs that replay decode steps without per-kernel launch cost.
+the rows that sample, the sampler, and the scores of the prompt positions a request asked for. Owns
+the model, the KV cache tensor and, on a GPU, the CUDA graphs that replay decode steps without
+per-kernel launch cost.
 
 A step is launched (`launch`) and collected (`finish`) separately, so the engine can schedule and
 launch the next step while this one runs; the tokens it samples stay on the GPU for the next step's
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,12 +19,14 @@ import torch
 from ember.attention.backend import AttentionBackend
 from ember.attention.metadata import AttentionMetadata, ForwardContext
 from ember.engine.cuda_graphs import DecodeGraphs, feed_input_ids, feed_row
-from ember.engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from ember.engine.prompt_logprobs import PromptScoring, plan_prompt_scoring
+from ember.engine.sampler import Sampler, SamplerOutput, SamplingBatch, score_tokens
 from ember.engine.structured_output import apply_grammar_masks
 
 if TYPE_CHECKING:
     from torch import nn
 
+    from ember.engine.messages import TokenLogprobs
     from ember.engine.request import Request
     from ember.engine.scheduler import SchedulerOutput
     from ember.models.config import ModelConfig
@@ -35,8 +38,11 @@ log = logging.getLogger(__name__)
 class ModelRunnerOutput:
     sampled: list[int | None]
     """Parallel to the scheduled requests; None for a prefill chunk that does not sample."""
-    logprobs: list[list[tuple[int, float, int]] | None]
+    logprobs: list[TokenLogprobs | None]
     """Per row: (token id, logprob, rank), the sampled token first, then the top alternatives."""
+    prompt_logprobs: list[tuple[int, list[TokenLogprobs]] | None] = field(default_factory=list)
+    """Parallel to the scheduled requests: (first position, one entry per position) for a request
+    whose prompt positions this step scored, else None."""
 
 
 @dataclass(slots=True)
@@ -51,6 +57,9 @@ class PendingStep:
     logprobs: torch.Tensor | None = None
     logprob_ids: torch.Tensor | None = None
     ranks: torch.Tensor | None = None
+    prompt: PromptScoring | None = None
+    prompt_scores: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """The prompt rows' logprobs, token ids and ranks (`score_tokens`), on their way to the host."""
     done: torch.cuda.Event | None = None
     timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
@@ -166,11 +175,13 @@ class ModelRunner:
         # Decode rows first: the attention backend runs them through the decode kernel.
         order = sorted(range(n), key=lambda i: so.num_scheduled_tokens[i] != 1)
         rows = [j for j, i in enumerate(order) if so.samples[i]]
-        all_decode = all(k == 1 for k in so.num_scheduled_tokens)
+        prompt = plan_prompt_scoring(so, order) if so.scores_prompts else None
+        all_decode = all(k == 1 for k in so.num_scheduled_tokens) and prompt is None
         graph_bs = self.graphs.size_for(n) if all_decode and self.graphs.graphs else None
         timing = self._timing_events() if self.gpu_timing else None
         if timing is not None:
             timing[0].record()
+        scores = None
         if graph_bs is not None:
             logits = self.graphs.replay(so, order, graph_bs, self._prev_rows)
             # A slice when every row samples; never index with a host list (a hidden sync).
@@ -178,9 +189,11 @@ class ModelRunner:
         else:
             ids, positions, md = self.prepare(so, order)
             hidden = self.model(ids, positions, ForwardContext(md, self.kv_cache, self.backend))
+            scores = None if prompt is None else self._score_prompt(hidden, prompt)
             if not rows:
                 self._prev_rows = {}
-                return PendingStep(n, [], [], None)
+                step = PendingStep(n, [], [], None, prompt=prompt, prompt_scores=scores)
+                return self._queued(step)
             last = self._tensor([md.query_start_loc_cpu[j + 1] - 1 for j in rows], torch.int64)
             logits = self.model.compute_logits(hidden[last])
         if timing is not None:
@@ -197,9 +210,15 @@ class ModelRunner:
             self._to_host(out.logprobs),
             self._to_host(out.logprob_token_ids),
             self._to_host(out.sampled_ranks),
+            prompt=prompt,
+            prompt_scores=scores,
             timing=timing,
         )
-        if self._cuda:
+        return self._queued(step)
+
+    def _queued(self, step: PendingStep) -> PendingStep:
+        """Mark the end of a step's device work, which its host copies wait for."""
+        if self._cuda and (step.tokens is not None or step.prompt_scores is not None):
             step.done = torch.cuda.Event()
             step.done.record()
         return step
@@ -207,15 +226,28 @@ class ModelRunner:
     def finish(self, step: PendingStep) -> ModelRunnerOutput:
         """Wait for a launched step's tokens (the step's one host sync) and hand them out."""
         sampled: list[int | None] = [None] * step.num_requests
-        logprobs: list[list[tuple[int, float, int]] | None] = [None] * step.num_requests
-        if step.tokens is None:
-            return ModelRunnerOutput(sampled, logprobs)
+        logprobs: list[TokenLogprobs | None] = [None] * step.num_requests
+        prompt_logprobs: list[tuple[int, list[TokenLogprobs]] | None] = [None] * step.num_requests
+        result = ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
+        if step.tokens is None and step.prompt_scores is None:
+            return result
         if step.done is not None:
             t0 = time.perf_counter()
             step.done.synchronize()
             self.sync_wait_s += time.perf_counter() - t0
         if step.timing is not None:
             self.last_forward_ms = step.timing[0].elapsed_time(step.timing[1])
+        if step.prompt is not None and step.prompt_scores is not None:
+            lp, lp_ids, ranks = (t.tolist() for t in step.prompt_scores)
+            row = 0
+            for i, first, count, want in step.prompt.spans:
+                prompt_logprobs[i] = (
+                    first,
+                    [_entries(lp_ids[r], lp[r], ranks[r], want) for r in range(row, row + count)],
+                )
+                row += count
+        if step.tokens is None:
+            return result
         tokens = step.tokens.tolist()
         lp = step.logprobs.tolist() if step.logprobs is not None else None
         lp_ids = step.logprob_ids.tolist() if step.logprob_ids is not None else None
@@ -224,10 +256,21 @@ class ModelRunner:
             sampled[i] = tokens[j]
             want = step.num_logprobs[j]
             if want is not None and lp is not None and lp_ids is not None and ranks is not None:
-                entries = [(lp_ids[j][0], lp[j][0], ranks[j])]
-                entries += [(lp_ids[j][k], lp[j][k], k) for k in range(1, want + 1)]
-                logprobs[i] = entries
-        return ModelRunnerOutput(sampled, logprobs)
+                logprobs[i] = _entries(lp_ids[j], lp[j], ranks[j], want)
+        return result
+
+    def _score_prompt(
+        self, hidden: torch.Tensor, scoring: PromptScoring
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Only the asking requests' rows pay for logits and a float32 log-softmax."""
+        rows = self._tensor(scoring.rows, torch.int64)
+        targets = self._tensor(scoring.targets, torch.int64)
+        want = max(span[3] for span in scoring.spans)
+        scores = score_tokens(
+            hidden[rows], targets, want, self.model.compute_logits, self.config.vocab_size
+        )
+        lp, ids, ranks = (self._copy_to_host(t) for t in scores)
+        return lp, ids, ranks
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         if any(r.matcher is not None for r in reqs):
@@ -244,8 +287,11 @@ class ModelRunner:
         return self.sampler(logits, batch)
 
     def _to_host(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else self._copy_to_host(t)
+
+    def _copy_to_host(self, t: torch.Tensor) -> torch.Tensor:
         """An asynchronous copy into pinned memory; read it only after the step's event."""
-        if t is None or not self._cuda:
+        if not self._cuda:
             return t
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         return host.copy_(t, non_blocking=True)
@@ -308,6 +354,11 @@ class ModelRunner:
         self.kv_cache = saved
         torch.cuda.empty_cache()
         return peak
+
+
+def _entries(ids: list[int], logprobs: list[float], rank: int, want: int) -> TokenLogprobs:
+    """One position's (token id, logprob, rank): its token first, then `want` alternatives."""
+    return [(ids[0], logprobs[0], rank)] + [(ids[k], logprobs[k], k) for k in range(1, want + 1)]
 
 
 def _blocked_tokens(req: Request) -> list[int]:

@@ -1,5 +1,5 @@
-"""From token ids to what the user sees: incremental text, stop strings, logprobs, and the
-fan-in of a request's `n` samples into one RequestOutput."""
+"""From token ids to what the user sees: incremental text, stop strings, logprobs (of the output and
+of the prompt), and the fan-in of a request's `n` samples into one RequestOutput."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ember.engine.stop_strings import find_stop_string
-from ember.outputs import CompletionOutput, Logprob, RequestOutput
+from ember.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from ember.tokenizer.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
-    from ember.engine.messages import EngineCoreOutput, KVTransferParams
+    from ember.engine.messages import EngineCoreOutput, KVTransferParams, TokenLogprobs
     from ember.sampling_params import SamplingParams
     from ember.tokenizer.tokenizer import Tokenizer
 
@@ -40,6 +40,8 @@ class RequestState:
     num_cached_tokens: int = 0
     arrival_time: float = 0.0
     kv_transfer_params: KVTransferParams | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    """From the first sample whose output brings them (every sample scores the same prompt)."""
 
     @property
     def finished(self) -> bool:
@@ -66,6 +68,7 @@ class RequestState:
             self.finished,
             self.num_cached_tokens,
             kv_transfer_params=self.kv_transfer_params,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -111,6 +114,8 @@ class OutputProcessor:
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             if out.kv_transfer_params is not None:
                 state.kv_transfer_params = out.kv_transfer_params
+            if out.prompt_logprobs is not None and state.prompt_logprobs is None:
+                state.prompt_logprobs = [None, *map(self._logprob_dict, out.prompt_logprobs)]
             if self._apply(sample, out) and out.finish_reason is None:
                 to_stop.append(out.request_id)
             touched[parent_id] = state
@@ -155,14 +160,19 @@ class OutputProcessor:
         s.finish_reason, s.stop_reason = "stop", hit[1]
         return True
 
-    def _add_logprobs(self, s: SampleState, entries: list[tuple[int, float, int]]) -> None:
+    def _add_logprobs(self, s: SampleState, entries: TokenLogprobs) -> None:
         if s.logprobs is None:
             s.logprobs, s.cumulative_logprob = [], 0.0
+        s.logprobs.append(self._logprob_dict(entries))
+        s.cumulative_logprob = (s.cumulative_logprob or 0.0) + entries[0][1]
+
+    def _logprob_dict(self, entries: TokenLogprobs) -> dict[int, Logprob]:
+        """One position's logprobs by token id; the chosen token keeps its own rank when it is
+        also among the top alternatives."""
         step: dict[int, Logprob] = {}
         for tok, lp, rank in entries:
             if tok not in step:
                 step[tok] = Logprob(
                     lp, rank, self.tokenizer.decode([tok], skip_special_tokens=False)
                 )
-        s.logprobs.append(step)
-        s.cumulative_logprob = (s.cumulative_logprob or 0.0) + entries[0][1]
+        return step

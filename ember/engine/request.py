@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     import torch
     from llguidance import LLMatcher
 
-    from ember.engine.messages import KVTransferParams
+    from ember.engine.messages import KVTransferParams, TokenLogprobs
     from ember.sampling_params import SamplingParams
 
 
@@ -67,6 +67,11 @@ class Request:
     kv_transfer: KVTransferParams | None = None
     """Disaggregation: `do_remote_decode` (hold the KV for a decode engine when done) or
     `do_remote_prefill` (read the prompt's KV from a prefill engine before decoding)."""
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """With `prompt_logprobs` asked: the prompt positions scored so far (entry p scores prompt
+    token p + 1), gathered over the prefill's chunks."""
+    prompt_logprobs_sent: bool = False
+    """They went out with the first token: a recompute after a preemption scores nothing again."""
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -95,6 +100,12 @@ class Request:
             or p.presence_penalty != 0.0
             or p.frequency_penalty != 0.0
         )
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prompt's logprobs are asked for and not yet sent: every prompt position must be
+        computed here (no prefix-cache hits, no KV read from another engine)."""
+        return self.sampling_params.prompt_logprobs is not None and not self.prompt_logprobs_sent
 
     @property
     def is_finished(self) -> bool:

@@ -6,6 +6,7 @@ Runs unchanged on CPU and CUDA: no per-row Python work on the unseeded path and 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -194,16 +195,50 @@ def _check_token_ids(rows: list[list[int]], vocab_size: int, name: str) -> None:
         raise ValueError(f"{name} has token id {bad[0]} outside the vocabulary [0, {vocab_size}).")
 
 
+MAX_SCORED_LOGITS = 1 << 24
+"""Logits (rows x vocabulary) `score_tokens` holds at once: 64 MiB in float32. A 2,048-token chunk
+of a 49k vocabulary would take 400 MB whole; 128k, 1 GB."""
+
+
+def score_tokens(
+    hidden: Tensor,
+    targets: Tensor,
+    num_logprobs: int,
+    compute_logits: Callable[[Tensor], Tensor],
+    vocab_size: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Each hidden row's raw log-softmax at its target token, in the sampler's logprob layout:
+    logprobs [R, 1 + k] and token ids [R, 1 + k] (the target, then the top `num_logprobs`), and the
+    target's rank [R]. The float32 logits are made a slice of rows at a time."""
+    rows = max(1, MAX_SCORED_LOGITS // vocab_size)
+    parts = [
+        _logprobs_at(
+            compute_logits(hidden[i : i + rows]).float().log_softmax(-1),
+            targets[i : i + rows],
+            num_logprobs,
+        )
+        for i in range(0, len(targets), rows)
+    ]
+    logprobs, token_ids, ranks = (torch.cat(column) for column in zip(*parts, strict=True))
+    return logprobs, token_ids, ranks
+
+
 def _gather_logprobs(raw_logprobs: Tensor, sampled: Tensor, num_logprobs: int) -> SamplerOutput:
-    sampled_logprob = raw_logprobs.gather(1, sampled.unsqueeze(1))
+    return SamplerOutput(sampled, *_logprobs_at(raw_logprobs, sampled, num_logprobs))
+
+
+def _logprobs_at(
+    raw_logprobs: Tensor, tokens: Tensor, num_logprobs: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Logprobs and ids of each row's token then its top alternatives, and the token's rank."""
+    token_logprob = raw_logprobs.gather(1, tokens.unsqueeze(1))
     top_logprobs, top_ids = raw_logprobs.topk(num_logprobs, dim=-1)
-    # Like vLLM, a tie with the sampled token counts against it: rank = #{logprob >= sampled}.
-    ranks = (raw_logprobs >= sampled_logprob).sum(-1)
-    return SamplerOutput(
-        sampled=sampled,
-        logprobs=torch.cat([sampled_logprob, top_logprobs], dim=1),
-        logprob_token_ids=torch.cat([sampled.unsqueeze(1), top_ids], dim=1),
-        sampled_ranks=ranks,
+    # Like vLLM, a tie with the token counts against it: rank = #{logprob >= the token's}.
+    ranks = (raw_logprobs >= token_logprob).sum(-1)
+    return (
+        torch.cat([token_logprob, top_logprobs], dim=1),
+        torch.cat([tokens.unsqueeze(1), top_ids], dim=1),
+        ranks,
     )
 
 

@@ -43,6 +43,9 @@ class SchedulerOutput:
     samples: list[bool] = field(default_factory=list)
     """Whether the step reaches the end of a request's tokens and so samples its next one."""
     preempted: list[Request] = field(default_factory=list)
+    scores_prompts: bool = False
+    """Some unfinished request asked for prompt logprobs: the model runner looks for rows to score
+    (without it, a step costs no per-request look)."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -69,6 +72,8 @@ class Scheduler:
         self.prefix_queries = 0
         """Prompt tokens looked up in the prefix cache on first admission (vLLM's metric)."""
         self.prefix_hits = 0
+        self.num_prompt_scorers = 0
+        """Unfinished requests with `prompt_logprobs`."""
 
     # -- admission and removal ---------------------------------------------------------------
 
@@ -83,6 +88,7 @@ class Scheduler:
                 f"{self.config.max_model_len}, which leaves no room for output"
             )
         self.requests[req.request_id] = req
+        self.num_prompt_scorers += req.sampling_params.prompt_logprobs is not None
         self.waiting.append(req)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
@@ -147,7 +153,8 @@ class Scheduler:
                 if not self._start_load(req):
                     break
                 continue
-            hits, num_hit = self.kv.get_computed_blocks(req)
+            # A prompt to be scored is computed whole: a cached block's positions have no logits.
+            hits, num_hit = ([], 0) if req.scores_prompt else self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(req, num_new, hits):
                 break
@@ -162,6 +169,7 @@ class Scheduler:
             self._add(out, req, num_new)
             budget -= num_new
         out.block_ids = [self.kv.block_ids(r.request_id) for r in out.requests]
+        out.scores_prompts = self.num_prompt_scorers > 0
         return out
 
     def _add(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
@@ -306,6 +314,7 @@ class Scheduler:
         elif not loading:  # a read into a loading request's blocks may still be running
             self.kv.free(req)
         del self.requests[req.request_id]
+        self.num_prompt_scorers -= req.sampling_params.prompt_logprobs is not None
 
     def _leases(self, req: Request, status: RequestStatus) -> bool:
         """A prefill-role prompt that ended on its length limit waits for its decode engine."""

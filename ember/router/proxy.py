@@ -9,7 +9,8 @@ one colocated leg), relay the stream, rewrite the usage, and end cleanly whateve
 - No fixed read timeout: a whole answer is awaited while its engine keeps answering `/load`; a
   stream that sends nothing for `stall_timeout_s` while its engine does no work either (its `/load`
   counters stand still) ends with an error event and `[DONE]`.
-- When no prefill engine can take a leg, a decode engine prefills in place.
+- When no prefill engine can take a leg, a decode engine prefills in place. A request that asks
+  for logprobs (of its first token, or of its prompt: `echo`, `prompt_logprobs`) runs in one leg.
 - A client that hangs up cancels the handler: open legs are closed (each engine aborts) and the
   prefill lease is released at the prefill endpoint the router chose. A hang-up is never counted
   against an engine's circuit breaker.
@@ -121,8 +122,8 @@ class Router:
         """The prefill endpoint when the request should be split; None to run it in one place."""
         if not self.pool.has_role("prefill") or body.get("n", 1) != 1 or prompt.batch:
             return None
-        if body.get("logprobs"):
-            return None  # the decode leg has no logprob for the prefill's first token
+        if _scores_on_one_engine(body):
+            return None
         prompt_field = body.get("prompt")
         if isinstance(prompt_field, list) and prompt_field and isinstance(prompt_field[0], list):
             return None  # a batch of prompts
@@ -442,6 +443,15 @@ def _passed_on(upstream: aiohttp.ClientResponse, data: bytes) -> web.Response:
     headers = {h: upstream.headers[h] for h in PASSED_HEADERS if h in upstream.headers}
     ctype = upstream.headers.get("content-type", "application/json").split(";")[0]
     return web.Response(body=data, status=upstream.status, content_type=ctype, headers=headers)
+
+
+def _scores_on_one_engine(body: dict[str, Any]) -> bool:
+    """Logprobs of the first token (sampled by the prefill leg) or of the prompt (`echo` with
+    `logprobs`, `prompt_logprobs`: scored where the prompt is computed) come back only from an
+    engine that runs the whole request, so such a request is not split."""
+    logprobs = body.get("logprobs")  # 0 asks too (and 0 == False: compare by identity)
+    first_token = logprobs is not None and logprobs is not False
+    return first_token or body.get("prompt_logprobs") is not None
 
 
 def _too_deep(value: Any) -> bool:

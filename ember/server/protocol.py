@@ -21,6 +21,8 @@ from ember.sampling_params import SamplingParams, StructuredOutputsParams
 from ember.server.errors import APIError
 
 MAX_N = 128
+MAX_LOGPROBS = 20
+"""Top alternatives a position may return (OpenAI's limit, vLLM's default max_logprobs)."""
 MAX_PROMPTS = 1024
 """Prompts in one completions request (each is a sequence, times n, for admission)."""
 MAX_STOP = 64
@@ -221,12 +223,22 @@ class _Sampling(_Model):
     """Prefill/decode disaggregation (vLLM's field): set by the router, see KVTransferParams."""
     cache_salt: str | None = Field(default=None, max_length=256)
     """vLLM's field: prompts share cached prefix blocks only with requests of the same salt."""
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    """vLLM's field: score the prompt (each token's logprob and this many alternatives). The whole
+    prompt is computed, without prefix-cache hits."""
 
     @model_validator(mode="after")
     def _check_seed(self) -> _Sampling:
         if self.seed is not None and self.seed + self.n - 1 > INT64_MAX:
             raise ValueError(f"seed + n - 1 must be at most {INT64_MAX} (sample i uses seed + i)")
         return self
+
+    def check_prompt_logprobs(self) -> None:
+        """vLLM's rule: a stream carries no prompt logprobs, so asking for alternatives is a 400."""
+        if self.stream and self.prompt_logprobs:
+            raise APIError(
+                "prompt_logprobs are not available when stream is true", param="prompt_logprobs"
+            )
 
     def check_vocab(self, vocab_size: int) -> None:
         """What the model's vocabulary bounds; a 400 naming the field otherwise."""
@@ -248,6 +260,7 @@ class _Sampling(_Model):
         logprobs: int | None,
         skip_special_tokens: bool | None = None,
         structured: StructuredOutputsParams | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         return SamplingParams(
             n=self.n,
@@ -265,6 +278,7 @@ class _Sampling(_Model):
             max_tokens=max_tokens,
             min_tokens=min(self.min_tokens, max_tokens),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=(
                 self.skip_special_tokens if skip_special_tokens is None else skip_special_tokens
@@ -278,7 +292,7 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -318,8 +332,10 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)
+    """0 only with echo: score the prompt and generate nothing (OpenAI's and vLLM's behaviour)."""
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -334,6 +350,20 @@ class CompletionRequest(_Sampling):
         if self.num_prompts > MAX_PROMPTS:
             raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
         return self
+
+    @property
+    def echo_only(self) -> bool:
+        """Score the prompt only: the answer is the prompt, no output tokens (one is generated)."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt position to compute: echo with logprobs returns the prompt's
+        logprobs ahead of the output's, as vLLM does."""
+        asked = None if self.stream else self.prompt_logprobs  # a stream does not carry them
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, asked or 0)
+        return asked
 
     @property
     def num_prompts(self) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -17,7 +17,7 @@ from starlette.requests import Request
 from ember.engine.async_llm import AsyncLLM, RequestStream
 from ember.engine.core_client import EngineDeadError, RequestFailedError
 from ember.engine.messages import KVTransferParams
-from ember.outputs import CompletionOutput, RequestOutput
+from ember.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from ember.sampling_params import SamplingParams
 from ember.server.errors import APIError
 from ember.server.kv_params import check_decode_leg, parse_kv_transfer, signed_body
@@ -26,6 +26,7 @@ from ember.server.middleware import caller_of
 from ember.trust import cache_namespace, new_secret
 
 DONE = b"data: [DONE]\n\n"
+MIN_LOGPROB = -9999.0
 
 
 def sse(obj: dict[str, Any]) -> bytes:
@@ -194,13 +195,15 @@ class ServingContext:
         """Submit to the engine; bad input raises APIError now. The caller owns the stream and
         must `aclose()` it (which aborts the request if it has not finished)."""
         remote_prefill = kv_transfer is not None and kv_transfer.do_remote_prefill
-        if remote_prefill and params.logprobs is not None:
-            # The first token was sampled on the prefill engine, with no logprobs kept.
-            raise APIError(
-                "logprobs are not available for a request whose prompt was prefilled on "
-                "another engine (kv_transfer_params.do_remote_prefill)",
-                param="logprobs",
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            if remote_prefill and getattr(params, name) is not None:
+                # The first token was sampled on the prefill engine, and the prompt scored there:
+                # no logprobs kept (the router runs such requests on one engine).
+                raise APIError(
+                    f"{name} are not available for a request whose prompt was prefilled on "
+                    "another engine (kv_transfer_params.do_remote_prefill)",
+                    param=name,
+                )
         try:
             return await self.engine.add_request(
                 request_id, prompt, params, cache_salt, kv_transfer
@@ -267,17 +270,35 @@ def completion_logprobs(
     """Legacy completions logprobs for output tokens [start, end)."""
     if o.logprobs is None:
         return None
-    tokens, token_lps, tops, offsets = [], [], [], []
+    return legacy_logprobs(o.token_ids[start:end], o.logprobs[start:end], top, text_offset)
+
+
+def legacy_logprobs(
+    token_ids: Sequence[int],
+    steps: Sequence[dict[int, Logprob] | None],
+    top: int,
+    text_offset: int,
+    first_text: str = "",
+) -> dict[str, Any]:
+    """Legacy completions logprobs (tokens, token_logprobs, top_logprobs, text_offset) of tokens
+    and their logprobs. A None step, the prompt's first token, has null logprobs and the text
+    `first_text`."""
+    tokens: list[str] = []
+    token_lps: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     offset = text_offset
-    for tok, step in zip(o.token_ids[start:end], o.logprobs[start:end], strict=True):
-        chosen = step[tok]
-        text = chosen.decoded_token or ""
+    for tok, step in zip(token_ids, steps, strict=True):
+        if step is None:
+            text, lp, alts = first_text, None, None
+        else:
+            chosen = step[tok]
+            text, lp = chosen.decoded_token or "", _finite(chosen.logprob)
+            ranked = sorted(step.values(), key=lambda x: x.rank or 0)
+            alts = {(x.decoded_token or ""): _finite(x.logprob) for x in ranked[: top + 1]}
         tokens.append(text)
-        token_lps.append(chosen.logprob)
-        ranked = sorted(step.values(), key=lambda lp: lp.rank or 0)
-        tops.append(
-            {(lp.decoded_token or ""): lp.logprob for lp in ranked[: top + 1]} if top else None
-        )
+        token_lps.append(lp)
+        tops.append(alts if top else None)
         offsets.append(offset)
         offset += len(text)
     return {
@@ -286,6 +307,40 @@ def completion_logprobs(
         "top_logprobs": tops,
         "text_offset": offsets,
     }
+
+
+def join_logprobs(head: dict[str, Any], tail: dict[str, Any] | None) -> dict[str, Any]:
+    """Legacy logprobs of the prompt (echo) followed by the output's."""
+    if tail is None:
+        return head
+    return {k: head[k] + tail[k] for k in head}
+
+
+def prompt_logprobs_body(
+    prompt_logprobs: PromptLogprobs | None,
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs` field: per prompt token, None for the first, else its logprob and
+    the alternatives' by token id ({"logprob", "rank", "decoded_token"})."""
+    if prompt_logprobs is None:
+        return None
+    return [
+        None
+        if step is None
+        else {
+            str(tok): {
+                "logprob": _finite(lp.logprob),
+                "rank": lp.rank,
+                "decoded_token": lp.decoded_token,
+            }
+            for tok, lp in step.items()
+        }
+        for step in prompt_logprobs
+    ]
+
+
+def _finite(logprob: float) -> float:
+    """-inf (a token the model rules out) as OpenAI and vLLM write it: JSON has no infinity."""
+    return max(logprob, MIN_LOGPROB)
 
 
 def stream_error(e: BaseException) -> bytes:

@@ -23,6 +23,7 @@ from ember.server.serving import (
     ServingContext,
     chat_logprobs,
     new_id,
+    prompt_logprobs_body,
     sse,
     stop_holdback,
     stream_error,
@@ -79,6 +80,7 @@ class ChatHandler:
         ctx = self.ctx
         model = ctx.check_model(req.model)
         req.check_vocab(ctx.engine.inputs.vocab_size)
+        req.check_prompt_logprobs()
         ctx.check_max_tokens(req.requested_max_tokens, req.max_tokens_param)
         ctx.check_prompt_chars(sum(m.num_chars for m in req.messages), "messages")
         with ctx.admit(req.n):
@@ -112,7 +114,11 @@ class ChatHandler:
         skip_special = parser.adjust_skip_special_tokens() if parser is not None else None
         try:
             structured = self._structured(req, parser)
-            params = req.sampling_params(max_tokens, req.num_logprobs, skip_special, structured)
+            # A stream carries no prompt logprobs (vLLM's rule): none computed for it.
+            prompt_logprobs = None if req.stream else req.prompt_logprobs
+            params = req.sampling_params(
+                max_tokens, req.num_logprobs, skip_special, structured, prompt_logprobs
+            )
             if params.structured_outputs is not None:
                 ctx.engine.grammar.validate(params.structured_outputs)
         except ValueError as e:
@@ -181,6 +187,8 @@ class ChatHandler:
             "usage": usage(final),
             "system_fingerprint": None,
         }
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_body(final.prompt_logprobs)
         kv = self.ctx.kv_transfer_body(final, raw)
         if kv is not None:
             body["kv_transfer_params"] = kv

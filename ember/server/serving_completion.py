@@ -20,8 +20,11 @@ from ember.server.serving import (
     DONE,
     ServingContext,
     completion_logprobs,
+    join_logprobs,
+    legacy_logprobs,
     merge_streams,
     new_id,
+    prompt_logprobs_body,
     sse,
     stop_holdback,
     stream_error,
@@ -37,7 +40,13 @@ class CompletionHandler:
         ctx = self.ctx
         model = ctx.check_model(req.model)
         req.check_vocab(ctx.engine.inputs.vocab_size)
+        req.check_prompt_logprobs()
         ctx.check_max_tokens(req.max_tokens, "max_tokens")
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError(
+                "max_tokens must be at least 1 (0 only with echo, to score the prompt)",
+                param="max_tokens",
+            )
         given = req.prompts()
         for p in given:  # what cannot fit is refused before any tokenizing
             if isinstance(p, str):
@@ -91,9 +100,13 @@ class CompletionHandler:
             if not ids:
                 raise APIError("prompt is empty", param="prompt")
             # vLLM's default for completions is 16 tokens (chat's is the rest of the context).
-            max_tokens = self.ctx.resolve_max_tokens(len(ids), req.max_tokens or 16, "prompt")
+            # Echo with max_tokens 0 generates one token, as vLLM does, and returns none.
+            wanted = 1 if req.echo_only else (req.max_tokens or 16)
+            max_tokens = self.ctx.resolve_max_tokens(len(ids), wanted, "prompt")
             try:
-                params = req.sampling_params(max_tokens, req.logprobs)
+                params = req.sampling_params(
+                    max_tokens, req.logprobs, prompt_logprobs=req.num_prompt_logprobs
+                )
                 # One grammar for every prompt: compiled (checked) once.
                 if params.structured_outputs is not None and not all_params:
                     self.ctx.engine.grammar.validate(params.structured_outputs)
@@ -135,18 +148,19 @@ class CompletionHandler:
             prompt_tokens += len(ids)
             cached += out.num_cached_tokens
             for o in out.outputs:
-                completion_tokens += len(o.token_ids)
-                prefix = text if req.echo else ""
-                choices.append(
-                    {
-                        "index": i * req.n + o.index,
-                        "text": prefix + o.text,
-                        "logprobs": completion_logprobs(
-                            o, 0, len(o.token_ids), req.logprobs or 0, len(prefix)
-                        ),
-                        "finish_reason": o.finish_reason,
-                    }
-                )
+                head = text if req.echo else ""
+                lp = self._echo_logprobs(req, out, text) if req.echo else None
+                body_text = head
+                if not req.echo_only:
+                    completion_tokens += len(o.token_ids)
+                    body_text += o.text
+                    tail = completion_logprobs(o, 0, len(o.token_ids), req.logprobs or 0, len(head))
+                    lp = tail if lp is None else join_logprobs(lp, tail)
+                choice = _choice(i * req.n + o.index, body_text, o.finish_reason)
+                choice["logprobs"] = lp
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_body(out.prompt_logprobs)
+                choices.append(choice)
         body = {
             "id": rid,
             "object": "text_completion",
@@ -188,18 +202,31 @@ class CompletionHandler:
                 finals[i] = out
                 for o in out.outputs:
                     index = i * req.n + o.index
+                    finished = o.finish_reason is not None
                     if index not in sent_chars:
                         sent_chars[index] = sent_tokens[index] = 0
-                        if req.echo:
-                            yield sse({**base, "choices": [_choice(index, prompts[i][0], None)]})
-                    finished = o.finish_reason is not None
+                        if req.echo and not req.echo_only:
+                            echo = _choice(index, prompts[i][0], None)
+                            echo["logprobs"] = self._echo_logprobs(req, out, prompts[i][0])
+                            yield sse({**base, "choices": [echo]})
+                    if req.echo_only:  # the prompt alone, once its scores are in
+                        if finished:
+                            echo = _choice(index, prompts[i][0], o.finish_reason)
+                            echo["logprobs"] = self._echo_logprobs(req, out, prompts[i][0])
+                            yield sse({**base, "choices": [echo]})
+                        continue
                     start = sent_chars[index]
                     end = len(o.text) if finished else max(start, len(o.text) - holdback)
                     text = o.text[start:end]
                     lp = None
                     if o.logprobs is not None and len(o.token_ids) > sent_tokens[index]:
+                        echoed = len(prompts[i][0]) if req.echo else 0
                         lp = completion_logprobs(
-                            o, sent_tokens[index], len(o.token_ids), req.logprobs or 0, start
+                            o,
+                            sent_tokens[index],
+                            len(o.token_ids),
+                            req.logprobs or 0,
+                            echoed + start,
                         )
                     sent_chars[index], sent_tokens[index] = end, len(o.token_ids)
                     if text or lp or finished:
@@ -209,6 +236,7 @@ class CompletionHandler:
             if include_usage and len(finals) == len(streams):
                 prompt_tokens = sum(len(ids) for _, ids in prompts)
                 completion = sum(len(o.token_ids) for f in finals.values() for o in f.outputs)
+                completion = 0 if req.echo_only else completion
                 cached = sum(f.num_cached_tokens for f in finals.values())
                 yield sse(
                     {**base, "choices": [], "usage": _usage(prompt_tokens, completion, cached)}
@@ -216,6 +244,16 @@ class CompletionHandler:
         except Exception as e:  # after the 200: end with an error event, never a hang
             yield stream_error(e)
         yield DONE
+
+    def _echo_logprobs(
+        self, req: CompletionRequest, out: RequestOutput, text: str
+    ) -> dict[str, Any] | None:
+        """The echoed prompt's legacy logprobs (with `logprobs` asked): null for its first token."""
+        if req.logprobs is None or out.prompt_logprobs is None:
+            return None
+        ids = out.prompt_token_ids
+        first = self.ctx.engine.tokenizer.decode(ids[:1], skip_special_tokens=False)
+        return legacy_logprobs(ids, out.prompt_logprobs, req.logprobs, 0, first)
 
 
 def _choice(index: int, text: str, finish: str | None) -> dict[str, Any]:

@@ -111,9 +111,12 @@ def test_completion_logprobs_and_echo(server: Server) -> None:
     )
     c = r.choices[0]
     assert c.text.startswith("import os")
-    assert len(c.logprobs.tokens) == 4 and len(c.logprobs.token_logprobs) == 4
-    assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
-    assert all(len(t) >= 2 for t in c.logprobs.top_logprobs)
+    # vLLM's echo: the prompt's two tokens lead (the first has no logprob), then the output's four.
+    assert c.logprobs.tokens[:2] == ["import", " os"]
+    assert len(c.logprobs.tokens) == 6 and len(c.logprobs.token_logprobs) == 6
+    assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in c.logprobs.token_logprobs[1:])
+    assert all(len(t) >= 2 for t in c.logprobs.top_logprobs[1:])
 
 
 def test_chat_logprobs(server: Server) -> None:
