@@ -9,8 +9,9 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# Mooncake's CPU wheel (the KV transport's tests) needs Debian's libibverbs1 at import time.
-	command -v apt-get >/dev/null && ! dpkg -s libibverbs1 >/dev/null 2>&1 && (apt-get update -qq && apt-get install -y -qq libibverbs1) || true
+	# Mooncake's CPU wheel (the KV transport, the store tier, mooncake_master) loads Debian's
+	# libibverbs1, libnuma1 and libcurl4 (libcurl4t64 from Debian 13 on), which slim images lack.
+	command -v apt-get >/dev/null && ! (dpkg -s libibverbs1 libnuma1 && (dpkg -s libcurl4 || dpkg -s libcurl4t64)) >/dev/null 2>&1 && (apt-get update -qq && apt-get install -y -qq libibverbs1 libnuma1 libcurl4) || true
 	# torch first: the CPU build of 2.13.0 lies on this machine's disk; a bare `torch` would pull CUDA.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'

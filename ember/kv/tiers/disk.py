@@ -1,0 +1,278 @@
+"""The disk tier: one file per KV block in a local directory, kept across restarts.
+
+A block lives at `<dir>/<first key byte hex>/<key hex>.kv`: a header (magic, the layout's
+fingerprint, the key, the payload length, a BLAKE2b-128 checksum of the payload), then the block's
+bytes. Files are written to a temporary name and renamed, so a reader never sees half a write; a
+crash can still leave a short or garbled file (no fsync), which the length and checksum catch on
+read: the entry is deleted and reported as a miss (recomputed). At start-up the index is rebuilt
+from the headers, least recently used first by modification time (a read touches it); entries of
+another layout are left alone and not counted, leftover temporary files are removed. One engine
+owns a directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import struct
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ember.kv.tiers.base import BlockLayout, Medium, Tier, TierStats, check_rows
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"EMBERKV\x01"
+# magic, layout fingerprint (16 bytes), key length, payload length, checksum (16 bytes)
+HEADER = struct.Struct("<8s16sHQ16s")
+SUFFIX = ".kv"
+TMP_SUFFIX = ".tmp"
+
+
+def checksum(payload: memoryview) -> bytes:
+    return hashlib.blake2b(payload, digest_size=16).digest()
+
+
+def _row_bytes(row: torch.Tensor) -> memoryview:
+    """The bytes of one uint8 row, without a copy (writable for reads into it)."""
+    return memoryview(row.numpy()).cast("B")
+
+
+class DiskTier(Tier):
+    medium: Medium = "disk"
+
+    def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, layout: BlockLayout):
+        self.root = Path(path)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.layout = layout
+        self.capacity_bytes = capacity_bytes
+        self._fingerprint = bytes.fromhex(layout.fingerprint())
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size; front = LRU
+        self._used = 0
+        self._stats = TierStats(capacity_bytes=capacity_bytes)
+        self._rebuild()
+
+    # -- the Tier interface ------------------------------------------------------------------
+
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        with self._lock:
+            n = 0
+            for key in keys:
+                if key not in self._index:
+                    break
+                n += 1
+            return n
+
+    def put(self, keys: Sequence[bytes], src: torch.Tensor) -> list[bool]:
+        check_rows(src, len(keys), self.layout.nbytes, "src")
+        return [self._put_one(key, src[i]) for i, key in enumerate(keys)]
+
+    def put_rows(
+        self, keys: Sequence[bytes], buffer: torch.Tensor, rows: Sequence[int]
+    ) -> list[bool]:
+        return [self._put_one(key, buffer[r]) for key, r in zip(keys, rows, strict=True)]
+
+    def get_into(self, keys: Sequence[bytes], dst: torch.Tensor) -> list[bool]:
+        check_rows(dst, len(keys), self.layout.nbytes, "dst")
+        return [self._get_one(key, dst[i]) for i, key in enumerate(keys)]
+
+    def get_into_rows(
+        self, keys: Sequence[bytes], buffer: torch.Tensor, rows: Sequence[int]
+    ) -> list[bool]:
+        return [self._get_one(key, buffer[r]) for key, r in zip(keys, rows, strict=True)]
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            s = self._stats.copy()
+            s.occupancy_blocks = len(self._index)
+            s.occupancy_bytes = self._used
+            return s
+
+    # -- files -------------------------------------------------------------------------------
+
+    def path_of(self, key: bytes) -> Path:
+        return self.root / key[:1].hex() / (key.hex() + SUFFIX)
+
+    def _entry_size(self, key: bytes) -> int:
+        return HEADER.size + len(key) + self.layout.nbytes
+
+    def _put_one(self, key: bytes, row: torch.Tensor) -> bool:
+        size = self._entry_size(key)
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+                return True
+            if size > self.capacity_bytes:
+                self._stats.drops += 1
+                return False
+            victims = self._make_room(size)
+        for victim in victims:
+            self._unlink(self.path_of(victim))
+        payload = _row_bytes(row)
+        header = HEADER.pack(MAGIC, self._fingerprint, len(key), len(payload), checksum(payload))
+        path = self.path_of(key)
+        tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(key)
+                f.write(payload)
+            os.replace(tmp, path)
+        except OSError as e:
+            log.warning("disk tier: cannot write %s: %s", path, e)
+            self._unlink(tmp)
+            with self._lock:
+                self._used -= size
+                self._stats.errors += 1
+                self._stats.drops += 1
+            return False
+        with self._lock:
+            self._index[key] = size
+            self._stats.blocks_in += 1
+            self._stats.bytes_in += len(payload)
+        return True
+
+    def _make_room(self, size: int) -> list[bytes]:
+        """Drop least recently used entries from the index until `size` more bytes fit, and
+        count the bytes as used; the caller deletes the victims' files. Under the lock."""
+        victims = []
+        while self._used + size > self.capacity_bytes and self._index:
+            key, freed = self._index.popitem(last=False)
+            self._used -= freed
+            self._stats.evictions += 1
+            victims.append(key)
+        self._used += size
+        return victims
+
+    def _get_one(self, key: bytes, row: torch.Tensor) -> bool:
+        with self._lock:
+            known = key in self._index
+            if known:
+                self._index.move_to_end(key)
+        if not known:
+            self._count_read(False)
+            return False
+        path = self.path_of(key)
+        try:
+            with open(path, "rb") as f:
+                ok = self._read_entry(f, key, _row_bytes(row))
+            if ok:
+                os.utime(path)
+        except OSError as e:
+            log.warning("disk tier: cannot read %s: %s", path, e)
+            ok = False
+        if not ok:
+            self._drop_corrupt(key, path)
+        self._count_read(ok)
+        return ok
+
+    def _read_entry(self, f, key: bytes, out: memoryview) -> bool:  # noqa: ANN001 - a binary file
+        """Read one entry's payload into `out`; False if its header, length or checksum is wrong."""
+        head = f.read(HEADER.size + len(key))
+        if len(head) != HEADER.size + len(key):
+            return False
+        magic, fingerprint, key_len, length, digest = HEADER.unpack_from(head)
+        if (
+            magic != MAGIC
+            or fingerprint != self._fingerprint
+            or key_len != len(key)
+            or head[HEADER.size :] != key
+            or length != len(out)
+        ):
+            return False
+        if f.readinto(out) != length or f.read(1):
+            return False
+        return checksum(out) == digest
+
+    def _drop_corrupt(self, key: bytes, path: Path) -> None:
+        log.warning("disk tier: dropping a truncated or corrupt entry %s", path)
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._used -= size
+            self._stats.corrupt += 1
+        self._unlink(path)
+
+    def _count_read(self, ok: bool) -> None:
+        with self._lock:
+            if ok:
+                self._stats.hits += 1
+                self._stats.blocks_out += 1
+                self._stats.bytes_out += self.layout.nbytes
+            else:
+                self._stats.misses += 1
+
+    @staticmethod
+    def _unlink(path: Path) -> None:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("disk tier: cannot delete %s: %s", path, e)
+
+    # -- start-up ----------------------------------------------------------------------------
+
+    def _rebuild(self) -> None:
+        """Index this layout's entries from their headers, oldest first; remove temporary files
+        and entries of this layout that are short or unreadable; leave other layouts' alone."""
+        found: list[tuple[float, bytes, int]] = []
+        for sub in self.root.iterdir():
+            if not sub.is_dir() or len(sub.name) != 2:
+                continue
+            for path in sub.iterdir():
+                if path.name.endswith(TMP_SUFFIX):
+                    self._unlink(path)
+                elif path.name.endswith(SUFFIX):
+                    entry = self._scan(path)
+                    if entry is not None:
+                        found.append(entry)
+        found.sort()
+        for _, key, size in found:
+            self._index[key] = size
+            self._used += size
+        for victim in self._make_room(0):
+            self._unlink(self.path_of(victim))
+        if found:
+            log.info(
+                "disk tier: %d blocks (%.1f MiB) found in %s",
+                len(found),
+                self._used / 2**20,
+                self.root,
+            )
+
+    def _scan(self, path: Path) -> tuple[float, bytes, int] | None:
+        """(mtime, key, size) of one of this layout's complete entries; None otherwise."""
+        try:
+            key = bytes.fromhex(path.name.removesuffix(SUFFIX))
+        except ValueError:
+            return None  # not a file of ours
+        try:
+            st = path.stat()
+            with open(path, "rb") as f:
+                head = f.read(HEADER.size + len(key))
+        except OSError:
+            return None
+        if len(head) == HEADER.size + len(key):
+            magic, fingerprint, key_len, length, _ = HEADER.unpack_from(head)
+            if magic == MAGIC and fingerprint != self._fingerprint:
+                return None  # another model or layout: not ours to count or delete
+            if (
+                magic == MAGIC
+                and key_len == len(key)
+                and head[HEADER.size :] == key
+                and length == self.layout.nbytes
+                and st.st_size == self._entry_size(key)
+            ):
+                return st.st_mtime, key, st.st_size
+        self._stats.corrupt += 1
+        self._unlink(path)
+        return None

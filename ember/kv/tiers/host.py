@@ -1,0 +1,155 @@
+"""The host tier: KV blocks in one (pinned) CPU buffer, a slot per block, LRU over the slots.
+
+It is both a cache and the staging area of every other move: GPU -> host -> disk / store and back.
+An entry is reserved (a slot to write into, invisible to lookups), then committed (visible) or
+aborted; pinned entries (being read or written elsewhere) and reserved ones are never evicted. Every
+method takes the tier's lock: the engine thread and the tier manager's background thread share it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+from ember.kv.tiers.base import BlockLayout, Medium, TierStats
+
+
+class HostTier:
+    medium: Medium = "cpu"
+
+    def __init__(self, layout: BlockLayout, capacity_blocks: int, pin: bool) -> None:
+        if capacity_blocks < 1:
+            raise ValueError(f"the host tier needs at least 1 block, got {capacity_blocks}")
+        self.layout = layout
+        self.capacity_blocks = capacity_blocks
+        self.buffer = torch.empty(
+            (capacity_blocks, layout.nbytes),
+            dtype=torch.uint8,
+            pin_memory=pin and torch.cuda.is_available(),
+        )
+        """uint8 [capacity, nbytes]: the DMA target of GPU copies and the source of lower tiers."""
+        self._lock = threading.RLock()
+        self._entries: OrderedDict[bytes, int] = OrderedDict()  # committed; front = least recent
+        self._reserved: dict[bytes, int] = {}
+        self._pins: dict[bytes, int] = {}
+        self._free: list[int] = list(range(capacity_blocks - 1, -1, -1))  # pop() gives slot 0 first
+        self._stats = TierStats(capacity_bytes=capacity_blocks * layout.nbytes)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def holds(self, key: bytes) -> bool:
+        """Whether the key is here or being written here (committed or reserved)."""
+        with self._lock:
+            return key in self._entries or key in self._reserved
+
+    def lookup(self, key: bytes) -> int | None:
+        """The slot of a committed entry, marked most recently used; None if absent."""
+        with self._lock:
+            slot = self._entries.get(key)
+            if slot is not None:
+                self._entries.move_to_end(key)
+            return slot
+
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many of `keys`, from the first on, are committed here (without touching them)."""
+        with self._lock:
+            n = 0
+            for key in keys:
+                if key not in self._entries:
+                    break
+                n += 1
+            return n
+
+    def reserve(self, keys: Sequence[bytes]) -> list[int | None]:
+        """A slot per key to write into, evicting least recently used unpinned entries for room.
+
+        None for a key that is already here (committed or reserved) or when nothing is left to
+        evict. A reserved entry is invisible until `commit` and is never evicted.
+        """
+        with self._lock:
+            out: list[int | None] = []
+            for key in keys:
+                if key in self._entries or key in self._reserved:
+                    out.append(None)
+                    continue
+                slot = self._free.pop() if self._free else self._evict_one()
+                if slot is not None:
+                    self._reserved[key] = slot
+                out.append(slot)
+            return out
+
+    def commit(self, keys: Sequence[bytes]) -> None:
+        """Make reserved entries visible (as the most recently used)."""
+        with self._lock:
+            for key in keys:
+                slot = self._reserved.pop(key, None)
+                if slot is None:
+                    raise KeyError(f"commit of a key that is not reserved: {key.hex()[:16]}")
+                self._entries[key] = slot
+                self._stats.blocks_in += 1
+
+    def abort(self, keys: Sequence[bytes]) -> None:
+        """Give reserved slots back (their writes failed or were cancelled)."""
+        with self._lock:
+            for key in keys:
+                slot = self._reserved.pop(key, None)
+                if slot is None:
+                    raise KeyError(f"abort of a key that is not reserved: {key.hex()[:16]}")
+                self._free.append(slot)
+                self._pins.pop(key, None)
+
+    def pin(self, keys: Sequence[bytes]) -> None:
+        """Keep entries (committed or reserved) from eviction until as many `unpin` calls."""
+        with self._lock:
+            for key in keys:
+                if key not in self._entries and key not in self._reserved:
+                    raise KeyError(f"pin of a key that is not here: {key.hex()[:16]}")
+                self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                count = self._pins.get(key, 0)
+                if count == 0:
+                    raise KeyError(f"unpin of a key that is not pinned: {key.hex()[:16]}")
+                if count == 1:
+                    del self._pins[key]
+                else:
+                    self._pins[key] = count - 1
+
+    def is_pinned(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._pins
+
+    def count_reads(self, hits: int, misses: int) -> None:
+        """Blocks a load found here (and read out) and blocks it had to look for below."""
+        with self._lock:
+            self._stats.hits += hits
+            self._stats.misses += misses
+            self._stats.blocks_out += hits
+            self._stats.bytes_out += hits * self.layout.nbytes
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            s = self._stats.copy()
+            s.occupancy_blocks = len(self._entries)
+            s.occupancy_bytes = len(self._entries) * self.layout.nbytes
+            s.bytes_in = s.blocks_in * self.layout.nbytes
+            return s
+
+    def _evict_one(self) -> int | None:
+        """Free the least recently used unpinned committed entry; its slot, or None if none."""
+        for key in self._entries:
+            if key not in self._pins:
+                slot = self._entries.pop(key)
+                self._stats.evictions += 1
+                return slot
+        return None

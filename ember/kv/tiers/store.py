@@ -1,0 +1,365 @@
+"""The store tier: KV blocks in a Mooncake Store that every engine shares (`--kv-store HOST:PORT`).
+
+A `mooncake_master` keeps the index; the bytes live in the memory segments the engines' clients
+mount (`segment_bytes` each), so an engine's blocks leave with it (the master forgets them about
+10 s after its last heartbeat) and the master evicts when the segments fill. A key is
+`ember/<layout fingerprint prefix>/<block hash hex>`: engines of another model, dtype or block
+layout never read each other's blocks, and tenants' blocks differ by their salted hashes.
+
+Faults never reach the engine: while the master is unreachable or transfers fail, every call is a
+miss (False, 0) until the connection (store_connection.py) has the master answering again. Reads
+land in a staging buffer of this tier and are copied on only once complete: after a failed
+transfer Mooncake may still be writing into the buffer it was given, so that staging buffer is set
+aside for a while, never a host-tier slot that is about to hold another block.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import torch
+
+from ember.kv.tiers.base import BlockLayout, Medium, Tier, TierStats, check_rows
+from ember.kv.tiers.store_connection import StoreConnection, StoreError
+
+log = logging.getLogger(__name__)
+
+FINGERPRINT_CHARS = 16
+MIN_SEGMENT_BYTES = 16 << 20
+"""Mooncake refuses a smaller segment."""
+QUARANTINE_S = 90.0
+"""How long a staging buffer of a failed read is kept aside: Mooncake's transfer timeout
+(MC_TRANSFER_TIMEOUT, 30 s) with a margin."""
+
+# Mooncake's ErrorCode values (its Python binding returns plain ints).
+INVALID_PARAMS = -600  # e.g. the buffer is smaller than the object: refused before any transfer
+NO_AVAILABLE_HANDLE = -200  # the segments are full: the write is dropped (the master evicts)
+REPLICA_IS_NOT_READY = -703
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+LEASE_EXPIRED = -707
+RPC_FAIL = -900  # the master is unreachable
+RPC_TIMEOUT = -901
+_UNREACHABLE = frozenset({RPC_FAIL, RPC_TIMEOUT})
+_SETTLED_MISS = frozenset({INVALID_PARAMS, REPLICA_IS_NOT_READY, OBJECT_NOT_FOUND, LEASE_EXPIRED})
+"""Read failures that end before or after the transfer, never during it."""
+
+
+def store_key(layout_fingerprint: str, key: bytes) -> str:
+    return f"ember/{layout_fingerprint[:FINGERPRINT_CHARS]}/{key.hex()}"
+
+
+def _check_row_ids(buffer: torch.Tensor, rows: Sequence[int], n: int) -> None:
+    """The native calls take raw addresses: a row outside `buffer` must never reach them."""
+    if len(rows) != n:
+        raise ValueError(f"{n} keys but {len(rows)} rows")
+    if any(not 0 <= r < buffer.shape[0] for r in rows):
+        raise ValueError(f"a row id outside the buffer's {buffer.shape[0]} rows: {list(rows)}")
+
+
+class StoreTier(Tier):
+    medium: Medium = "store"
+
+    def __init__(
+        self,
+        layout: BlockLayout,
+        master: str,
+        host: str = "127.0.0.1",
+        segment_bytes: int = 1 << 30,
+        staging_bytes: int = 64 << 20,
+        connect_timeout_s: float = 2.0,
+        lookup_timeout_s: float = 1.0,
+        protocol: str = "tcp",
+        device: str = "",
+    ) -> None:
+        """`master`: HOST:PORT of the `mooncake_master`; `host`: this engine's address, the only
+        one the client listens on (`--kv-host`); `segment_bytes`: the memory this engine lends
+        the store (allocated as it fills); `connect_timeout_s`: how long start-up waits for the
+        first connection (then the tier starts as misses and keeps trying)."""
+        if segment_bytes < MIN_SEGMENT_BYTES:
+            raise StoreError(f"segment_bytes must be >= {MIN_SEGMENT_BYTES}, got {segment_bytes}")
+        self.layout = layout
+        self.master = master
+        self._fingerprint = layout.fingerprint()
+        self._nbytes = layout.nbytes
+        self._chunk = max(1, staging_bytes // self._nbytes)
+        self._lookup_timeout_s = lookup_timeout_s
+        self._registered: dict[int, torch.Tensor] = {}  # data_ptr -> the tensor kept alive
+        self._host_buffer: torch.Tensor | None = None
+        self._staging: torch.Tensor | None = None
+        self._retired: list[tuple[float, torch.Tensor]] = []  # (until, staging of a failed read)
+        self._io_lock = threading.Lock()  # staging, registrations
+        self._stats_lock = threading.Lock()
+        self._stats = TierStats(capacity_bytes=segment_bytes)
+        self._lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-store-lookup")
+        self._stuck_lookup: Future[list[int]] | None = None
+        self._conn = StoreConnection(
+            master,
+            host,
+            segment_bytes,
+            probe_key=store_key(self._fingerprint, b"probe"),
+            protocol=protocol,
+            device=device,
+            connect_timeout_s=connect_timeout_s,
+        )
+
+    # -- the Tier interface ------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return self._conn.connected
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        """Whether the tier is (or becomes, within `timeout_s`) connected to its master."""
+        return self._conn.wait_connected(timeout_s)
+
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        client = self._conn.client
+        stuck = self._stuck_lookup
+        if client is None or not keys or (stuck is not None and not stuck.done()):
+            return 0
+        names = [store_key(self._fingerprint, k) for k in keys]
+        # The engine thread asks this at scheduling: it waits a bounded time, never the library's
+        # own timeouts (4 s and more) of a master that stopped answering; while a call that
+        # overran is still out, lookups are misses rather than queued behind it.
+        future = self._lookups.submit(client.batch_is_exist, names)
+        try:
+            found = future.result(self._lookup_timeout_s)
+        except FutureTimeout:
+            self._stuck_lookup = future
+            self._fail(f"a lookup took over {self._lookup_timeout_s:.1f} s")
+            return 0
+        except Exception as e:  # the binding raised: treated as an unreachable store
+            self._fail(f"a lookup failed: {e}")
+            return 0
+        n = 0
+        for rc in found:
+            if rc != 1:
+                if rc in _UNREACHABLE:
+                    self._fail("the master is unreachable")
+                break
+            n += 1
+        return n
+
+    def put(self, keys: Sequence[bytes], src: torch.Tensor) -> list[bool]:
+        check_rows(src, len(keys), self._nbytes, "src")
+        done: list[bool] = []
+        for start in range(0, len(keys), self._chunk):
+            stop = min(start + self._chunk, len(keys))
+            with self._io_lock:
+                staging = self._staging_rows(stop - start)
+                if staging is None:
+                    done += self._dropped(stop - start)
+                    continue
+                staging.copy_(src[start:stop])
+                done += self._put_from(
+                    keys[start:stop], self._addresses(staging, range(stop - start))
+                )
+        return done
+
+    def put_rows(
+        self, keys: Sequence[bytes], buffer: torch.Tensor, rows: Sequence[int]
+    ) -> list[bool]:
+        """Writes straight from the host tier's buffer (registered with the store once)."""
+        if not keys:
+            return []
+        _check_row_ids(buffer, rows, len(keys))
+        with self._io_lock:
+            if not self._register_host(buffer):
+                return self._dropped(len(keys))
+            return self._put_from(keys, self._addresses(buffer, rows))
+
+    def get_into(self, keys: Sequence[bytes], dst: torch.Tensor) -> list[bool]:
+        check_rows(dst, len(keys), self._nbytes, "dst")
+        return self._get(keys, lambda i, row: dst[i].copy_(row))
+
+    def get_into_rows(
+        self, keys: Sequence[bytes], buffer: torch.Tensor, rows: Sequence[int]
+    ) -> list[bool]:
+        _check_row_ids(buffer, rows, len(keys))
+        return self._get(keys, lambda i, row: buffer[rows[i]].copy_(row))
+
+    def stats(self) -> TierStats:
+        with self._stats_lock:
+            return self._stats.copy()
+
+    def close(self) -> None:
+        """Leave the store: this engine's segment (and the blocks in it) goes with it."""
+        self._lookups.shutdown(wait=False)
+        self._conn.close()
+        with self._io_lock:  # only now: a failed read's late bytes may land until the close
+            self._registered.clear()
+            self._host_buffer = self._staging = None
+            self._retired.clear()
+
+    # -- reads and writes --------------------------------------------------------------------
+
+    def _put_from(self, keys: Sequence[bytes], addrs: list[int]) -> list[bool]:
+        """One batch write from registered memory (under the I/O lock)."""
+        names = [store_key(self._fingerprint, k) for k in keys]
+        sizes = [self._nbytes] * len(keys)
+        codes = self._native(lambda c: c.batch_put_from(names, addrs, sizes), len(keys))
+        if codes is None:
+            return self._dropped(len(keys))
+        # An existing key holds the same bytes: its hash names its content.
+        done = [rc in (0, OBJECT_ALREADY_EXISTS) for rc in codes]
+        failed = sorted({rc for rc in codes if rc not in (0, OBJECT_ALREADY_EXISTS)})
+        with self._stats_lock:
+            self._stats.blocks_in += sum(done)
+            self._stats.bytes_in += sum(done) * self._nbytes
+            self._stats.drops += len(done) - sum(done)
+        if any(rc in _UNREACHABLE for rc in failed):
+            self._fail("the master is unreachable")
+        elif any(rc != NO_AVAILABLE_HANDLE for rc in failed):  # full is no fault: it evicts
+            self._fail(f"a write failed (Mooncake error {failed[0]})")
+        elif any(done):
+            self._succeeded()
+        return done
+
+    def _get(self, keys: Sequence[bytes], place: Callable[[int, torch.Tensor], Any]) -> list[bool]:
+        """Read `keys` through the staging buffer; `place(i, row)` copies key i's bytes on."""
+        found: list[bool] = []
+        for start in range(0, len(keys), self._chunk):
+            stop = min(start + self._chunk, len(keys))
+            with self._io_lock:
+                found += self._get_chunk(keys[start:stop], start, place)
+        with self._stats_lock:
+            self._stats.hits += sum(found)
+            self._stats.misses += len(found) - sum(found)
+            self._stats.blocks_out += sum(found)
+            self._stats.bytes_out += sum(found) * self._nbytes
+        return found
+
+    def _get_chunk(
+        self, keys: Sequence[bytes], offset: int, place: Callable[[int, torch.Tensor], Any]
+    ) -> list[bool]:
+        staging = self._staging_rows(len(keys))
+        if staging is None:
+            return [False] * len(keys)
+        names = [store_key(self._fingerprint, k) for k in keys]
+        addrs = self._addresses(staging, range(len(keys)))
+        sizes = [self._nbytes] * len(keys)
+        codes = self._native(lambda c: c.batch_get_into(names, addrs, sizes), len(keys))
+        if codes is None:
+            return [False] * len(keys)
+        found = [rc == self._nbytes for rc in codes]
+        for i, ok in enumerate(found):
+            if ok:
+                place(offset + i, staging[i])
+        unsettled = sorted({rc for rc in codes if rc < 0 and rc not in _SETTLED_MISS})
+        if any(rc not in _UNREACHABLE for rc in unsettled):
+            self._retire_staging()
+            self._fail(f"a read failed (Mooncake error {unsettled[0]})")
+        elif unsettled:
+            self._fail("the master is unreachable")
+        elif any(found):
+            self._succeeded()
+        return found
+
+    def _native(self, call: Callable[[Any], list[int]], n: int) -> list[int] | None:
+        """Run one batch call of the client; None if the tier is down or the call failed."""
+        client = self._conn.client
+        if client is None:
+            return None
+        try:
+            codes = list(call(client))
+        except Exception as e:  # the binding raised: treated as an unreachable store
+            self._fail(f"a call failed: {e}")
+            return None
+        if len(codes) != n:
+            self._fail(f"{len(codes)} results for {n} keys")
+            return None
+        return codes
+
+    def _dropped(self, n: int) -> list[bool]:
+        with self._stats_lock:
+            self._stats.drops += n
+        return [False] * n
+
+    def _addresses(self, t: torch.Tensor, rows: Sequence[int] | range) -> list[int]:
+        base = t.data_ptr()
+        return [base + r * self._nbytes for r in rows]
+
+    # -- registered memory (under the I/O lock) ----------------------------------------------
+
+    def _register(self, t: torch.Tensor) -> bool:
+        client = self._conn.client
+        if client is None:
+            return False
+        ptr = t.data_ptr()
+        if ptr in self._registered:
+            return True
+        try:
+            rc = client.register_buffer(ptr, t.numel())
+        except Exception as e:
+            rc = e
+        if rc != 0:
+            self._fail(f"could not register {t.numel()} bytes ({rc})")
+            return False
+        self._registered[ptr] = t
+        return True
+
+    def _unregister(self, t: torch.Tensor) -> None:
+        client = self._conn.client
+        if client is None:
+            return  # still registered: it stays in `_registered`, alive, until close
+        if self._registered.pop(t.data_ptr(), None) is not None:
+            try:
+                client.unregister_buffer(t.data_ptr())
+            except Exception as e:
+                log.debug("KV store: unregister_buffer: %s", e)
+
+    def _register_host(self, buffer: torch.Tensor) -> bool:
+        if buffer is self._host_buffer:
+            return True
+        check_rows(buffer, buffer.shape[0], self._nbytes, "the host buffer")
+        if not buffer.is_contiguous():
+            raise ValueError("the host buffer must be contiguous")
+        if not self._register(buffer):
+            return False
+        if self._host_buffer is not None:
+            self._unregister(self._host_buffer)
+        self._host_buffer = buffer
+        return True
+
+    def _staging_rows(self, n: int) -> torch.Tensor | None:
+        """The first `n` rows of the staging buffer (grown to fit and registered); None if down."""
+        self._reap()
+        if self._conn.client is None:
+            return None
+        if self._staging is None or self._staging.shape[0] < n:
+            fresh = torch.empty((n, self._nbytes), dtype=torch.uint8)
+            if not self._register(fresh):
+                return None
+            if self._staging is not None:
+                self._unregister(self._staging)
+            self._staging = fresh
+        return self._staging[:n]
+
+    def _retire_staging(self) -> None:
+        """Set the staging buffer aside, still registered, until any late write is over."""
+        if self._staging is not None:
+            self._retired.append((time.monotonic() + QUARANTINE_S, self._staging))
+            self._staging = None
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        while self._retired and self._retired[0][0] <= now:
+            self._unregister(self._retired.pop(0)[1])
+
+    # -- outages -----------------------------------------------------------------------------
+
+    def _fail(self, reason: str) -> None:
+        """Count an error and take the connection down: every call a miss until it answers."""
+        with self._stats_lock:
+            self._stats.errors += 1
+        self._conn.fail(reason)
+
+    def _succeeded(self) -> None:
+        self._conn.succeeded()

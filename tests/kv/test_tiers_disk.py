@@ -1,0 +1,161 @@
+"""The disk tier: round trips, LRU within capacity, restarts, other layouts, corrupt entries."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from ember.kv.tiers.base import BlockLayout
+from ember.kv.tiers.disk import HEADER, DiskTier
+
+LAYOUT = BlockLayout(
+    num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32", model="m"
+)
+ENTRY = HEADER.size + 32 + LAYOUT.nbytes  # bytes of one entry on disk
+
+
+def key(i: int) -> bytes:
+    return hashlib.sha256(str(i).encode()).digest()
+
+
+def blocks(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, LAYOUT.nbytes), dtype=torch.uint8, generator=g)
+
+
+def test_round_trip_is_byte_identical(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, 10 * ENTRY, LAYOUT)
+    src = blocks(3)
+    keys = [key(i) for i in range(3)]
+    assert disk.put(keys, src) == [True] * 3
+    assert disk.contains_prefix(keys) == 3
+    dst = torch.zeros_like(src)
+    assert disk.get_into(keys, dst) == [True] * 3
+    assert torch.equal(dst, src)
+    assert disk.path_of(keys[0]).parent.name == keys[0][:1].hex()  # fanned out by the first byte
+    s = disk.stats()
+    assert (s.blocks_in, s.blocks_out, s.hits, s.occupancy_blocks) == (3, 3, 3, 3)
+    assert s.occupancy_bytes == 3 * ENTRY
+
+
+def test_missing_key_is_a_miss_and_prefix_stops_there(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, 10 * ENTRY, LAYOUT)
+    disk.put([key(0), key(2)], blocks(2))
+    assert disk.contains_prefix([key(0), key(1), key(2)]) == 1
+    dst = torch.zeros(2, LAYOUT.nbytes, dtype=torch.uint8)
+    assert disk.get_into([key(0), key(1)], dst) == [True, False]
+    assert disk.stats().misses == 1
+
+
+def test_rows_forms_read_and_write_in_place(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, 10 * ENTRY, LAYOUT)
+    buf = blocks(4, seed=1)
+    assert disk.put_rows([key(0), key(1)], buf, [3, 1]) == [True, True]
+    out = torch.zeros_like(buf)
+    assert disk.get_into_rows([key(1), key(0)], out, [0, 2]) == [True, True]
+    assert torch.equal(out[0], buf[1]) and torch.equal(out[2], buf[3])
+
+
+def test_lru_by_last_use_within_capacity(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, 3 * ENTRY, LAYOUT)
+    disk.put([key(i) for i in range(3)], blocks(3))
+    disk.get_into([key(0)], torch.empty(1, LAYOUT.nbytes, dtype=torch.uint8))  # 1 is now LRU
+    disk.put([key(3)], blocks(1, seed=3))
+    assert disk.contains_prefix([key(1)]) == 0 and not disk.path_of(key(1)).exists()
+    assert all(disk.contains_prefix([key(i)]) for i in (0, 2, 3))
+    s = disk.stats()
+    assert s.evictions == 1 and s.occupancy_bytes <= s.capacity_bytes
+    assert sum(1 for _ in tmp_path.rglob("*.kv")) == 3
+
+
+def test_index_is_rebuilt_after_restart_in_lru_order(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, 3 * ENTRY, LAYOUT)
+    src = blocks(3)
+    keys = [key(i) for i in range(3)]
+    disk.put(keys, src)
+    for i, k in enumerate(keys):  # make the order plain to the file system: 0 oldest
+        os.utime(disk.path_of(k), (1000 + i, 1000 + i))
+    disk.close()
+    again = DiskTier(tmp_path, 3 * ENTRY, LAYOUT)
+    assert again.contains_prefix(keys) == 3
+    assert again.stats().occupancy_blocks == 3
+    dst = torch.zeros_like(src)
+    assert again.get_into(keys, dst) == [True] * 3 and torch.equal(dst, src)
+    os.utime(again.path_of(keys[0]), (1000, 1000))
+    again.put([key(9)], blocks(1, seed=9))  # evicts the oldest by last use
+    assert again.contains_prefix([keys[0]]) == 0
+
+
+def test_restart_with_less_capacity_evicts_the_oldest(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, 3 * ENTRY, LAYOUT)
+    keys = [key(i) for i in range(3)]
+    disk.put(keys, blocks(3))
+    for i, k in enumerate(keys):
+        os.utime(disk.path_of(k), (1000 + i, 1000 + i))
+    small = DiskTier(tmp_path, 2 * ENTRY, LAYOUT)
+    assert [small.contains_prefix([k]) for k in keys] == [0, 1, 1]
+    assert not disk.path_of(keys[0]).exists()
+
+
+def test_other_layout_entries_are_ignored_and_kept(tmp_path: Path) -> None:
+    other = BlockLayout(2, 2, 4, 4, "float32", "another-model")
+    DiskTier(tmp_path, 10 * ENTRY, other).put([key(5)], blocks(1))
+    mine = DiskTier(tmp_path, 10 * ENTRY, LAYOUT)
+    assert mine.contains_prefix([key(5)]) == 0
+    assert mine.stats().occupancy_blocks == 0 and mine.stats().occupancy_bytes == 0
+    assert mine.path_of(key(5)).exists()  # not ours to delete
+    assert DiskTier(tmp_path, 10 * ENTRY, other).contains_prefix([key(5)]) == 1
+
+
+def test_leftover_temp_files_are_removed_at_start(tmp_path: Path) -> None:
+    sub = tmp_path / "ab"
+    sub.mkdir()
+    tmp = sub / ("ab" * 32 + ".kv.1234abcd.tmp")
+    tmp.write_bytes(b"half a write")
+    DiskTier(tmp_path, 10 * ENTRY, LAYOUT)
+    assert not tmp.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "bit_flip", "header", "empty"])
+def test_damaged_entry_is_a_miss_and_deleted(tmp_path: Path, damage: str) -> None:
+    disk = DiskTier(tmp_path, 10 * ENTRY, LAYOUT)
+    src = blocks(2)
+    disk.put([key(0), key(1)], src)
+    path = disk.path_of(key(1))
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[:-7]
+    elif damage == "bit_flip":
+        data[-100] ^= 0x10
+    elif damage == "header":
+        data[HEADER.size - 1] ^= 0xFF  # the checksum field
+    else:
+        data = bytearray()
+    path.write_bytes(bytes(data))
+    dst = torch.zeros_like(src)
+    assert disk.get_into([key(0), key(1)], dst) == [True, False]
+    assert torch.equal(dst[0], src[0])
+    assert not path.exists() and disk.contains_prefix([key(0), key(1)]) == 1
+    s = disk.stats()
+    assert s.corrupt == 1 and s.misses == 1 and s.occupancy_blocks == 1
+
+
+def test_truncated_entry_is_dropped_at_restart(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, 10 * ENTRY, LAYOUT)
+    disk.put([key(0)], blocks(1))
+    path = disk.path_of(key(0))
+    path.write_bytes(path.read_bytes()[: ENTRY // 2])
+    again = DiskTier(tmp_path, 10 * ENTRY, LAYOUT)
+    assert again.contains_prefix([key(0)]) == 0 and not path.exists()
+
+
+def test_bad_shapes_are_refused(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, 10 * ENTRY, LAYOUT)
+    with pytest.raises(ValueError, match="shape"):
+        disk.put([key(0)], torch.zeros(1, LAYOUT.nbytes - 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="uint8"):
+        disk.get_into([key(0)], torch.zeros(1, LAYOUT.nbytes))
