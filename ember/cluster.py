@@ -7,6 +7,9 @@ Every child gets a fresh cluster secret through its environment (never its comma
 `ps` shows): the engines' internal routes answer only the router and each other. API keys go to the
 router only, in a private file, for the same reason.
 
+With `--store`, a `mooncake_master` starts first (on `--host`, a free port), every engine gets a
+store tier on it (`--kv-store`), it is restarted if it dies, and stopped last.
+
 `spawn`, `wait_healthy`, `wait_routed` and `stop_cluster` also start and stop the servers of the
 benchmarks (benchmarks/server_overhead.py, pd_gpu.py, pd_cpu.py); `ember.up_process` runs
 `ember up` itself as a child."""
@@ -33,6 +36,7 @@ from pathlib import Path
 from types import FrameType
 from typing import NoReturn
 
+from ember.kv.tiers.store_master import StoreMaster, start_master
 from ember.trust import SECRET_ENV, TenantKeys, internal_headers, new_secret
 
 RESTART_BACKOFF_S = (1.0, 30.0)
@@ -75,6 +79,12 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         '--block-size 32" (flags ember up sets itself are refused)',
     )
     p.add_argument("--kv-transport", default="mooncake", choices=["mooncake", "cuda_ipc"])
+    p.add_argument(
+        "--store",
+        action="store_true",
+        help="a Mooncake Store as every engine's shared KV tier: starts a mooncake_master first "
+        "and gives each engine --kv-store (an existing master: --engine-args '--kv-store H:P')",
+    )
     p.add_argument("--disagg-min-uncached", type=int, default=256)
     p.add_argument(
         "--stall-timeout",
@@ -218,10 +228,12 @@ def start_cluster(
     secret: str,
     keys_file: str | None = None,
     procs: list[Proc] | None = None,
+    store: str | None = None,
 ) -> list[Proc]:
     """Start the engines and the router; returns them, router last (not yet healthy). `secret`
-    reaches every child as EMBER_CLUSTER_SECRET; `keys_file` (API keys) the router only. Each
-    child is appended to `procs` as soon as it exists, so a signal midway leaves none unknown."""
+    reaches every child as EMBER_CLUSTER_SECRET; `keys_file` (API keys) the router only; `store`
+    (a mooncake_master's HOST:PORT) every engine as `--kv-store`. Each child is appended to
+    `procs` as soon as it exists, so a signal midway leaves none unknown."""
     plan = engine_plan(args)
     threads = max(1, ((os.cpu_count() or 2) - 1) // len(plan))
     # Engines sit behind the router: they ask no API key (the router's calls carry the secret).
@@ -252,6 +264,8 @@ def start_cluster(
             cmd += ["--kv-timeout", str(args.kv_timeout)]
         if role != "prefill" and urls["prefill"]:
             cmd += ["--kv-peers", *urls["prefill"]]  # the only engines it reads KV from
+        if store:
+            cmd += ["--kv-store", store]
         cmd += extra
         name = f"{role}-{sum(p.name.startswith(role) for p in procs)}"
         procs.append(spawn(name, f"http://{args.host}:{port}", cmd, env))
@@ -474,10 +488,12 @@ class StopSignals:
 
 @dataclass(slots=True)
 class Supervisor:
-    """Restarts dead engines with exponential back-off; reports a dead router."""
+    """Restarts dead engines with exponential back-off and a dead store master at once (on its
+    port: the engines reconnect to it, its index empty); reports a dead router."""
 
     engines: list[Proc]
     router: Proc
+    store: StoreMaster | None = None
     backoff: dict[str, float] = field(default_factory=dict)
     """Per engine: the delay its next restart waits (reset once it answers /health again)."""
     due: dict[str, float] = field(default_factory=dict)
@@ -489,6 +505,11 @@ class Supervisor:
         """One pass; returns why the cluster must stop (the router died), else None."""
         if (rc := self.router.popen.poll()) is not None:
             return f"the router exited ({rc})"
+        if self.store is not None and not self.store.running():
+            rc = self.store.popen.poll() if self.store.popen else None
+            print(f"the KV store master exited ({rc}); restarting it", flush=True)
+            with self.signals.held():
+                self.store.start()
         now = time.monotonic()
         lo, hi = RESTART_BACKOFF_S
         for p in self.engines:
@@ -538,7 +559,9 @@ def run_cluster(args: argparse.Namespace) -> int:
         args.served_model_name = [args.model]  # a .gguf file: served under the name given
     if not Path(model).is_dir():
         raise FileNotFoundError(f"model directory {model!r} does not exist")
-    engine_extra_args(args.engine_args)  # a bad flag is an error now, not a dying engine later
+    extra = engine_extra_args(args.engine_args)  # a bad flag is an error now, not a dying engine
+    if args.store and any(a.split("=")[0] == "--kv-store" for a in extra):
+        raise ValueError("--engine-args: --store gives the engines --kv-store itself")
     served = (served_names(args, model) or [model])[0]
 
     signals = StopSignals()
@@ -546,14 +569,23 @@ def run_cluster(args: argparse.Namespace) -> int:
     secret = os.environ.get(SECRET_ENV) or new_secret()
     keys_file = write_keys_file(keys)
     procs: list[Proc] = []
+    master: StoreMaster | None = None
     try:
         signals.install()
+        if args.store:
+            log = os.path.join(tempfile.gettempdir(), f"ember-mooncake-master-{os.getpid()}.log")
+            with signals.held():
+                master = start_master(args.host, log_path=log)
         with signals.held():
-            start_cluster(args, model, secret, keys_file, procs)
+            start_cluster(
+                args, model, secret, keys_file, procs, store=master.address if master else None
+            )
         wait_healthy(procs, args.ready_timeout)
         router = procs[-1].url
         wait_routed(router, secret)
         print_up(router, procs, served, keys.enabled)
+        if master:
+            print(f"  KV store: mooncake_master at {master.address} (log: {master.log_path})")
         if args.demo:
             key = next(iter(keys.keys), None)
             print(f"demo question: {DEMO_QUESTION}\ndemo answer: ", end="", flush=True)
@@ -561,7 +593,7 @@ def run_cluster(args: argparse.Namespace) -> int:
             if args.exit_after_demo:
                 return 0
         print("Ctrl-C stops the cluster.", flush=True)
-        supervisor = Supervisor(procs[:-1], procs[-1], signals=signals)
+        supervisor = Supervisor(procs[:-1], procs[-1], store=master, signals=signals)
         while (why := supervisor.check()) is None:
             time.sleep(0.5)
         print(f"{why}; stopping the cluster", flush=True)
@@ -576,5 +608,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         stop_cluster(procs)
+        if master:
+            master.stop()  # last: the engines leave the store (their segments) before it goes
         if keys_file:
             os.unlink(keys_file)

@@ -296,3 +296,45 @@ def test_served_names_default_to_the_tiny_models_directory_name() -> None:
     assert served_names(Namespace(model="/m/qwen", served_model_name=None), "/m/qwen") is None
     named = Namespace(model="/m/qwen", served_model_name=["qwen"])
     assert served_names(named, "/m/qwen") == ["qwen"]
+
+
+def test_store_reaches_every_engine_and_not_the_router(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+    from types import SimpleNamespace
+
+    import ember.cluster as cluster
+
+    spawned: dict[str, list[str]] = {}
+
+    def spawn(name: str, url: str, args: list[str], env: object = None) -> SimpleNamespace:
+        spawned[name] = list(args)
+        return SimpleNamespace(name=name, url=url)
+
+    monkeypatch.setattr(cluster, "spawn", spawn)
+    p = argparse.ArgumentParser()
+    cluster.add_up_args(p)
+    args = p.parse_args(["/m/tiny", "--store", "--both", "1"])
+    assert args.store
+    cluster.start_cluster(args, "/m/tiny", "secret", store="127.0.0.1:50051")
+    engines = [cmd for name, cmd in spawned.items() if name != "router"]
+    assert len(engines) == 3
+    for cmd in engines:
+        assert cmd[cmd.index("--kv-store") + 1] == "127.0.0.1:50051"
+    assert "--kv-store" not in spawned["router"]
+
+
+def test_a_dead_store_master_is_restarted_on_its_port() -> None:
+    from ember.cluster import Proc, Supervisor
+    from ember.kv.tiers.store_master import accepts, start_master
+
+    master = start_master()
+    router = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        supervisor = Supervisor([], Proc("router", "http://127.0.0.1:1", router), store=master)
+        master.kill()
+        assert supervisor.check() is None  # a dead master does not stop the cluster
+        assert master.running() and accepts(master.host, master.port)
+    finally:
+        master.stop()
+        router.kill()
+        router.wait()

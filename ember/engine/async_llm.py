@@ -64,8 +64,8 @@ class AsyncLLM:
         self._lease_replies: dict[str, asyncio.Future[bool]] = {}
         self._leases: dict[str, float] = {}
         """Prefill leases this engine handed out -> when the core lets each expire (monotonic)."""
-        # The prefix cache's block events, numbered, for routers that poll /kv_events.
-        self.kv_events: deque[tuple[int, str, str]] = deque(maxlen=KV_EVENTS_KEPT)
+        # KV block events (seq, kind, hash hex, medium), numbered, for routers that poll /kv_events.
+        self.kv_events: deque[tuple[int, str, str, str]] = deque(maxlen=KV_EVENTS_KEPT)
         self.kv_event_seq = 0
 
     async def start(self, timeout_s: float = 600.0) -> None:
@@ -187,7 +187,7 @@ class AsyncLLM:
         if len(self._leases) > 4096:  # leases that expired unreleased: forget them
             self._leases = {k: t for k, t in self._leases.items() if t > now}
 
-    def events_since(self, seq: int) -> tuple[int, bool, list[tuple[int, str, str]]]:
+    def events_since(self, seq: int) -> tuple[int, bool, list[tuple[int, str, str, str]]]:
         """(newest seq, whether events after `seq` were dropped, the events after `seq`)."""
         events = self.kv_events
         if not events or seq >= self.kv_event_seq:
@@ -196,9 +196,9 @@ class AsyncLLM:
         return self.kv_event_seq, idx < 0, list(itertools.islice(events, max(idx, 0), None))
 
     def _record_events(self, ev: KVEvents) -> None:
-        for kind, h in ev.events:
+        for kind, h, medium in ev.events:
             self.kv_event_seq += 1
-            self.kv_events.append((self.kv_event_seq, kind, h.hex()))
+            self.kv_events.append((self.kv_event_seq, kind, h.hex(), medium))
 
     async def abort(self, request_id: str) -> None:
         children = self.processor.child_ids(request_id)

@@ -50,6 +50,17 @@ class EngineConfig:
     stream this long, never its end."""
     kv_events: bool = False
     """Record the prefix cache's stored/evicted block hashes for the router's prefix index."""
+    kv_host_gb: float | None = None
+    """KV tier in host memory (pinned on a GPU machine), GiB; 0 turns it off. None: on a GPU
+    min(32 GiB, 20% of RAM) (see `default_host_tier_bytes`); on the CPU off, since the KV cache
+    already lives in RAM there and a copy of it would only halve what RAM holds."""
+    kv_disk_dir: str | None = None
+    """KV tier on local disk, kept across restarts; None: off."""
+    kv_disk_gb: float = 64.0
+    kv_store: str | None = None
+    """HOST:PORT of a `mooncake_master`: the KV tier every engine shares; None: off."""
+    kv_store_gb: float = 1.0
+    """Memory this engine lends the shared store, GiB."""
     cluster_secret: str = field(default="", repr=False)
     """Sent on a decode engine's lease releases (/kv/release is internal); kept out of logs."""
 
@@ -70,6 +81,16 @@ class EngineConfig:
             raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_host_gb is not None and not 0 <= self.kv_host_gb < 1 << 20:
+            raise ValueError(f"kv_host_gb must be >= 0, got {self.kv_host_gb}")
+        if not 0 < self.kv_disk_gb < 1 << 30:
+            raise ValueError(f"kv_disk_gb must be > 0, got {self.kv_disk_gb}")
+        if not 0 < self.kv_store_gb < 1 << 20:
+            raise ValueError(f"kv_store_gb must be > 0, got {self.kv_store_gb}")
+        if self.kv_store is not None:
+            from ember.kv.tiers.store_master import split_address
+
+            split_address(self.kv_store)  # ValueError: "expected HOST:PORT, got ..."
 
     def resolve(self, model_config: ModelConfig) -> ResolvedConfig:
         """Fill in what depends on the model: dtype, context length, token budget, KV blocks."""

@@ -17,6 +17,7 @@ from ember.attention.backend import AttentionBackend
 from ember.attention.torch_backend import TorchAttentionBackend
 from ember.engine.config import EngineConfig, ResolvedConfig
 from ember.engine.kv_connector import KVConnector
+from ember.engine.kv_tiers import build_tiers, model_fingerprint
 from ember.engine.messages import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -39,6 +40,11 @@ log = logging.getLogger(__name__)
 MAX_FAILED_STEPS = 3
 """Steps in a row that may fail before the core gives up: past it, the fault is the core's own
 (a broken device), not one request's."""
+
+
+PREFILL_WARMUP_STEPS = 2
+"""Prefill steps not fed to the tiers' cost model: the first ones compile kernels (Triton's JIT)
+and would make prefilling look ten times slower than it is."""
 
 
 def default_backend(device: torch.device) -> AttentionBackend:
@@ -91,11 +97,20 @@ class EngineCore:
             num_blocks = self._size_kv_cache(total - free0, total)
         self.num_kv_blocks = num_blocks
         self.runner.allocate_kv_cache(num_blocks)
+        # Block hashes name the model by what it computes, not by its path: every engine of the
+        # same model, on any node, names a block the same (the KV tiers and the router rely on it).
+        fingerprint = model_fingerprint(config.model, config.load_format, self.device)
         namespace = (
-            f"{self.model_config.architecture}|{config.model}|{r.dtype}|bs={config.block_size}"
+            f"{self.model_config.architecture}|{fingerprint}|{r.dtype}|bs={config.block_size}"
         )
+        self.tiers = build_tiers(config, self.runner.kv_cache, fingerprint, r.max_model_len)
         self.kv = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, namespace, config.kv_events
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            namespace,
+            config.kv_events,
+            track_writes=self.tiers is not None,
         )
         self.engine_id = uuid.uuid4().hex[:12]
         self.connector: KVConnector | None = None
@@ -117,6 +132,7 @@ class EngineCore:
             SchedulerConfig(config.max_num_seqs, r.max_num_batched_tokens, r.max_model_len),
             self.kv,
             self.connector,
+            self.tiers,
         )
         self.num_steps = 0
         self.async_scheduling = (
@@ -126,6 +142,8 @@ class EngineCore:
         self._batches: list[SchedulerOutput] = []  # the running step's, for _fail_step
         self._outputs: list[EngineCoreOutput] = []
         self.failed_steps = 0
+        self._last_collected = 0.0  # perf_counter() when the last step's results came back
+        self._prefill_steps = 0
         self.grammar = GrammarCompiler.for_model(config.model, self.model_config)
         if on_gpu and not config.enforce_eager:
             self.runner.capture_cuda_graphs(
@@ -263,18 +281,25 @@ class EngineCore:
             self.connector.expire()
 
     def drain_kv_events(self) -> KVEvents | None:
-        events = self.kv.pool.drain_events()
+        events = [(kind, h, "gpu") for kind, h in self.kv.pool.drain_events()]
         return KVEvents(events) if events else None
 
     def close(self) -> None:
         if self.connector is not None:
             self.connector.close()
+        if self.tiers is not None:
+            self.tiers.close()  # after the writes queued so far: a restart finds them on disk
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self._in_flight is not None
+            or self._offloading()  # GPU -> host copies to commit, even when idle
+        )
 
     def stats(self) -> SchedulerStats:
-        s, pool, c = self.scheduler, self.kv.pool, self.connector
+        s, pool, c, t = self.scheduler, self.kv.pool, self.connector, self.tiers
+        tiers = t.stats() if t is not None else {}
         prefill = sum(r.num_prompt_tokens - r.num_computed_tokens for r in s.waiting)
         decode = 0
         for r in s.running:
@@ -300,6 +325,9 @@ class EngineCore:
             remote_kv_failures=c.load_failures if c else 0,
             remote_kv_bytes=c.load_bytes if c else 0,
             remote_kv_seconds=c.load_seconds if c else 0.0,
+            kv_tiers=tiers,
+            kv_tier_bandwidth={m: t.cost.bandwidth(m) for m in tiers} if t is not None else {},
+            prefill_tok_s=t.cost.prefill_tok_s if t is not None else 0.0,
         )
 
     def step(self) -> list[EngineCoreOutput]:
@@ -327,7 +355,10 @@ class EngineCore:
         victims = {r.request_id: r for reqs in batches for r in reqs}
         outputs, self._outputs, self._batches, self._in_flight = self._outputs, [], [], None
         for req in victims.values():
-            self.kv.unpublish(req)  # blocks published at scheduling may hold unwritten KV
+            # Blocks published at scheduling may hold unwritten KV: out of the index, and not
+            # copied down to the tiers.
+            self.kv.unpublish(req.request_id)
+        self.kv.pool.drain_published()
         ended = self.scheduler.finish_requests(list(victims), RequestStatus.FINISHED_ABORTED)
         reason = f"engine error: {type(err).__name__}: {err}"
         return outputs + [
@@ -345,17 +376,28 @@ class EngineCore:
         self._batches.append(so)
         launched = None
         if not so.is_empty:
+            if self.tiers is not None:
+                # Blocks handed out again may still be being copied down: the GPU waits first.
+                self.tiers.fence(self.kv.pool.drain_allocated())
             launched = (so, self.runner.launch(so))
             self.num_steps += 1
-        elif self._in_flight is None and self.scheduler.loading:
-            time.sleep(0.001)  # only remote KV reads pending: let their threads run
+        elif self._in_flight is None and (self.scheduler.loading or self._offloading()):
+            time.sleep(0.001)  # only KV reads or copies pending: let their threads run
+        if self.tiers is not None:
+            # Write-through: blocks published by this step go down once the step has written them.
+            self.tiers.offload(self.kv.pool.drain_published())
         if self._in_flight is not None:
             outputs += self._collect()
         self._in_flight = launched
         if not self.async_scheduling and launched is not None:
             outputs += self._collect()
+        if self.tiers is not None:
+            self.tiers.step_done()
         self._outputs, self._batches = [], []
         return outputs
+
+    def _offloading(self) -> bool:
+        return self.tiers is not None and self.tiers.pending_offloads > 0
 
     def _must_wait(self) -> bool:
         """The next step needs the tokens of the one in flight on the host (grammar, penalties)."""
@@ -369,6 +411,8 @@ class EngineCore:
         so, pending = self._in_flight
         self._in_flight = None
         result = self.runner.finish(pending)
+        if self.tiers is not None:
+            self._observe_prefill(so, pending.launched_at)
         for i, scored in enumerate(result.prompt_logprobs):
             if scored is not None:
                 add_prompt_logprobs(so.requests[i], *scored)
@@ -395,3 +439,21 @@ class EngineCore:
                 )
             )
         return outputs
+
+    def _observe_prefill(self, so: SchedulerOutput, launched_at: float) -> None:
+        """Feed the tiers' cost model this engine's prefill speed: a step's prompt tokens over its
+        time on the device (from its launch, or from the end of the step before it, whichever is
+        later). Steps of less than a block of prompt are mostly decode and say little."""
+        tokens = sum(
+            max(0, min(start + n, req.num_prompt_tokens) - start)
+            for req, start, n in zip(
+                so.requests, so.num_computed_tokens, so.num_scheduled_tokens, strict=True
+            )
+        )
+        now = time.perf_counter()
+        began, self._last_collected = max(launched_at, self._last_collected), now
+        if self.tiers is None or tokens < self.config.block_size:
+            return
+        self._prefill_steps += 1
+        if self._prefill_steps > PREFILL_WARMUP_STEPS:
+            self.tiers.cost.observe_prefill(tokens, now - began)

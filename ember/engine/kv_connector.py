@@ -97,7 +97,7 @@ class KVConnector:
         held = self.leases.pop(lease_id, None)
         if held is None:
             return False
-        self.kv.free(held[0])
+        self.kv.free(held[0].request_id)
         return True
 
     def expire(self) -> int:

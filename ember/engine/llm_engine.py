@@ -53,6 +53,10 @@ class LLMEngine:
         self.processor.abort_request(request_id)
         self.core.abort_requests(children)
 
+    def close(self) -> None:
+        """Stop the core's background work; KV tiers write out what they queued first."""
+        self.core.close()
+
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from ember.kv.tiers.base import TierStats
 from ember.sampling_params import SamplingParams
 
 
@@ -117,13 +118,20 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     remote_kv_bytes: int = 0
     remote_kv_seconds: float = 0.0
     """Decode role: bytes read from prefill engines, and the wall time the reads took."""
+    kv_tiers: dict[str, TierStats] = msgspec.field(default_factory=dict)
+    """The KV tiers' counters by medium ("cpu", "disk", "store"); empty when none is on."""
+    kv_tier_bandwidth: dict[str, float] = msgspec.field(default_factory=dict)
+    """The cost model's measured load speed by medium, bytes/s (host -> GPU for "cpu")."""
+    prefill_tok_s: float = 0.0
+    """The cost model's measured prefill speed (0 without tiers)."""
 
 
 class KVEvents(msgspec.Struct, array_like=True):
-    """Block hashes the prefix cache published ("stored") and evicted ("removed") since the last
-    message, in order."""
+    """Block hashes stored in and removed from a KV medium since the last message, in order:
+    (kind, hash, medium), medium "gpu" for the prefix cache, "cpu" / "disk" for the tiers below
+    it (as vLLM's KV events carry a medium)."""
 
-    events: list[tuple[str, bytes]]
+    events: list[tuple[str, bytes, str]]
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True):

@@ -62,6 +62,8 @@ class PendingStep:
     """The prompt rows' logprobs, token ids and ranks (`score_tokens`), on their way to the host."""
     done: torch.cuda.Event | None = None
     timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    launched_at: float = 0.0
+    """time.perf_counter() when the step began to launch."""
 
 
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -171,6 +173,7 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, so: SchedulerOutput) -> PendingStep:
         """Queue one step's forward pass and sampling on the device; returns without waiting."""
+        launched_at = time.perf_counter()
         n = len(so.requests)
         # Decode rows first: the attention backend runs them through the decode kernel.
         order = sorted(range(n), key=lambda i: so.num_scheduled_tokens[i] != 1)
@@ -193,6 +196,7 @@ class ModelRunner:
             if not rows:
                 self._prev_rows = {}
                 step = PendingStep(n, [], [], None, prompt=prompt, prompt_scores=scores)
+                step.launched_at = launched_at
                 return self._queued(step)
             last = self._tensor([md.query_start_loc_cpu[j + 1] - 1 for j in rows], torch.int64)
             logits = self.model.compute_logits(hidden[last])
@@ -213,6 +217,7 @@ class ModelRunner:
             prompt=prompt,
             prompt_scores=scores,
             timing=timing,
+            launched_at=launched_at,
         )
         return self._queued(step)
 

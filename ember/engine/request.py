@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    WAITING_FOR_TIER_KV = "waiting_for_tier_kv"
+    """Its prompt's blocks are being loaded from host, disk or store into the GPU."""
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -56,7 +58,8 @@ class Request:
     """Tokens sampled by scheduled steps that have not come back to the host yet. The scheduler
     may schedule a decode on such a token: the model runner feeds it from the GPU."""
     num_cached_tokens: int = -1
-    """Prompt tokens found in the prefix cache when first scheduled (-1: not yet scheduled)."""
+    """Prompt tokens not computed when first scheduled, found in the GPU prefix cache or loaded
+    from a KV tier (-1: not yet scheduled)."""
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)

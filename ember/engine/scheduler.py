@@ -17,6 +17,8 @@ from ember.kv.kv_cache_manager import KVCacheManager
 
 if TYPE_CHECKING:
     from ember.engine.kv_connector import KVConnector
+    from ember.kv.block_pool import KVBlock
+    from ember.kv.tiers import TierManager
 
 
 @dataclass(slots=True)
@@ -56,17 +58,34 @@ class SchedulerOutput:
         return not self.requests
 
 
+@dataclass(slots=True)
+class TierLoad:
+    """A request whose prompt blocks are being loaded from the KV tiers below the GPU."""
+
+    num_gpu_blocks: int
+    """Leading blocks that were GPU prefix-cache hits (not loaded)."""
+    counts: bool
+    """First admission: the loaded tokens count as cached (`num_cached_tokens`, prefix hits)."""
+
+
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, connector: KVConnector | None = None
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        connector: KVConnector | None = None,
+        tiers: TierManager | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.connector = connector
+        self.tiers = tiers
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}
-        """Decode role: requests whose prompt KV is being read from a prefill engine."""
+        """Requests whose prompt KV is being read: from a prefill engine (decode role) or from
+        the KV tiers (host, disk, store)."""
+        self.tier_loads: dict[str, TierLoad] = {}
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.prefix_queries = 0
@@ -115,6 +134,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         if self.connector is not None:
             self._collect_loads()
+        if self.tiers is not None:
+            self._collect_tier_loads()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         i = 0
@@ -126,7 +147,7 @@ class Scheduler:
             ahead = req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
             num_new = min(ahead, budget)
             scheduled = True
-            while not self.kv.allocate_slots(req, num_new):
+            while not self._allocate(req, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -154,9 +175,14 @@ class Scheduler:
                     break
                 continue
             # A prompt to be scored is computed whole: a cached block's positions have no logits.
-            hits, num_hit = ([], 0) if req.scores_prompt else self.kv.get_computed_blocks(req)
+            hits, num_hit = ([], 0) if req.scores_prompt else self._computed_blocks(req)
+            num_load = self._worth_loading(req, len(hits))
+            if num_load:
+                if not self._start_tier_load(req, hits, num_load):
+                    break
+                continue
             num_new = min(req.num_tokens - num_hit, budget)
-            if not self.kv.allocate_slots(req, num_new, hits):
+            if not self._allocate(req, num_new, hits):
                 break
             self.waiting.popleft()
             req.num_computed_tokens = num_hit
@@ -171,6 +197,35 @@ class Scheduler:
         out.block_ids = [self.kv.block_ids(r.request_id) for r in out.requests]
         out.scores_prompts = self.num_prompt_scorers > 0
         return out
+
+    def _computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
+        return self.kv.get_computed_blocks(req.block_hashes, req.all_token_ids, req.cache_salt)
+
+    def _allocate(
+        self,
+        req: Request,
+        num_new: int,
+        hits: list[KVBlock] | None = None,
+        publish: bool = True,
+    ) -> bool:
+        """Blocks for `num_new` tokens after the computed ones and the hits; False if full.
+
+        Blocks that the step will fill completely are published in the prefix index at once: their
+        KV is written before any attention reads it within the same forward pass. Blocks filled
+        some other way (read from a remote engine or a tier) pass publish=False and are published
+        once written.
+        """
+        if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens, num_new, hits):
+            return False
+        if publish:
+            hit_tokens = len(hits) * self.kv.block_size if hits else 0
+            self._publish(req, req.num_computed_tokens + hit_tokens + num_new)
+        return True
+
+    def _publish(self, req: Request, num_tokens: int) -> None:
+        self.kv.publish(
+            req.request_id, req.block_hashes, req.all_token_ids, req.cache_salt, num_tokens
+        )
 
     def _add(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens
@@ -237,8 +292,8 @@ class Scheduler:
         prompt = req.kv_transfer.num_prompt_tokens
         # Blocks this engine already holds (an agent's earlier turns, read for the last one) are
         # not read again: only the rest of the prompt comes over the wire.
-        hits, num_hit = self.kv.get_computed_blocks(req)
-        if not self.kv.allocate_slots(req, prompt - num_hit, hits, publish=False):
+        hits, num_hit = self._computed_blocks(req)
+        if not self._allocate(req, prompt - num_hit, hits, publish=False):
             return False
         self.waiting.popleft()
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
@@ -256,20 +311,89 @@ class Scheduler:
         for req, ok in self.connector.poll_loads():
             self.loading.pop(req.request_id, None)
             if req.is_finished:  # aborted while its blocks were being written: free them now
-                self.kv.free(req)
+                self.kv.free(req.request_id)
                 continue
             params = req.kv_transfer
             if ok and params is not None:
                 req.num_computed_tokens = params.num_prompt_tokens
-                self.kv.publish(req, params.num_prompt_tokens)
+                self._publish(req, params.num_prompt_tokens)
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
             else:  # prefill here instead: slower, never wrong
-                self.kv.free(req)
+                self.kv.free(req.request_id)
                 req.kv_transfer = None
                 req.num_computed_tokens = 0
                 req.status = RequestStatus.WAITING
                 self.waiting.appendleft(req)
+
+    # -- KV tiers --------------------------------------------------------------------------------
+
+    def _worth_loading(self, req: Request, num_gpu_blocks: int) -> int:
+        """How many blocks after the GPU prefix hit to load from the tiers (0: recompute them).
+
+        The last prompt token is always computed (its logits sample the first output), so at most
+        the full blocks before it are looked up; the cost model decides whether loading the hit
+        beats prefilling it at this engine's measured speed.
+        """
+        if self.tiers is None or req.scores_prompt or not self.kv.enable_prefix_caching:
+            return 0
+        max_blocks = (req.num_tokens - 1) // self.kv.block_size
+        if num_gpu_blocks >= max_blocks:
+            return 0
+        keys = req.block_hashes[num_gpu_blocks:max_blocks]
+        hit = self.tiers.lookup(keys)
+        if hit.num_blocks == 0:
+            return 0
+        return self.tiers.plan(hit).num_blocks
+
+    def _start_tier_load(self, req: Request, hits: list[KVBlock], num_load: int) -> bool:
+        """Allocate the GPU hit and `num_load` fresh blocks (unpublished until loaded) and start
+        the load; False (and no change) when the pool is full."""
+        if self.tiers is None:
+            raise RuntimeError("a tier load needs the KV tiers")
+        bs = self.kv.block_size
+        if not self._allocate(req, num_load * bs, hits, publish=False):
+            return False
+        self.waiting.popleft()
+        g = len(hits)
+        counts = req.num_cached_tokens < 0
+        if counts:
+            req.num_cached_tokens = g * bs
+            self.prefix_queries += req.num_prompt_tokens
+            self.prefix_hits += g * bs
+        req.status = RequestStatus.WAITING_FOR_TIER_KV
+        self.loading[req.request_id] = req
+        self.tier_loads[req.request_id] = TierLoad(g, counts)
+        block_ids = self.kv.block_ids(req.request_id)[g:]
+        self.tiers.start_load(req.request_id, req.block_hashes[g : g + num_load], block_ids)
+        return True
+
+    def _collect_tier_loads(self) -> None:
+        """Finished loads: publish the blocks that arrived, recompute the rest (a short load)."""
+        if self.tiers is None:
+            return
+        bs = self.kv.block_size
+        for load_id, num_ok in self.tiers.poll_loads():
+            req = self.loading.pop(load_id, None)
+            load = self.tier_loads.pop(load_id, None)
+            if req is None or load is None:  # cancelled: its blocks were freed at once
+                continue
+            computed = (load.num_gpu_blocks + num_ok) * bs
+            self._publish(req, computed)
+            req.num_computed_tokens = computed
+            if load.counts:
+                req.num_cached_tokens += num_ok * bs
+                self.prefix_hits += num_ok * bs
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+
+    def _cancel_tier_load(self, req: Request) -> None:
+        """The request ended while loading: the manager stops writing its blocks (the GPU waits
+        for a copy under way), so they may be freed at once."""
+        if self.tiers is not None:
+            self.tiers.cancel(req.request_id)
+        self.loading.pop(req.request_id, None)
+        self.tier_loads.pop(req.request_id, None)
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -295,11 +419,13 @@ class Scheduler:
     def _remove(self, req: Request) -> None:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status == RequestStatus.WAITING_FOR_TIER_KV:
+            self._cancel_tier_load(req)
         elif req.status != RequestStatus.WAITING_FOR_REMOTE_KV:  # loads end in _collect_loads
             self.waiting.remove(req)
 
     def _preempt(self, req: Request) -> None:
-        self.kv.free(req)
+        self.kv.free(req.request_id)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -312,7 +438,7 @@ class Scheduler:
         if self.connector is not None and self._leases(req, status):
             req.kv_transfer = self.connector.hold(req)
         elif not loading:  # a read into a loading request's blocks may still be running
-            self.kv.free(req)
+            self.kv.free(req.request_id)
         del self.requests[req.request_id]
         self.num_prompt_scorers -= req.sampling_params.prompt_logprobs is not None
 

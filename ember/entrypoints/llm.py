@@ -29,6 +29,11 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=resolve_model(str(model)), **kwargs))
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Release the engine's threads and connections; the KV tiers' disk writes end first, so
+        a new LLM on the same `kv_disk_dir` finds them."""
+        self.engine.close()
+
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 

@@ -26,7 +26,11 @@ class KVBlock:
 
 class BlockPool:
     def __init__(
-        self, num_blocks: int, enable_caching: bool = True, record_events: bool = False
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        record_events: bool = False,
+        track_writes: bool = False,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -41,6 +45,11 @@ class BlockPool:
         self.record_events = record_events
         self.events: list[tuple[str, BlockHash]] = []
         """("stored" | "removed", hash), in the order they happened."""
+        # For the KV tiers: blocks published (to copy down) and handed out (to fence) since the
+        # last drain.
+        self.track_writes = track_writes
+        self._published: list[tuple[int, BlockHash]] = []
+        self._allocated: list[int] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -73,6 +82,8 @@ class BlockPool:
             self._evict(b)
             b.ref_cnt = 1
             out.append(b)
+        if self.track_writes:
+            self._allocated.extend(b.block_id for b in out)
         return out
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
@@ -93,10 +104,22 @@ class BlockPool:
             self._cached[block_hash] = block
             if self.record_events:
                 self.events.append(("stored", block_hash))
+            if self.track_writes:
+                self._published.append((block.block_id, block_hash))
 
     def drain_events(self) -> list[tuple[str, BlockHash]]:
         """The events since the last call."""
         out, self.events = self.events, []
+        return out
+
+    def drain_published(self) -> list[tuple[int, BlockHash]]:
+        """(block id, hash) of the blocks published since the last call (with `track_writes`)."""
+        out, self._published = self._published, []
+        return out
+
+    def drain_allocated(self) -> list[int]:
+        """Ids of the blocks handed out since the last call (with `track_writes`)."""
+        out, self._allocated = self._allocated, []
         return out
 
     def reset_prefix_cache(self) -> bool:

@@ -182,6 +182,14 @@ def build_app(
             "remote_kv_failures": s.remote_kv_failures,
             "remote_kv_bytes": s.remote_kv_bytes,
             "remote_kv_seconds": s.remote_kv_seconds,
+            "kv_tiers": {
+                medium: {
+                    "blocks": t.occupancy_blocks,
+                    "bytes": t.occupancy_bytes,
+                    "capacity_bytes": t.capacity_bytes,
+                }
+                for medium, t in s.kv_tiers.items()
+            },
         }
 
     @app.post("/kv/release")
@@ -203,19 +211,30 @@ def build_app(
         return {"lease_id": lease_id, "released": released}
 
     @app.get("/kv_events")
-    async def kv_events(since: int = 0, limit: int = KV_EVENTS_PAGE) -> dict[str, Any]:
+    async def kv_events(
+        since: int = 0, limit: int = KV_EVENTS_PAGE, medium: str | None = None
+    ) -> dict[str, Any]:
         # Paged: a whole backlog (200,000 events, 15 MB of JSON) froze every stream for seconds.
-        # `seq` is the last event sent (the next call's `since`); `more` says whether more follow.
+        # `seq` is the last event scanned (the next call's `since`); `more` says whether more
+        # follow. Without `medium`: the GPU prefix cache's events as [kind, hash], as before the
+        # tiers; with `medium=gpu,cpu,disk` (or "all"): those media's, as [kind, hash, medium].
         if not 1 <= limit <= KV_EVENTS_PAGE_MAX:
             raise APIError(f"limit must be in [1, {KV_EVENTS_PAGE_MAX}]", param="limit")
+        media = _event_media(medium)
         newest, lost, events = engine.events_since(since)
-        events = events[:limit]
-        seq = events[-1][0] if events else newest
+        page, seq = [], newest
+        for ev in events:
+            if ev[3] in media:
+                page.append(ev)
+                if len(page) == limit:
+                    seq = ev[0]
+                    break
+        labeled = medium is not None
         return {
             "seq": seq,
             "lost": lost,
             "more": seq < newest,
-            "events": [[k, h] for _, k, h in events],
+            "events": [[k, h, m] if labeled else [k, h] for _, k, h, m in page],
         }
 
     @app.get("/metrics")
@@ -223,6 +242,24 @@ def build_app(
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+KV_MEDIA = ("gpu", "cpu", "disk", "store")
+
+
+def _event_media(medium: str | None) -> frozenset[str]:
+    """The media a /kv_events caller asks for: "gpu" unless it names some (or "all")."""
+    if medium is None:
+        return frozenset({"gpu"})
+    if medium == "all":
+        return frozenset(KV_MEDIA)
+    asked = frozenset(medium.split(","))
+    if not asked or not asked <= set(KV_MEDIA):
+        raise APIError(
+            f"medium must be a comma-separated list of {', '.join(KV_MEDIA)}, or all",
+            param="medium",
+        )
+    return asked
 
 
 def _refuse_if_draining(app: FastAPI) -> None:
@@ -289,6 +326,11 @@ def engine_config_from_args(args: argparse.Namespace, cluster_secret: str = "") 
         kv_lease_s=args.kv_lease_s,
         kv_timeout_s=args.kv_timeout,
         kv_events=True,
+        kv_host_gb=args.kv_host_gb,
+        kv_disk_dir=args.kv_disk_dir,
+        kv_disk_gb=args.kv_disk_gb,
+        kv_store=args.kv_store,
+        kv_store_gb=args.kv_store_gb,
         cluster_secret=cluster_secret,
     )
 

@@ -19,7 +19,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV blocks on the device (default: sized from its free memory); a small number caps "
+        "the GPU pool for tests and benchmarks of the KV tiers",
+    )
+    add_kv_tier_args(p)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -97,6 +104,35 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests may take to finish after SIGTERM",
     )
     p.add_argument("--log-level", default="info")
+
+
+def add_kv_tier_args(p: argparse.ArgumentParser) -> None:
+    """The KV tiers below the GPU: host memory, local disk, a shared Mooncake Store."""
+    p.add_argument(
+        "--kv-host-gb",
+        type=float,
+        default=None,
+        help="GiB of (pinned) host memory for KV blocks evicted from the device; 0: off "
+        "(default: min(32, 20%% of RAM) on a GPU, off on the CPU)",
+    )
+    p.add_argument(
+        "--kv-disk-dir",
+        default=None,
+        help="a local directory for KV blocks, kept across restarts (default: off)",
+    )
+    p.add_argument("--kv-disk-gb", type=float, default=64.0, help="GiB the disk tier may use")
+    p.add_argument(
+        "--kv-store",
+        default=None,
+        metavar="HOST:PORT",
+        help="a mooncake_master: the KV store every engine shares (default: off)",
+    )
+    p.add_argument(
+        "--kv-store-gb",
+        type=float,
+        default=1.0,
+        help="GiB of memory this engine lends the shared KV store",
+    )
 
 
 def add_trust_args(p: argparse.ArgumentParser) -> None:

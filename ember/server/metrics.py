@@ -35,6 +35,27 @@ _LATENCY_BUCKETS = (
 )
 
 
+_TIER_GAUGES = (
+    ("occupancy_blocks", "KV blocks the tier holds."),
+    ("occupancy_bytes", "Bytes of KV the tier holds."),
+    ("capacity_bytes", "Bytes of KV the tier may hold."),
+)
+_TIER_COUNTERS = (
+    ("hits", "Blocks found in the tier by loads."),
+    ("misses", "Blocks looked for in the tier and not found (or found corrupt)."),
+    ("blocks_in", "Blocks written into the tier."),
+    ("bytes_in", "Bytes written into the tier."),
+    ("blocks_out", "Blocks read out of the tier."),
+    ("bytes_out", "Bytes read out of the tier."),
+    ("evictions", "Blocks evicted from the tier to make room."),
+    ("drops", "Blocks not written: no room, a full backlog, or a failing tier."),
+    ("errors", "Tier operations that failed (an unreachable store, a disk error)."),
+    ("corrupt", "Entries found truncated or corrupt on read, then recomputed."),
+    ("loads", "Requests whose hit in the tier the cost model chose to load."),
+    ("recomputes", "Requests whose hit in the tier the cost model chose to recompute."),
+)
+
+
 class _EngineCollector(Collector):
     def __init__(self, model: str, stats: Callable[[], SchedulerStats]) -> None:
         self.model = model
@@ -96,6 +117,38 @@ class _EngineCollector(Collector):
         ):
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric([self.model], value)
+            yield c
+        yield from self._tier_metrics(s)
+
+    def _tier_metrics(self, s: SchedulerStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """`ember:kv_tier_*{medium=cpu|disk|store}` from the KV tiers' counters."""
+        if not s.kv_tiers:
+            return
+        labels = ["model_name", "medium"]
+        for field, doc in _TIER_GAUGES:
+            g = GaugeMetricFamily(f"ember:kv_tier_{field}", doc, labels=labels)
+            for medium, t in s.kv_tiers.items():
+                g.add_metric([self.model, medium], getattr(t, field))
+            yield g
+        g = GaugeMetricFamily(
+            "ember:kv_tier_load_bytes_per_second",
+            "Measured load speed of the tier (host -> GPU for cpu, to host for the others).",
+            labels=labels,
+        )
+        for medium, bw in s.kv_tier_bandwidth.items():
+            g.add_metric([self.model, medium], bw)
+        yield g
+        g = GaugeMetricFamily(
+            "ember:prefill_tokens_per_second",
+            "Measured prefill speed the tiers' cost model weighs loads against.",
+            labels=["model_name"],
+        )
+        g.add_metric([self.model], s.prefill_tok_s)
+        yield g
+        for field, doc in _TIER_COUNTERS:
+            c = CounterMetricFamily(f"ember:kv_tier_{field}", doc, labels=labels)
+            for medium, t in s.kv_tiers.items():
+                c.add_metric([self.model, medium], getattr(t, field))
             yield c
 
 
