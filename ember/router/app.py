@@ -11,6 +11,7 @@ import asyncio
 import logging
 import resource
 import signal
+import time
 from typing import Any
 
 import aiohttp
@@ -132,6 +133,7 @@ def build_app(
         )
 
     async def load(_: web.Request) -> web.Response:
+        now = time.monotonic()
         return web.json_response(
             {
                 "endpoints": [
@@ -145,6 +147,10 @@ def build_app(
                         "active_requests": e.active_requests,
                         "kv_usage": e.kv_usage,
                         "cached_blocks": pool.prefix.num_blocks(e.url),
+                        # Blocks credited to it below the GPU: its own tiers', and its store's.
+                        "tier_blocks": {m: i.num_blocks(e.url) for m, i in pool.tiers.items()},
+                        "kv_store": pool.info[e.url].kv_store,
+                        "store_blocks": pool.store.num_blocks(pool.info[e.url].kv_store, now),
                         # The last KV event the prefix index applied (the engine's /load says
                         # how far the engine is): how stale the index is.
                         "kv_event_seq": pool.info[e.url].event_seq,

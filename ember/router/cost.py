@@ -14,7 +14,9 @@ if TYPE_CHECKING:
     from ember.router.endpoint import Endpoint
 
 
-def request_cost(endpoint: Endpoint, new_prefill_tokens: int, new_decode_tokens: int = 0) -> float:
+def request_cost(
+    endpoint: Endpoint, new_prefill_tokens: float, new_decode_tokens: int = 0
+) -> float:
     """The endpoint's load, in tokens, once this request is added to it."""
     return endpoint.prefill_cost(new_prefill_tokens) + endpoint.decode_cost(new_decode_tokens)
 
@@ -22,14 +24,15 @@ def request_cost(endpoint: Endpoint, new_prefill_tokens: int, new_decode_tokens:
 def choose(
     endpoints: Iterable[Endpoint],
     *,
-    new_prefill_tokens: Mapping[str, int] | int,
+    new_prefill_tokens: Mapping[str, float] | float,
     rng: random.Random,
     new_decode_tokens: int = 0,
 ) -> Endpoint:
     """The healthy endpoint of least `request_cost`; exact ties are broken with `rng`.
 
     `new_prefill_tokens` is the request's uncached prompt tokens, per endpoint url when prefix
-    caching makes them differ (every healthy url must be present), or one number for all.
+    caching makes them differ (every healthy url must be present), or one number for all; tokens
+    an endpoint would load from a KV tier count at their weight (`endpoint.TIER_LOAD_WEIGHT`).
     `new_decode_tokens` is the context the request would decode there (0 for a prefill leg).
     """
     best: list[Endpoint] = []
@@ -37,7 +40,7 @@ def choose(
     for ep in endpoints:
         if not ep.healthy:
             continue
-        if isinstance(new_prefill_tokens, int):
+        if isinstance(new_prefill_tokens, (int, float)):
             uncached = new_prefill_tokens
         else:
             try:

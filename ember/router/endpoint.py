@@ -16,6 +16,12 @@ ROLES = ("prefill", "decode", "both")
 PREFILL_WEIGHT = 1.0
 """Cost of one uncached prompt token queued for prefill (Dynamo weighs prefill and decode blocks
 alike by default; its `overlap_score_weight` is this knob)."""
+TIER_LOAD_WEIGHT: dict[str, float] = {"gpu": 0.0, "cpu": 0.1, "disk": 0.3, "store": 0.4}
+"""Cost of one prompt token an engine loads from a KV medium instead of prefilling it, as a share of
+PREFILL_WEIGHT. An engine loads a block only when its own cost model says loading beats
+recomputing, so a tier's tokens cost less than a miss's, and more the slower the medium: host
+memory is a fast copy (~25 GB/s pinned on an H100), disk and a store over the network are
+slower, and their hits are hints (evicted, or written on a store that dropped them)."""
 DECODE_WEIGHT = 1.0
 """Cost of one context token of a sequence being decoded (attention reads it on every step)."""
 DECODE_REPORT_WEIGHT = 0.5
@@ -146,7 +152,7 @@ class Endpoint:
     def kv_usage(self) -> float:
         return self.reported.kv_usage if self.reported is not None else 0.0
 
-    def prefill_cost(self, new_tokens: int = 0) -> float:
+    def prefill_cost(self, new_tokens: float = 0) -> float:
         """PREFILL_WEIGHT * (queued uncached prompt tokens + `new_tokens`), in tokens."""
         return PREFILL_WEIGHT * (self.queued_prefill_tokens + new_tokens)
 

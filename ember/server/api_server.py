@@ -182,6 +182,9 @@ def build_app(
             "remote_kv_failures": s.remote_kv_failures,
             "remote_kv_bytes": s.remote_kv_bytes,
             "remote_kv_seconds": s.remote_kv_seconds,
+            # The shared KV store this engine writes its blocks to and loads from: a router
+            # credits every engine on it for the blocks any of them computed.
+            "kv_store": engine.config.kv_store,
             "kv_tiers": {
                 medium: {
                     "blocks": t.occupancy_blocks,

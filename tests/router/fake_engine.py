@@ -34,13 +34,17 @@ class FakeEngine:
     reply: Reply | None = None
     """How /v1/* POSTs are answered; None: a normal whole or streamed completion."""
     events: list[list[str]] = field(default_factory=list)
-    """KV events (["stored", hex hash]) served by /kv_events, `page` at a time with "more"."""
+    """KV events (["stored", hex hash], or with a medium: ["stored", hex hash, "cpu"]) served by
+    /kv_events, `page` at a time with "more"."""
     page: int = 1000
     calls: list[Call] = field(default_factory=list)
     refused: int = 0
     """Calls without the cluster secret (answered 401)."""
     drop_loads: bool = False
     """While set, /load calls get no answer: their connection is closed (a lost reply)."""
+    kv_store: str | None = None
+    """The shared KV store its /load names (`--kv-store`), if any."""
+    engine_id: str = "fake"
 
     def __post_init__(self) -> None:
         self._loop = asyncio.new_event_loop()
@@ -106,10 +110,11 @@ class FakeEngine:
                 "prefill_tokens": 0,
                 "decode_tokens": 0,
                 "kv_usage": 0.0,
-                "engine_id": "fake",
+                "engine_id": self.engine_id,
                 "block_size": 16,
                 "kv_root_hash": "ab" * 32,
                 "kv_event_seq": len(self.events),
+                "kv_store": self.kv_store,
             }
         )
 
