@@ -6,6 +6,7 @@ server can run the core in its own process.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -146,9 +147,12 @@ class EngineCore:
         self._prefill_steps = 0
         self.grammar = GrammarCompiler.for_model(config.model, self.model_config)
         if on_gpu and not config.enforce_eager:
-            self.runner.capture_cuda_graphs(
-                min(config.max_cuda_graph_batch, config.max_num_seqs), r.max_model_len
-            )
+            # The host tier pins its memory in the background: not while graphs are captured.
+            paused = self.tiers.growth_paused() if self.tiers else contextlib.nullcontext()
+            with paused:
+                self.runner.capture_cuda_graphs(
+                    min(config.max_cuda_graph_batch, config.max_num_seqs), r.max_model_len
+                )
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
             num_blocks,
@@ -282,6 +286,8 @@ class EngineCore:
 
     def drain_kv_events(self) -> KVEvents | None:
         events = [(kind, h, "gpu") for kind, h in self.kv.pool.drain_events()]
+        if self.tiers is not None:
+            events += self.tiers.drain_events()
         return KVEvents(events) if events else None
 
     def close(self) -> None:

@@ -23,8 +23,9 @@ GiB = 1 << 30
 HOST_TIER_MAX_BYTES = 32 * GiB
 HOST_TIER_RAM_SHARE = 0.2
 """On a GPU the host tier takes min(32 GiB, 20% of RAM) unless told: ~80k tokens of an 8B model's
-KV per 10 GiB, while weights loading, pinned staging and the OS keep the rest. Pinning it costs
-start-up time: 25 GiB took 17 s on an H100 machine with 128 GiB of RAM."""
+KV per 10 GiB, while weights loading, pinned staging and the OS keep the rest. Pinning it takes
+time (25 GiB took 17 s on an H100 machine with 128 GiB of RAM): it grows in the background, one
+chunk at a time, usable from the first (ember/kv/tiers/host_memory.py)."""
 STAGING_BYTES = (64 << 20, 4 * GiB)
 STAGING_SEQUENCES = 2
 """With disk or store on and no host share, a small host tier still stages their loads and writes:
@@ -84,25 +85,32 @@ def build_tiers(
         )
     host = HostTier(layout, num_blocks, pin=kv_cache.is_cuda)
     lower: list[Tier] = []
-    if config.kv_disk_dir is not None:
-        lower.append(DiskTier(config.kv_disk_dir, int(config.kv_disk_gb * GiB), layout))
-    if config.kv_store is not None:
-        from ember.kv.tiers.store import StoreTier
+    try:
+        if config.kv_disk_dir is not None:
+            lower.append(DiskTier(config.kv_disk_dir, int(config.kv_disk_gb * GiB), layout))
+        if config.kv_store is not None:
+            from ember.kv.tiers.store import StoreTier
 
-        lower.append(
-            StoreTier(
-                layout,
-                config.kv_store,
-                host=config.kv_host,
-                segment_bytes=int(config.kv_store_gb * GiB),
+            lower.append(
+                StoreTier(
+                    layout,
+                    config.kv_store,
+                    host=config.kv_host,
+                    segment_bytes=int(config.kv_store_gb * GiB),
+                )
             )
-        )
+    except BaseException:
+        host.close()  # stop its growth: the engine is not starting
+        raise
     gpu_blocks = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
     log.info(
-        "KV tiers: host %d blocks (%.2f GiB)%s%s",
+        "KV tiers: host %d blocks (%.2f GiB, growing from %.2f GiB)%s%s",
         num_blocks,
         num_blocks * layout.nbytes / GiB,
+        host.capacity_blocks * layout.nbytes / GiB,
         f", disk {config.kv_disk_dir} ({config.kv_disk_gb:g} GiB)" if config.kv_disk_dir else "",
         f", store {config.kv_store}" if config.kv_store else "",
     )
-    return TierManager(layout, gpu_blocks, host, lower, CostModel(layout))
+    return TierManager(
+        layout, gpu_blocks, host, lower, CostModel(layout), record_events=config.kv_events
+    )

@@ -97,7 +97,7 @@ def test_offloaded_bytes_and_next_turns_match_an_engine_that_kept_everything(
             cached = ref_core.kv.pool.get_cached_block(key)
             if slot is None or cached is None:
                 continue
-            assert torch.equal(host.buffer[slot], ref_blocks[cached.block_id].cpu()), key.hex()
+            assert torch.equal(host.row(slot), ref_blocks[cached.block_id].cpu()), key.hex()
             checked += 1
     assert checked >= min(len(SESSIONS) * 30, host.capacity_blocks - 8)
 

@@ -71,5 +71,6 @@ def test_an_evicted_session_is_served_from_host_and_shows_in_load_metrics_events
     labeled = internal(server, "/kv_events", since="0", medium="all").json()["events"]
     assert len(labeled) >= len(plain) and all(len(e) == 3 for e in labeled)
     assert [e[:2] for e in labeled if e[2] == "gpu"] == plain
+    assert any(e[0] == "stored" and e[2] == "cpu" for e in labeled)  # the host tier's
     bad = internal(server, "/kv_events", medium="tape")
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "medium"

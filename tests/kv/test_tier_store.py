@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ember.kv.tiers.base import BlockLayout
+from ember.kv.tiers.host_memory import HostMemory
 from ember.kv.tiers.store_master import (
     StoreMaster,
     free_port,
@@ -104,16 +105,25 @@ def test_bytes_round_trip(tier: StoreTier) -> None:
     assert s.blocks_in >= 5 and s.hits >= 5 and s.bytes_out >= 5 * LAYOUT.nbytes
 
 
-def test_rows_of_the_host_buffer_round_trip(tier: StoreTier) -> None:
-    """put_rows / get_into_rows move rows of the host tier's buffer, in any order."""
-    host = torch.zeros((8, LAYOUT.nbytes), dtype=torch.uint8)
-    host[[6, 2, 4]] = blocks(3, seed=2)
+def test_rows_of_the_host_memory_round_trip(tier: StoreTier) -> None:
+    """put_rows / get_into_rows move rows of the host tier's memory, in any order and across its
+    chunks (each registered with the store as a write first reads from it)."""
+    host = HostMemory(LAYOUT.nbytes, 8, pin=False, chunk_bytes=2 * LAYOUT.nbytes)
+    assert len(host.chunks) == 4
+    src = blocks(3, seed=2)
+    for i, slot in enumerate([6, 2, 4]):
+        host.row(slot).copy_(src[i])
     keys = keys_of(2, 3)
     assert tier.put_rows(keys, host, [6, 2, 4]) == [True] * 3
-    back = torch.zeros_like(host)
+    back = HostMemory(LAYOUT.nbytes, 8, pin=False)
+    for slot in range(8):
+        back.row(slot).zero_()
     assert tier.get_into_rows(keys, back, [1, 7, 0]) == [True] * 3
-    assert torch.equal(back[[1, 7, 0]], host[[6, 2, 4]])
-    assert torch.count_nonzero(back[[2, 3, 4, 5, 6]]) == 0  # rows not asked for are untouched
+    assert all(torch.equal(back.row(d), src[i]) for i, d in enumerate([1, 7, 0]))
+    # rows not asked for are untouched
+    assert all(torch.count_nonzero(back.row(s)) == 0 for s in [2, 3, 4, 5, 6])
+    with pytest.raises(IndexError):
+        tier.put_rows(keys[:1], host, [8])  # no address outside the memory reaches the store
 
 
 def test_put_in_chunks_larger_than_the_staging_buffer(master: StoreMaster) -> None:
@@ -313,11 +323,13 @@ def test_a_failed_transfer_never_lands_in_the_host_buffer() -> None:
     t = _with_client(fake)
     errors = t.stats().errors
     try:
-        host = torch.full((4, LAYOUT.nbytes), 7, dtype=torch.uint8)
+        host = HostMemory(LAYOUT.nbytes, 4, pin=False)
+        for slot in range(4):
+            host.row(slot).fill_(7)
         assert t.get_into_rows(keys_of(11, 2), host, [0, 1]) == [False, False]
         # The library was handed a staging buffer of the tier's own, never the host rows...
-        assert host.data_ptr() not in fake.registered
-        assert bool((host == 7).all())
+        assert host.chunks[0].data_ptr() not in fake.registered
+        assert all(bool((host.row(s) == 7).all()) for s in range(4))
         # ...which is set aside (still registered) rather than reused for the next read.
         assert len(t._retired) == 1 and t._staging is None
         assert not t.connected and t.stats().errors == errors + 1

@@ -11,6 +11,7 @@ import torch
 
 from ember.kv.tiers.base import BlockLayout
 from ember.kv.tiers.disk import HEADER, DiskTier
+from ember.kv.tiers.host_memory import HostMemory
 
 LAYOUT = BlockLayout(
     num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32", model="m"
@@ -53,11 +54,14 @@ def test_missing_key_is_a_miss_and_prefix_stops_there(tmp_path: Path) -> None:
 
 def test_rows_forms_read_and_write_in_place(tmp_path: Path) -> None:
     disk = DiskTier(tmp_path, 10 * ENTRY, LAYOUT)
-    buf = blocks(4, seed=1)
+    src = blocks(4, seed=1)
+    buf = HostMemory(LAYOUT.nbytes, 4, pin=False)
+    for slot in range(4):
+        buf.row(slot).copy_(src[slot])
     assert disk.put_rows([key(0), key(1)], buf, [3, 1]) == [True, True]
-    out = torch.zeros_like(buf)
+    out = HostMemory(LAYOUT.nbytes, 4, pin=False)
     assert disk.get_into_rows([key(1), key(0)], out, [0, 2]) == [True, True]
-    assert torch.equal(out[0], buf[1]) and torch.equal(out[2], buf[3])
+    assert torch.equal(out.row(0), src[1]) and torch.equal(out.row(2), src[3])
 
 
 def test_lru_by_last_use_within_capacity(tmp_path: Path) -> None:

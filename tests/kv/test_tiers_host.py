@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import threading
+import time
 
 import pytest
 import torch
@@ -22,7 +24,7 @@ def key(i: int) -> bytes:
 def put(host: HostTier, k: bytes, fill: int) -> int:
     (slot,) = host.reserve([k])
     assert slot is not None
-    host.buffer[slot].fill_(fill)
+    host.row(slot).fill_(fill)
     host.commit([k])
     return slot
 
@@ -47,7 +49,7 @@ def test_tier_hit_counts() -> None:
 
 def test_reserved_entries_are_invisible_until_commit() -> None:
     host = HostTier(LAYOUT, 4, pin=False)
-    assert host.buffer.shape == (4, LAYOUT.nbytes) and host.buffer.dtype == torch.uint8
+    assert host.capacity_blocks == 4 and host.row(3).shape == (LAYOUT.nbytes,)
     (slot,) = host.reserve([key(0)])
     assert slot is not None
     assert host.lookup(key(0)) is None and host.contains_prefix([key(0)]) == 0
@@ -93,7 +95,7 @@ def test_pinned_and_reserved_entries_are_never_evicted() -> None:
     host.commit([key(1)])
     (c,) = host.reserve([key(2)])  # evicts key 1, not the pinned key 0
     assert c == b and host.lookup(key(1)) is None
-    assert host.lookup(key(0)) == a and bool((host.buffer[a] == 7).all())
+    assert host.lookup(key(0)) == a and bool((host.row(a) == 7).all())
     host.unpin([key(0)])
     host.commit([key(2)])
     host.lookup(key(2))
@@ -111,3 +113,111 @@ def test_pin_counts_nest() -> None:
     assert host.reserve([key(1)]) == [None]
     host.unpin([key(0)])
     assert host.reserve([key(1)]) == [0]
+
+
+# -- memory grown in chunks ----------------------------------------------------------------
+
+CHUNK = 2 * LAYOUT.nbytes  # two rows a chunk
+
+
+class GatedAllocator:
+    """Allocates a chunk only once the test opens its gate; records what it handed out."""
+
+    def __init__(self, open_first: int = 1, fail_at: int | None = None) -> None:
+        self.gates = [threading.Event() for _ in range(16)]
+        for gate in self.gates[:open_first]:
+            gate.set()
+        self.fail_at = fail_at
+        self.bytes: list[int] = []
+
+    def __call__(self, nbytes: int) -> torch.Tensor:
+        n = len(self.bytes)
+        if not self.gates[n].wait(timeout=30):
+            raise AssertionError("the test never opened the gate")
+        if n == self.fail_at:
+            raise RuntimeError("CUDA error: out of memory")
+        self.bytes.append(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    @property
+    def allocated(self) -> int:
+        return sum(self.bytes)
+
+
+def growing(total: int, alloc: GatedAllocator) -> HostTier:
+    return HostTier(LAYOUT, total, pin=False, chunk_bytes=CHUNK, background=True, allocate=alloc)
+
+
+def assert_within_allocation(host: HostTier, alloc: GatedAllocator) -> None:
+    assert host.capacity_blocks * LAYOUT.nbytes <= alloc.allocated
+    assert host.stats().capacity_bytes == host.capacity_blocks * LAYOUT.nbytes
+
+
+def test_the_tier_works_while_its_memory_grows() -> None:
+    alloc = GatedAllocator()
+    host = growing(6, alloc)
+    try:
+        # Usable at once, with only the first chunk: a third block evicts the least recent.
+        assert host.capacity_blocks == 2 and host.target_blocks == 6
+        assert_within_allocation(host, alloc)
+        slots = [put(host, key(i), i) for i in range(2)]
+        assert host.reserve([key(9)]) != [None] and host.stats().evictions == 1
+        host.abort([key(9)])
+        assert host.lookup(key(0)) is None and host.lookup(key(1)) == slots[1]
+        alloc.gates[1].set()
+        with host.memory.paused():  # waits out the chunk under way
+            assert host.capacity_blocks == 4
+            assert_within_allocation(host, alloc)
+            new = [put(host, key(i), i) for i in (2, 3)]
+            assert sorted(new) == [0, 2] and host.stats().evictions == 1  # room, no eviction
+        for gate in alloc.gates:
+            gate.set()
+        assert host.memory.wait_full(timeout_s=30)
+        assert host.capacity_blocks == 6 and len(host.memory.chunks) == 3
+        assert_within_allocation(host, alloc)
+        for i in (4, 5, 6):
+            put(host, key(i), i)
+        assert host.stats().evictions == 1  # the new chunk had room
+        for i in range(1, 7):
+            slot = host.lookup(key(i))
+            assert slot is not None and bool((host.row(slot) == i).all())
+    finally:
+        host.close()
+
+
+def test_growth_waits_while_paused() -> None:
+    alloc = GatedAllocator(open_first=16)
+    host = growing(8, alloc)
+    try:
+        with host.memory.paused():
+            seen = host.capacity_blocks
+            time.sleep(0.05)  # time for a running thread to grow, were it not paused
+            assert host.capacity_blocks == seen == len(alloc.bytes) * 2
+        assert host.memory.wait_full(timeout_s=30) and host.capacity_blocks == 8
+    finally:
+        host.close()
+
+
+def test_a_failed_allocation_keeps_what_was_allocated() -> None:
+    alloc = GatedAllocator(open_first=16, fail_at=2)
+    host = growing(8, alloc)
+    assert not host.memory.wait_full(timeout_s=30)
+    assert host.capacity_blocks == 4
+    assert_within_allocation(host, alloc)
+    for i in range(6):
+        put(host, key(i), i)
+    assert len(host) == 4 and host.stats().evictions == 2
+
+
+def test_chunks_hold_whole_rows_and_copies_run_within_a_chunk() -> None:
+    odd = BlockLayout(3, 1, 4, 4, "float32", "m")  # 384 bytes a block
+    alloc = GatedAllocator(open_first=16)
+    host = HostTier(odd, 7, pin=False, chunk_bytes=1024, allocate=alloc)
+    assert host.memory.rows_per_chunk == 2  # whole rows only: 768 of 1024 bytes
+    assert alloc.bytes == [768, 768, 768, 384] and host.capacity_blocks == 7
+    runs = host.memory.runs([0, 1, 2, 3, 6], [10, 11, 12, 13, 20])
+    assert [(r, g, n) for _, r, g, n in runs] == [(0, 10, 2), (0, 12, 2), (0, 20, 1)]
+    with pytest.raises(IndexError):
+        host.row(7)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        HostTier(odd, 7, pin=False, chunk_bytes=0)

@@ -95,7 +95,9 @@ def make(
     **kw: object,
 ) -> TierManager:
     cost = CostModel(LAYOUT, bandwidth={"cpu": 1.0, "disk": 1.0, "store": 1.0})
-    m = TierManager(LAYOUT, gpu_blocks, HostTier(LAYOUT, host_blocks, pin=True), lower, cost, **kw)  # type: ignore[arg-type]
+    # Two blocks a chunk: every copy between GPU and host crosses chunks of the host's memory.
+    host = HostTier(LAYOUT, host_blocks, pin=True, chunk_bytes=2 * NBYTES)
+    m = TierManager(LAYOUT, gpu_blocks, host, lower, cost, **kw)  # type: ignore[arg-type]
     made.append(m)
     return m
 
@@ -303,7 +305,7 @@ def test_a_load_into_a_block_still_being_offloaded_waits_for_the_copy(
     assert torch.equal(g[0], g[1])
     m.step_done()
     slot = m.host.lookup(key(0))
-    assert slot is not None and torch.equal(m.host.buffer[slot], old)
+    assert slot is not None and torch.equal(m.host.row(slot), old)
 
 
 # -- CUDA: side streams, events, fences ----------------------------------------------------
@@ -341,7 +343,7 @@ def test_cuda_round_trip_through_host_and_disk(tmp_path: Path) -> None:
     disk = DiskTier(tmp_path, 1 << 30, BIG)
     m = TierManager(BIG, g, HostTier(BIG, 2 * n, pin=True), [disk], CostModel(BIG))
     try:
-        assert m.host.buffer.is_pinned()
+        assert m.host.memory.pinned and m.host.row(0).is_pinned()
         _busy_gpu()
         g[:n].copy_(src)  # "the step" writes the blocks
         step = torch.cuda.Event()
@@ -395,7 +397,7 @@ def test_cuda_load_into_a_block_being_offloaded_waits_for_the_copy() -> None:
         assert _poll_until(m, "r") == 1
         m.flush()
         slot = m.host.lookup(key(0))
-        assert slot is not None and bool((m.host.buffer[slot] == 7).all())
+        assert slot is not None and bool((m.host.row(slot) == 7).all())
         assert bool((g[0] == 11).all())
     finally:
         m.close()
@@ -417,6 +419,42 @@ def test_cuda_fence_orders_a_write_after_the_copy_out() -> None:
         g[0].fill_(9)  # the next step reuses block 0
         m.flush()
         slot = m.host.lookup(key(0))
-        assert slot is not None and bool((m.host.buffer[slot] == 3).all())
+        assert slot is not None and bool((m.host.row(slot) == 3).all())
     finally:
         m.close()
+
+
+def test_tier_events_follow_host_and_disk(managers: list[TierManager], tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, 2 * (HEADER.size + 32 + NBYTES), LAYOUT)
+    m = make(managers, gpu(), [disk], host_blocks=2, record_events=True, max_pending_writes=8)
+    m.offload([(0, key(0)), (1, key(1))])
+    m.flush()
+    assert sorted(m.drain_events()) == sorted(
+        [("stored", key(i), medium) for i in (0, 1) for medium in ("cpu", "disk")]
+    )
+    assert m.drain_events() == []
+    m.offload([(2, key(2))])  # the host and the disk hold two: key 0 leaves both
+    m.flush()
+    events = m.drain_events()
+    assert sorted(events) == sorted(
+        [
+            (kind, k, medium)
+            for kind, k in (("removed", key(0)), ("stored", key(2)))
+            for medium in ("cpu", "disk")
+        ]
+    )
+    path = disk.path_of(key(1))
+    path.write_bytes(path.read_bytes()[:-1])  # truncated: a load finds it corrupt and deletes it
+    m.host.reserve([key(9)])  # (host entries are never corrupt: evict key 1 from host first)
+    m.host.abort([key(9)])
+    assert ("removed", key(1), "cpu") in m.drain_events()
+    assert load(m, "r", [key(1)], [5]) == 0
+    assert ("removed", key(1), "disk") in m.drain_events()
+
+
+def test_tier_events_are_off_unless_asked(managers: list[TierManager]) -> None:
+    m = make(managers, gpu(), [], host_blocks=1)
+    for i in range(2):
+        m.offload([(i, key(i))])
+        m.flush()
+    assert m.stats()["cpu"].evictions == 1 and m.drain_events() == []

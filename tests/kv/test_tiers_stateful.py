@@ -44,7 +44,7 @@ class HostAndDisk(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.dir = Path(tempfile.mkdtemp(prefix="ember-tiers-"))
-        self.host = HostTier(LAYOUT, HOST_BLOCKS, pin=False)
+        self.host = HostTier(LAYOUT, HOST_BLOCKS, pin=False, chunk_bytes=2 * NBYTES)
         self.disk = DiskTier(self.dir, DISK_BLOCKS * ENTRY, LAYOUT)
         self.pins: dict[bytes, int] = {}
         self.reserved: set[bytes] = set()
@@ -66,7 +66,7 @@ class HostAndDisk(RuleBasedStateMachine):
         if slot is None:  # no room: everything else is pinned or reserved
             assert len(self.pins) + len(self.reserved) >= HOST_BLOCKS
             return
-        self.host.buffer[slot].copy_(content(k))
+        self.host.row(slot).copy_(content(k))
         if commit:
             self.host.commit([k])
         else:
@@ -102,7 +102,7 @@ class HostAndDisk(RuleBasedStateMachine):
         k = key(i)
         slot = self.host.lookup(k)
         if slot is not None:
-            assert torch.equal(self.host.buffer[slot], content(k))
+            assert torch.equal(self.host.row(slot), content(k))
 
     # -- disk ------------------------------------------------------------------------------
 
@@ -183,7 +183,7 @@ class Manager(RuleBasedStateMachine):
         self.m = TierManager(
             LAYOUT,
             self.gpu,
-            HostTier(LAYOUT, HOST_BLOCKS, pin=False),
+            HostTier(LAYOUT, HOST_BLOCKS, pin=False, chunk_bytes=2 * NBYTES),
             [DiskTier(self.dir, DISK_BLOCKS * ENTRY, LAYOUT)],
             CostModel(LAYOUT),
         )
@@ -269,7 +269,7 @@ class Manager(RuleBasedStateMachine):
         for i in range(12):
             k = key(i)
             if k in h:
-                assert torch.equal(h.buffer[h._entries[k]], content(k))
+                assert torch.equal(h.row(h._entries[k]), content(k))
 
 
 TestHostAndDisk = HostAndDisk.TestCase

@@ -12,9 +12,12 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from ember.kv.tiers.host_memory import HostMemory
 
 Medium = Literal["gpu", "cpu", "disk", "store"]
 
@@ -119,6 +122,30 @@ class Counters:
         return own
 
 
+TierEvent = tuple[str, bytes, Medium]
+"""("stored" | "removed", block hash, medium): what the router's prefix index follows."""
+
+
+class EventLog:
+    """A tier's KV events since the last drain, kept only while `enabled`; thread-safe."""
+
+    def __init__(self, medium: Medium) -> None:
+        self.medium = medium
+        self.enabled = False
+        self._lock = threading.Lock()
+        self._events: list[TierEvent] = []
+
+    def record(self, kind: str, keys: Sequence[bytes]) -> None:
+        if self.enabled and keys:
+            with self._lock:
+                self._events.extend((kind, k, self.medium) for k in keys)
+
+    def drain(self) -> list[TierEvent]:
+        with self._lock:
+            out, self._events = self._events, []
+        return out
+
+
 @dataclass(frozen=True, slots=True)
 class TierHit:
     """The longest prefix of a key list found below the GPU, split by the tier that holds it.
@@ -173,27 +200,27 @@ class Tier(ABC):
         """Read keys[i] into row i of `dst` (uint8 [len(keys), nbytes], CPU); False where missing."""
 
     def put_rows(
-        self, keys: Sequence[bytes], buffer: torch.Tensor, rows: Sequence[int]
+        self, keys: Sequence[bytes], memory: HostMemory, slots: Sequence[int]
     ) -> list[bool]:
-        """Store `buffer[rows[i]]` under keys[i]. `buffer` is the host tier's (pinned) buffer, the
-        same tensor on every call: a tier that registers memory (the store) may override this to
-        move the rows in place; the default gathers them and calls `put`."""
+        """Store the host tier's row `slots[i]` under keys[i]. A tier that registers memory (the
+        store) may override this to move the rows in place; the default gathers them and calls
+        `put`."""
         if not keys:
             return []
-        return self.put(keys, buffer[torch.as_tensor(list(rows), dtype=torch.long)])
+        return self.put(keys, torch.stack([memory.row(s) for s in slots]))
 
     def get_into_rows(
-        self, keys: Sequence[bytes], buffer: torch.Tensor, rows: Sequence[int]
+        self, keys: Sequence[bytes], memory: HostMemory, slots: Sequence[int]
     ) -> list[bool]:
-        """Read keys[i] into `buffer[rows[i]]` (see `put_rows`); the default reads into a gathered
-        copy and scatters the rows it found."""
+        """Read keys[i] into the host tier's row `slots[i]` (see `put_rows`); the default reads
+        into a gathered copy and scatters the rows it found."""
         if not keys:
             return []
-        staging = torch.empty((len(keys), buffer.shape[1]), dtype=torch.uint8)
+        staging = torch.empty((len(keys), memory.row_bytes), dtype=torch.uint8)
         found = self.get_into(keys, staging)
         for i, ok in enumerate(found):
             if ok:
-                buffer[rows[i]].copy_(staging[i])
+                memory.row(slots[i]).copy_(staging[i])
         return found
 
     @abstractmethod

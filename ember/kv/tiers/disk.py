@@ -21,10 +21,14 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from ember.kv.tiers.base import BlockLayout, Medium, Tier, TierStats, check_rows
+from ember.kv.tiers.base import BlockLayout, EventLog, Medium, Tier, TierStats, check_rows
+
+if TYPE_CHECKING:
+    from ember.kv.tiers.host_memory import HostMemory
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,8 @@ class DiskTier(Tier):
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size; front = LRU
         self._used = 0
         self._stats = TierStats(capacity_bytes=capacity_bytes)
+        self.events = EventLog("disk")
+        """Puts ("stored"), evictions and corrupt deletions ("removed"), when turned on."""
         self._rebuild()
 
     # -- the Tier interface ------------------------------------------------------------------
@@ -75,18 +81,18 @@ class DiskTier(Tier):
         return [self._put_one(key, src[i]) for i, key in enumerate(keys)]
 
     def put_rows(
-        self, keys: Sequence[bytes], buffer: torch.Tensor, rows: Sequence[int]
+        self, keys: Sequence[bytes], memory: HostMemory, slots: Sequence[int]
     ) -> list[bool]:
-        return [self._put_one(key, buffer[r]) for key, r in zip(keys, rows, strict=True)]
+        return [self._put_one(key, memory.row(s)) for key, s in zip(keys, slots, strict=True)]
 
     def get_into(self, keys: Sequence[bytes], dst: torch.Tensor) -> list[bool]:
         check_rows(dst, len(keys), self.layout.nbytes, "dst")
         return [self._get_one(key, dst[i]) for i, key in enumerate(keys)]
 
     def get_into_rows(
-        self, keys: Sequence[bytes], buffer: torch.Tensor, rows: Sequence[int]
+        self, keys: Sequence[bytes], memory: HostMemory, slots: Sequence[int]
     ) -> list[bool]:
-        return [self._get_one(key, buffer[r]) for key, r in zip(keys, rows, strict=True)]
+        return [self._get_one(key, memory.row(s)) for key, s in zip(keys, slots, strict=True)]
 
     def stats(self) -> TierStats:
         with self._lock:
@@ -115,6 +121,7 @@ class DiskTier(Tier):
             victims = self._make_room(size)
         for victim in victims:
             self._unlink(self.path_of(victim))
+        self.events.record("removed", victims)
         payload = _row_bytes(row)
         header = HEADER.pack(MAGIC, self._fingerprint, len(key), len(payload), checksum(payload))
         path = self.path_of(key)
@@ -138,6 +145,7 @@ class DiskTier(Tier):
             self._index[key] = size
             self._stats.blocks_in += 1
             self._stats.bytes_in += len(payload)
+        self.events.record("stored", [key])
         return True
 
     def _make_room(self, size: int) -> list[bytes]:
@@ -200,6 +208,8 @@ class DiskTier(Tier):
                 self._used -= size
             self._stats.corrupt += 1
         self._unlink(path)
+        if size is not None:
+            self.events.record("removed", [key])
 
     def _count_read(self, ok: bool) -> None:
         with self._lock:

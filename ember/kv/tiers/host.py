@@ -1,9 +1,11 @@
-"""The host tier: KV blocks in one (pinned) CPU buffer, a slot per block, LRU over the slots.
+"""The host tier: KV blocks in (pinned) CPU memory, a slot per block, LRU over the slots.
 
 It is both a cache and the staging area of every other move: GPU -> host -> disk / store and back.
 An entry is reserved (a slot to write into, invisible to lookups), then committed (visible) or
 aborted; pinned entries (being read or written elsewhere) and reserved ones are never evicted. Every
 method takes the tier's lock: the engine thread and the tier manager's background thread share it.
+On a GPU the memory grows in the background (host_memory.py): slots are handed out only once their
+chunk is there, so the capacity is what is allocated so far.
 """
 
 from __future__ import annotations
@@ -11,32 +13,59 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from ember.kv.tiers.base import BlockLayout, Medium, TierStats
+from ember.kv.tiers.base import BlockLayout, EventLog, Medium, TierStats
+from ember.kv.tiers.host_memory import CHUNK_BYTES, HostMemory
+
+if TYPE_CHECKING:
+    from ember.kv.tiers.host_memory import Allocate
 
 
 class HostTier:
     medium: Medium = "cpu"
 
-    def __init__(self, layout: BlockLayout, capacity_blocks: int, pin: bool) -> None:
+    def __init__(
+        self,
+        layout: BlockLayout,
+        capacity_blocks: int,
+        pin: bool,
+        chunk_bytes: int = CHUNK_BYTES,
+        background: bool | None = None,
+        allocate: Allocate | None = None,
+    ) -> None:
+        """`capacity_blocks`: the size it grows to; `pin`, `chunk_bytes`, `background` and
+        `allocate`: how its memory is allocated (see HostMemory)."""
         if capacity_blocks < 1:
             raise ValueError(f"the host tier needs at least 1 block, got {capacity_blocks}")
         self.layout = layout
-        self.capacity_blocks = capacity_blocks
-        self.buffer = torch.empty(
-            (capacity_blocks, layout.nbytes),
-            dtype=torch.uint8,
-            pin_memory=pin and torch.cuda.is_available(),
-        )
-        """uint8 [capacity, nbytes]: the DMA target of GPU copies and the source of lower tiers."""
+        self.target_blocks = capacity_blocks
         self._lock = threading.RLock()
         self._entries: OrderedDict[bytes, int] = OrderedDict()  # committed; front = least recent
         self._reserved: dict[bytes, int] = {}
         self._pins: dict[bytes, int] = {}
-        self._free: list[int] = list(range(capacity_blocks - 1, -1, -1))  # pop() gives slot 0 first
-        self._stats = TierStats(capacity_bytes=capacity_blocks * layout.nbytes)
+        self._free: list[int] = []  # pop() gives the lowest free slot of the oldest chunk first
+        self._stats = TierStats()
+        self.events = EventLog("cpu")
+        """Commits ("stored") and evictions ("removed"), when the manager turns them on."""
+        self.memory = HostMemory(
+            layout.nbytes, capacity_blocks, pin, chunk_bytes, background, allocate, self._grown
+        )
+
+    @property
+    def capacity_blocks(self) -> int:
+        """Blocks it holds now: only the memory allocated so far."""
+        return self.memory.num_rows
+
+    def row(self, slot: int) -> torch.Tensor:
+        """The bytes of a slot: a uint8 [nbytes] view."""
+        return self.memory.row(slot)
+
+    def close(self) -> None:
+        """Stop growing."""
+        self.memory.close()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -95,6 +124,7 @@ class HostTier:
                     raise KeyError(f"commit of a key that is not reserved: {key.hex()[:16]}")
                 self._entries[key] = slot
                 self._stats.blocks_in += 1
+            self.events.record("stored", keys)
 
     def abort(self, keys: Sequence[bytes]) -> None:
         """Give reserved slots back (their writes failed or were cancelled)."""
@@ -143,7 +173,13 @@ class HostTier:
             s.occupancy_blocks = len(self._entries)
             s.occupancy_bytes = len(self._entries) * self.layout.nbytes
             s.bytes_in = s.blocks_in * self.layout.nbytes
+            s.capacity_bytes = self.capacity_blocks * self.layout.nbytes
             return s
+
+    def _grown(self, first: int, n: int) -> None:
+        """A chunk arrived: its slots are free to hand out."""
+        with self._lock:
+            self._free[:0] = range(first + n - 1, first - 1, -1)
 
     def _evict_one(self) -> int | None:
         """Free the least recently used unpinned committed entry; its slot, or None if none."""
@@ -151,5 +187,6 @@ class HostTier:
             if key not in self._pins:
                 slot = self._entries.pop(key)
                 self._stats.evictions += 1
+                self.events.record("removed", [key])
                 return slot
         return None

@@ -56,8 +56,9 @@ class LowerTiers:
         host: HostTier,
         cost: CostModel,
         counters: Counters,
-        max_pending_writes: int,
+        max_pending_writes: int | None,
     ) -> None:
+        """`max_pending_writes`: None for half the host tier's capacity at the time."""
         media = [t.medium for t in tiers]
         if len(set(media)) != len(media) or not set(media) <= {"disk", "store"}:
             raise ValueError(f"lower tiers must be at most one disk and one store, got {media}")
@@ -101,7 +102,10 @@ class LowerTiers:
         if not self.tiers:
             return
         with self._lock:
-            full = self._pending_writes + len(keys) > self.max_pending_writes
+            limit = self.max_pending_writes
+            if limit is None:
+                limit = self.host.capacity_blocks // 2
+            full = self._pending_writes + len(keys) > limit
             if not full:
                 self._pending_writes += len(keys)
         if full:
@@ -165,7 +169,7 @@ class LowerTiers:
                         continue
                     t0 = time.perf_counter()
                     found = tier.get_into_rows(
-                        keys[pos : pos + n], self.host.buffer, rows[pos : pos + n]
+                        keys[pos : pos + n], self.host.memory, rows[pos : pos + n]
                     )
                     seconds = time.perf_counter() - t0
                 except Exception:
@@ -184,7 +188,7 @@ class LowerTiers:
         try:
             for tier in self.tiers:
                 try:
-                    tier.put_rows(keys, self.host.buffer, slots)
+                    tier.put_rows(keys, self.host.memory, slots)
                 except Exception:
                     log.exception("KV tier %s: write failed", tier.medium)
                     self.counters.add(tier.medium, errors=1, drops=len(keys))

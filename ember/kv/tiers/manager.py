@@ -24,6 +24,7 @@ Disk and store run in one background thread: loads first, then writes from a bou
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -32,7 +33,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ember.kv.tiers.base import BlockLayout, Counters, Medium, Tier, TierHit, TierStats
+from ember.kv.tiers.base import (
+    BlockLayout,
+    Counters,
+    Medium,
+    Tier,
+    TierEvent,
+    TierHit,
+    TierStats,
+)
 from ember.kv.tiers.cost import CostModel
 from ember.kv.tiers.host import HostTier
 from ember.kv.tiers.lower import Fetch, LowerTiers, leading
@@ -71,26 +80,21 @@ class _Load:
         return self.fetch is None or self.fetch.done.is_set()
 
 
-def _runs(dst_rows: Sequence[int], src_rows: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(dst, src, count) runs where both row lists advance by one: one copy per run."""
-    out: list[tuple[int, int, int]] = []
-    for d, s in zip(dst_rows, src_rows, strict=True):
-        if out and d == out[-1][0] + out[-1][2] and s == out[-1][1] + out[-1][2]:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((d, s, 1))
-    return out
-
-
-def _copy_rows(
-    dst: torch.Tensor,
-    dst_rows: Sequence[int],
-    src: torch.Tensor,
-    src_rows: Sequence[int],
-    non_blocking: bool,
+def _to_host(
+    host: HostTier, slots: Sequence[int], gpu: torch.Tensor, ids: Sequence[int], non_blocking: bool
 ) -> None:
-    for d, s, n in _runs(dst_rows, src_rows):
-        dst[d : d + n].copy_(src[s : s + n], non_blocking=non_blocking)
+    """GPU rows `ids` into host slots `slots`: one copy per run of rows both sides have in a row
+    (within a chunk of the host's memory)."""
+    for chunk, r, g, n in host.memory.runs(slots, ids):
+        chunk[r : r + n].copy_(gpu[g : g + n], non_blocking=non_blocking)
+
+
+def _to_gpu(
+    gpu: torch.Tensor, ids: Sequence[int], host: HostTier, slots: Sequence[int], non_blocking: bool
+) -> None:
+    """Host slots `slots` into GPU rows `ids`, one copy per run (see `_to_host`)."""
+    for chunk, r, g, n in host.memory.runs(slots, ids):
+        gpu[g : g + n].copy_(chunk[r : r + n], non_blocking=non_blocking)
 
 
 class TierManager:
@@ -104,10 +108,13 @@ class TierManager:
         lower: list[Tier],
         cost: CostModel,
         max_pending_writes: int | None = None,
+        record_events: bool = False,
     ) -> None:
         """`gpu_blocks`: the KV cache viewed as uint8 [num_blocks, nbytes]. `lower`: disk and / or
         store, searched in that order. `max_pending_writes`: blocks waiting for the lower tiers
-        beyond which new writes are dropped (default: half the host tier, since they stay pinned)."""
+        beyond which new writes are dropped (default: half the host tier's capacity at the time,
+        as it grows, since they stay pinned). `record_events`: keep the tiers' KV events for
+        `drain_events` (host and disk; the store is shared, its blocks are not this engine's)."""
         if gpu_blocks.dtype != torch.uint8 or gpu_blocks.dim() != 2:
             raise ValueError(
                 f"gpu_blocks must be uint8 [num_blocks, nbytes], got {gpu_blocks.dtype}"
@@ -122,8 +129,6 @@ class TierManager:
         self.host = host
         self.cost = cost
         self.counters = Counters(["cpu", *(t.medium for t in lower)])
-        if max_pending_writes is None:
-            max_pending_writes = host.capacity_blocks // 2
         self.lower = LowerTiers(lower, host, cost, self.counters, max_pending_writes)
         self._cuda = gpu_blocks.is_cuda
         self._d2h = torch.cuda.Stream(gpu_blocks.device) if self._cuda else None
@@ -132,6 +137,11 @@ class TierManager:
         self._loads: dict[str, _Load] = {}
         self._draining: list[_Load] = []  # cancelled loads whose copies have not ended yet
         self._closed = False
+        self._event_logs = [
+            log for t in [host, *lower] if (log := getattr(t, "events", None)) is not None
+        ]
+        for event_log in self._event_logs:
+            event_log.enabled = record_events
 
     # -- read path ---------------------------------------------------------------------------
 
@@ -258,7 +268,7 @@ class TierManager:
                     self._d2h.wait_event(after)
                 else:
                     self._d2h.wait_stream(compute)
-                _copy_rows(self.host.buffer, job.slots, self.gpu_blocks, job.gpu_ids, True)
+                _to_host(self.host, job.slots, self.gpu_blocks, job.gpu_ids, True)
                 job.done = torch.cuda.Event()
                 job.done.record(self._d2h)
         self._offloads.append(job)
@@ -311,6 +321,11 @@ class TierManager:
         self.step_done()
         self.lower.join()
 
+    def drain_events(self) -> list[TierEvent]:
+        """KV events since the last call, host's then disk's: ("stored" | "removed", key,
+        "cpu" | "disk"); none unless `record_events`."""
+        return [e for event_log in self._event_logs for e in event_log.drain()]
+
     def stats(self) -> dict[Medium, TierStats]:
         """Each tier's counters, with the manager's (drops, errors, decisions) added in."""
         out: dict[Medium, TierStats] = {"cpu": self.counters.merged("cpu", self.host.stats())}
@@ -326,6 +341,11 @@ class TierManager:
         if wait:
             self.flush()
         self.lower.close()
+        self.host.close()
+
+    def growth_paused(self) -> contextlib.AbstractContextManager[None]:
+        """A block in which the host tier allocates no memory (around CUDA graph capture)."""
+        return self.host.memory.paused()
 
     # -- engine-thread helpers ---------------------------------------------------------------
 
@@ -338,7 +358,7 @@ class TierManager:
     def _copy_down(self, job: _Offload) -> None:
         """GPU -> host on CPU, once."""
         if not job.copied:
-            _copy_rows(self.host.buffer, job.slots, self.gpu_blocks, job.gpu_ids, False)
+            _to_host(self.host, job.slots, self.gpu_blocks, job.gpu_ids, False)
             job.copied = True
 
     def _end_fetch(self, load: _Load) -> None:
@@ -362,7 +382,7 @@ class TierManager:
         # A freed block may still be being copied out (offloaded just before its request ended).
         if not self._cuda:
             self._wait_offloads(gpu_ids, None)
-            _copy_rows(self.gpu_blocks, gpu_ids, self.host.buffer, load.slots, False)
+            _to_gpu(self.gpu_blocks, gpu_ids, self.host, load.slots, False)
             return
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         compute = torch.cuda.current_stream(self.gpu_blocks.device)
@@ -370,7 +390,7 @@ class TierManager:
             self._h2d.wait_stream(compute)
             self._wait_offloads(gpu_ids, self._h2d)
             start.record(self._h2d)
-            _copy_rows(self.gpu_blocks, gpu_ids, self.host.buffer, load.slots, True)
+            _to_gpu(self.gpu_blocks, gpu_ids, self.host, load.slots, True)
             end.record(self._h2d)
         load.copy = (start, end)
 

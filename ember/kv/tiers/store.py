@@ -21,12 +21,15 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ember.kv.tiers.base import BlockLayout, Medium, Tier, TierStats, check_rows
 from ember.kv.tiers.store_connection import StoreConnection, StoreError
+
+if TYPE_CHECKING:
+    from ember.kv.tiers.host_memory import HostMemory
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +56,6 @@ _SETTLED_MISS = frozenset({INVALID_PARAMS, REPLICA_IS_NOT_READY, OBJECT_NOT_FOUN
 
 def store_key(layout_fingerprint: str, key: bytes) -> str:
     return f"ember/{layout_fingerprint[:FINGERPRINT_CHARS]}/{key.hex()}"
-
-
-def _check_row_ids(buffer: torch.Tensor, rows: Sequence[int], n: int) -> None:
-    """The native calls take raw addresses: a row outside `buffer` must never reach them."""
-    if len(rows) != n:
-        raise ValueError(f"{n} keys but {len(rows)} rows")
-    if any(not 0 <= r < buffer.shape[0] for r in rows):
-        raise ValueError(f"a row id outside the buffer's {buffer.shape[0]} rows: {list(rows)}")
 
 
 class StoreTier(Tier):
@@ -91,7 +86,6 @@ class StoreTier(Tier):
         self._chunk = max(1, staging_bytes // self._nbytes)
         self._lookup_timeout_s = lookup_timeout_s
         self._registered: dict[int, torch.Tensor] = {}  # data_ptr -> the tensor kept alive
-        self._host_buffer: torch.Tensor | None = None
         self._staging: torch.Tensor | None = None
         self._retired: list[tuple[float, torch.Tensor]] = []  # (until, staging of a failed read)
         self._io_lock = threading.Lock()  # staging, registrations
@@ -164,26 +158,32 @@ class StoreTier(Tier):
         return done
 
     def put_rows(
-        self, keys: Sequence[bytes], buffer: torch.Tensor, rows: Sequence[int]
+        self, keys: Sequence[bytes], memory: HostMemory, slots: Sequence[int]
     ) -> list[bool]:
-        """Writes straight from the host tier's buffer (registered with the store once)."""
+        """Writes straight from the host tier's rows (each chunk registered with the store the
+        first time a write reads from it)."""
         if not keys:
             return []
-        _check_row_ids(buffer, rows, len(keys))
+        if len(slots) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(slots)} slots")
+        # locate() raises for a slot outside the memory: no stray address reaches the library.
+        rows = [memory.locate(s) for s in slots]
         with self._io_lock:
-            if not self._register_host(buffer):
+            if not all(self._register(chunk) for chunk in {id(c): c for c, _ in rows}.values()):
                 return self._dropped(len(keys))
-            return self._put_from(keys, self._addresses(buffer, rows))
+            return self._put_from(keys, [c.data_ptr() + r * self._nbytes for c, r in rows])
 
     def get_into(self, keys: Sequence[bytes], dst: torch.Tensor) -> list[bool]:
         check_rows(dst, len(keys), self._nbytes, "dst")
         return self._get(keys, lambda i, row: dst[i].copy_(row))
 
     def get_into_rows(
-        self, keys: Sequence[bytes], buffer: torch.Tensor, rows: Sequence[int]
+        self, keys: Sequence[bytes], memory: HostMemory, slots: Sequence[int]
     ) -> list[bool]:
-        _check_row_ids(buffer, rows, len(keys))
-        return self._get(keys, lambda i, row: buffer[rows[i]].copy_(row))
+        if len(slots) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(slots)} slots")
+        rows = [memory.row(s) for s in slots]
+        return self._get(keys, lambda i, row: rows[i].copy_(row))
 
     def stats(self) -> TierStats:
         with self._stats_lock:
@@ -195,7 +195,7 @@ class StoreTier(Tier):
         self._conn.close()
         with self._io_lock:  # only now: a failed read's late bytes may land until the close
             self._registered.clear()
-            self._host_buffer = self._staging = None
+            self._staging = None
             self._retired.clear()
 
     # -- reads and writes --------------------------------------------------------------------
@@ -314,19 +314,6 @@ class StoreTier(Tier):
                 client.unregister_buffer(t.data_ptr())
             except Exception as e:
                 log.debug("KV store: unregister_buffer: %s", e)
-
-    def _register_host(self, buffer: torch.Tensor) -> bool:
-        if buffer is self._host_buffer:
-            return True
-        check_rows(buffer, buffer.shape[0], self._nbytes, "the host buffer")
-        if not buffer.is_contiguous():
-            raise ValueError("the host buffer must be contiguous")
-        if not self._register(buffer):
-            return False
-        if self._host_buffer is not None:
-            self._unregister(self._host_buffer)
-        self._host_buffer = buffer
-        return True
 
     def _staging_rows(self, n: int) -> torch.Tensor | None:
         """The first `n` rows of the staging buffer (grown to fit and registered); None if down."""
