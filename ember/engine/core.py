@@ -387,8 +387,10 @@ class EngineCore:
                 self.tiers.fence(self.kv.pool.drain_allocated())
             launched = (so, self.runner.launch(so))
             self.num_steps += 1
-        elif self._in_flight is None and (self.scheduler.loading or self._offloading()):
-            time.sleep(0.001)  # only KV reads or copies pending: let their threads run
+        elif self._in_flight is None and (
+            self.scheduler.loading or self.scheduler.awaiting_lookup or self._offloading()
+        ):
+            time.sleep(0.001)  # only KV reads, copies or lookups pending: let their threads run
         if self.tiers is not None:
             # Write-through: blocks published by this step go down once the step has written them.
             self.tiers.offload(self.kv.pool.drain_published())

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from ember.engine.request import Request, RequestStatus
 from ember.kv.kv_cache_manager import KVCacheManager
+from ember.kv.tiers.base import TierHit
 
 if TYPE_CHECKING:
     from ember.engine.kv_connector import KVConnector
@@ -93,6 +94,9 @@ class Scheduler:
         self.prefix_hits = 0
         self.num_prompt_scorers = 0
         """Unfinished requests with `prompt_logprobs`."""
+        self.awaiting_lookup = False
+        """The last `schedule` held the next waiting request for its store lookup (see
+        TierManager.lookup): the engine loop lets the lookup's thread run."""
 
     # -- admission and removal ---------------------------------------------------------------
 
@@ -109,6 +113,7 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.num_prompt_scorers += req.sampling_params.prompt_logprobs is not None
         self.waiting.append(req)
+        self._prefetch(req)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Abort or stop requests from outside (client gone, stop string): frees their blocks."""
@@ -137,6 +142,7 @@ class Scheduler:
         if self.tiers is not None:
             self._collect_tier_loads()
         out = SchedulerOutput()
+        self.awaiting_lookup = False
         budget = self.config.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -176,15 +182,21 @@ class Scheduler:
                 continue
             # A prompt to be scored is computed whole: a cached block's positions have no logits.
             hits, num_hit = ([], 0) if req.scores_prompt else self._computed_blocks(req)
-            num_load = self._worth_loading(req, len(hits))
-            if num_load:
-                if not self._start_tier_load(req, hits, num_load):
+            plan = self._tier_plan(req, len(hits))
+            if plan is None:  # its store lookup is still out: the others' steps go on
+                self.awaiting_lookup = True
+                break
+            hit, chosen = plan
+            if chosen.num_blocks:
+                if not self._start_tier_load(req, hits, chosen.num_blocks):
                     break
+                self._tier_decided(req, hit, chosen)
                 continue
             num_new = min(req.num_tokens - num_hit, budget)
             if not self._allocate(req, num_new, hits):
                 break
             self.waiting.popleft()
+            self._tier_decided(req, hit, chosen)
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
@@ -328,23 +340,48 @@ class Scheduler:
 
     # -- KV tiers --------------------------------------------------------------------------------
 
-    def _worth_loading(self, req: Request, num_gpu_blocks: int) -> int:
-        """How many blocks after the GPU prefix hit to load from the tiers (0: recompute them).
+    def _prefetch(self, req: Request) -> None:
+        """Start the store lookup of the prompt's full blocks now, so that it is in by the time
+        the request reaches the head of the queue (scheduling never asks the store)."""
+        if (
+            self.tiers is None
+            or req.scores_prompt
+            or not self.kv.enable_prefix_caching
+            or self._reads_remote_kv(req)
+        ):
+            return
+        hashes = self.kv.update_block_hashes(req.block_hashes, req.all_token_ids, req.cache_salt)
+        self.tiers.prefetch(req.request_id, hashes[: (req.num_tokens - 1) // self.kv.block_size])
+
+    def _tier_plan(self, req: Request, num_gpu_blocks: int) -> tuple[TierHit, TierHit] | None:
+        """What the tiers hold after the GPU prefix hit, and the prefix of it worth loading (both
+        empty: recompute); None while the request's store lookup is still out (within its grace).
 
         The last prompt token is always computed (its logits sample the first output), so at most
         the full blocks before it are looked up; the cost model decides whether loading the hit
         beats prefilling it at this engine's measured speed.
         """
+        nothing = (TierHit(), TierHit())
         if self.tiers is None or req.scores_prompt or not self.kv.enable_prefix_caching:
-            return 0
+            return nothing
         max_blocks = (req.num_tokens - 1) // self.kv.block_size
         if num_gpu_blocks >= max_blocks:
-            return 0
-        keys = req.block_hashes[num_gpu_blocks:max_blocks]
-        hit = self.tiers.lookup(keys)
+            return nothing
+        hit = self.tiers.lookup(req.block_hashes[num_gpu_blocks:max_blocks], req.request_id)
+        if hit is None:
+            return None
         if hit.num_blocks == 0:
-            return 0
-        return self.tiers.plan(hit).num_blocks
+            return nothing
+        return hit, self.tiers.plan(hit)
+
+    def _tier_decided(self, req: Request, hit: TierHit, chosen: TierHit) -> None:
+        """The request is admitted: its store lookup goes, and its load-or-recompute decision is
+        counted once, however many steps it waited for blocks."""
+        if self.tiers is None:
+            return
+        self.tiers.forget(req.request_id)
+        if hit.num_blocks:
+            self.tiers.count_decision(hit, chosen)
 
     def _start_tier_load(self, req: Request, hits: list[KVBlock], num_load: int) -> bool:
         """Allocate the GPU hit and `num_load` fresh blocks (unpublished until loaded) and start
@@ -439,6 +476,8 @@ class Scheduler:
             req.kv_transfer = self.connector.hold(req)
         elif not loading:  # a read into a loading request's blocks may still be running
             self.kv.free(req.request_id)
+        if self.tiers is not None:
+            self.tiers.forget(req.request_id)
         del self.requests[req.request_id]
         self.num_prompt_scorers -= req.sampling_params.prompt_logprobs is not None
 

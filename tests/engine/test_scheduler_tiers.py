@@ -6,16 +6,23 @@ everything at once."""
 from __future__ import annotations
 
 import random
+import threading
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
+import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ember.engine.request import RequestStatus
 from ember.engine.scheduler import Scheduler, SchedulerConfig
 from ember.kv.kv_cache_manager import KVCacheManager
-from ember.kv.tiers.base import TierHit
+from ember.kv.tiers.base import BlockLayout, Medium, Tier, TierHit, TierStats, leading
+from ember.kv.tiers.cost import CostModel
+from ember.kv.tiers.host import HostTier
+from ember.kv.tiers.manager import TierManager
 from tests.engine.test_scheduler import BLOCK, Stepper, make_request
 
 
@@ -29,7 +36,10 @@ class FakeTiers:
         self.cancelled: list[str] = []
         self.started = 0
 
-    def lookup(self, keys: Sequence[bytes]) -> TierHit:
+    def prefetch(self, request_id: str, keys: Sequence[bytes]) -> None:
+        pass
+
+    def lookup(self, keys: Sequence[bytes], request_id: str | None = None) -> TierHit:
         n = 0
         while n < len(keys) and keys[n] in self.stored:
             n += 1
@@ -37,6 +47,12 @@ class FakeTiers:
 
     def plan(self, hit: TierHit, prefill_tok_s: float | None = None) -> TierHit:
         return hit
+
+    def count_decision(self, hit: TierHit, chosen: TierHit) -> None:
+        pass
+
+    def forget(self, request_id: str) -> None:
+        pass
 
     def start_load(self, load_id: str, keys: Sequence[bytes], gpu_block_ids: list[int]) -> None:
         assert load_id not in self.loads
@@ -163,3 +179,172 @@ def test_short_load_recomputes_the_rest_and_counts_what_arrived() -> None:
     assert out.num_computed_tokens == [4 * BLOCK] and out.num_scheduled_tokens == [26 - 16]
     published = [kv.pool.blocks[b].block_hash for b in kv.block_ids("a")]
     assert published[:4] == req.block_hashes[:4]
+
+
+# -- against the real TierManager (host tier and a store stand-in, on the CPU) ----------------------
+
+LAYOUT = BlockLayout(1, 1, 4, BLOCK, "float32", "m")
+
+
+class SlowStore(Tier):
+    """A store whose master answers lookups only when the test says (a slow or dead one takes
+    seconds); reads and writes go through at once. Records the threads that looked up."""
+
+    medium: Medium = "store"
+    lookup_may_wait = True
+
+    def __init__(self) -> None:
+        self.data: dict[bytes, torch.Tensor] = {}
+        self.release = threading.Event()
+        self.asked_from: set[int] = set()
+
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        self.asked_from.add(threading.get_ident())
+        self.release.wait(30)
+        return [k in self.data for k in keys]
+
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        return leading(self.present(keys))
+
+    def put(self, keys: Sequence[bytes], src: torch.Tensor) -> list[bool]:
+        for i, k in enumerate(keys):
+            self.data[k] = src[i].clone()
+        return [True] * len(keys)
+
+    def get_into(self, keys: Sequence[bytes], dst: torch.Tensor) -> list[bool]:
+        for i, k in enumerate(keys):
+            if k in self.data:
+                dst[i].copy_(self.data[k])
+        return [k in self.data for k in keys]
+
+    def stats(self) -> TierStats:
+        return TierStats()
+
+
+@pytest.fixture
+def managers() -> Iterator[list[TierManager]]:
+    made: list[TierManager] = []
+    yield made
+    for m in made:
+        m.close(wait=False)
+        for t in m.lower.tiers:
+            if isinstance(t, SlowStore):
+                t.release.set()
+
+
+def real_tiers(
+    made: list[TierManager], num_blocks: int, lower: list[Tier], grace_s: float = 60.0
+) -> TierManager:
+    """Tiers over a CPU "GPU" cache of `num_blocks`, whose cost model always prefers loading."""
+    gpu_blocks = torch.zeros((num_blocks, LAYOUT.nbytes), dtype=torch.uint8)
+    cost = CostModel(LAYOUT, bandwidth={"cpu": 1e12, "store": 1e12}, prefill_tok_s=1.0)
+    host = HostTier(LAYOUT, 64, pin=False)
+    m = TierManager(LAYOUT, gpu_blocks, host, lower, cost, lookup_grace_s=grace_s)
+    made.append(m)
+    return m
+
+
+def stored_prompt(kv: KVCacheManager, store: SlowStore, n: int, seed: int) -> list[int]:
+    """A prompt of `n` tokens whose full blocks are all in the store, with random bytes."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1, 50) for _ in range(n)]
+    keys = kv.update_block_hashes([], prompt, None)
+    store.put(keys, torch.randint(0, 256, (len(keys), LAYOUT.nbytes), dtype=torch.uint8))
+    return prompt
+
+
+def test_a_pending_store_lookup_never_stalls_a_step_and_then_loads(
+    managers: list[TierManager],
+) -> None:
+    store = SlowStore()
+    kv = KVCacheManager(32, BLOCK, track_writes=True)
+    tiers = real_tiers(managers, 32, [store])
+    s = Scheduler(SchedulerConfig(4, 64, 128), kv, tiers=tiers)
+    stepper = Stepper(s, random.Random(0))
+    s.add_request(make_request("x", [7] * 4, 40))  # no full block before its last token
+    stepper.step()
+    y = make_request("y", stored_prompt(kv, store, 26, seed=1), 2)  # six full blocks stored
+    s.add_request(y)
+    x = s.requests["x"]
+    for _ in range(5):
+        t0 = time.monotonic()
+        stepper.step()
+        # The lookup blocks for up to 30 s: a step that asked the store would take that long.
+        assert time.monotonic() - t0 < 5.0
+        assert s.awaiting_lookup and y.status == RequestStatus.WAITING
+    assert x.num_output_tokens >= 5  # the running request kept decoding
+    assert store.asked_from and threading.get_ident() not in store.asked_from
+
+    store.release.set()  # the answer comes in time (within the grace): y loads from the store
+    deadline = time.monotonic() + 20
+    while y.status != RequestStatus.RUNNING and time.monotonic() < deadline:
+        stepper.step()
+        tiers.flush()
+    assert y.status == RequestStatus.RUNNING
+    assert y.num_cached_tokens == 6 * BLOCK
+    assert len(tiers.prefetches) == 0  # forgotten once admitted
+    st = tiers.stats()["store"]
+    assert (st.loads, st.recomputes) == (1, 0)
+
+
+def test_past_the_grace_a_request_is_admitted_without_the_store(
+    managers: list[TierManager],
+) -> None:
+    store = SlowStore()
+    kv = KVCacheManager(32, BLOCK, track_writes=True)
+    tiers = real_tiers(managers, 32, [store], grace_s=0.0)
+    s = Scheduler(SchedulerConfig(4, 64, 128), kv, tiers=tiers)
+    y = make_request("y", stored_prompt(kv, store, 26, seed=2), 2)
+    s.add_request(y)
+    out = s.schedule()
+    assert out.requests == [y] and out.num_computed_tokens == [0]  # recomputed whole
+    assert y.num_cached_tokens == 0 and not s.awaiting_lookup
+    assert threading.get_ident() not in store.asked_from
+    assert len(tiers.prefetches) == 0
+
+
+def test_an_aborted_waiting_request_drops_its_lookup(managers: list[TierManager]) -> None:
+    store = SlowStore()
+    kv = KVCacheManager(32, BLOCK, track_writes=True)
+    tiers = real_tiers(managers, 32, [store])
+    s = Scheduler(SchedulerConfig(4, 64, 128), kv, tiers=tiers)
+    s.add_request(make_request("y", stored_prompt(kv, store, 26, seed=3), 2))
+    assert s.schedule().is_empty and len(tiers.prefetches) == 1
+    s.finish_requests(["y"], RequestStatus.FINISHED_ABORTED)
+    assert len(tiers.prefetches) == 0
+
+
+def test_a_request_waiting_for_blocks_counts_one_decision(managers: list[TierManager]) -> None:
+    """Planned again at every step while the pool is full, counted once when admitted."""
+    num_blocks = 12
+    kv = KVCacheManager(num_blocks, BLOCK, track_writes=True)
+    tiers = real_tiers(managers, num_blocks, [])
+    s = Scheduler(SchedulerConfig(4, 64, num_blocks * BLOCK), kv, tiers=tiers)
+    stepper = Stepper(s, random.Random(0))
+    prompt = [random.Random(4).randrange(1, 50) for _ in range(26)]
+    keys = kv.update_block_hashes([], prompt, None)
+    tiers.offload([(i, k) for i, k in enumerate(keys)])  # six blocks in host
+    tiers.step_done()
+    s.add_request(make_request("x", [7] * 30, 10))  # eight blocks of twelve, then more
+    stepper.step()
+    plans = 0
+    plan = tiers.plan
+
+    def counted_plan(hit: TierHit, prefill_tok_s: float | None = None) -> TierHit:
+        nonlocal plans
+        plans += 1
+        return plan(hit, prefill_tok_s)
+
+    tiers.plan = counted_plan  # type: ignore[method-assign]
+    y = make_request("y", prompt, 2)
+    s.add_request(y)
+    while y.status == RequestStatus.WAITING:
+        stepper.step()
+        tiers.flush()
+    assert plans >= 2, "the test needs y to wait for blocks"
+    while stepper.busy:
+        stepper.step()
+        tiers.flush()
+    assert y.num_cached_tokens == 6 * BLOCK
+    cpu = tiers.stats()["cpu"]
+    assert (cpu.loads, cpu.recomputes) == (1, 0)

@@ -263,9 +263,16 @@ def test_decisions_are_counted_per_tier(tmp_path: Path, managers: list[TierManag
     assert m.should_load(hit, prefill_tok_s=1.0)
     assert not m.should_load(hit, prefill_tok_s=1e12)
     assert m.plan(hit, prefill_tok_s=1.0) == hit
+    assert m.plan(hit, prefill_tok_s=1e12) == TierHit()
+    s = m.stats()  # deciding is not counting: a waiting request is planned again each step
+    assert (s["cpu"].loads, s["cpu"].recomputes) == (0, 0)
+    m.count_decision(hit, hit)
+    m.count_decision(hit, TierHit(host=2))  # the host part loaded, the disk part recomputed
+    m.count_decision(hit, TierHit())
     s = m.stats()
     assert (s["cpu"].loads, s["cpu"].recomputes) == (2, 1)
-    assert (s["disk"].loads, s["disk"].recomputes) == (2, 1)
+    assert (s["disk"].loads, s["disk"].recomputes) == (1, 2)
+    assert s["cpu"].loads + s["cpu"].recomputes == 3
 
 
 def test_bad_calls_are_refused(managers: list[TierManager]) -> None:

@@ -166,6 +166,16 @@ class TierHit:
         return {"cpu": self.host, "disk": self.disk, "store": self.store}
 
 
+def leading(found: Sequence[bool]) -> int:
+    """How many of `found`, from the first, are True."""
+    n = 0
+    for ok in found:
+        if not ok:
+            break
+        n += 1
+    return n
+
+
 def check_rows(t: torch.Tensor, n: int, nbytes: int, what: str) -> None:
     """Raise unless `t` is a CPU uint8 tensor of shape [n, nbytes] (contiguous rows)."""
     if t.dtype != torch.uint8 or t.device.type != "cpu":
@@ -181,15 +191,25 @@ class Tier(ABC):
 
     The tier manager calls `put` / `get_into` (and the `_rows` forms) from its one background
     thread, one call at a time, and `contains_prefix` also from the engine thread at scheduling:
-    that one must be thread-safe and quick. A missing or unreadable entry is a miss, never an
-    exception; an exception (an unreachable store) is caught by the manager and counted as a miss.
+    that one must be thread-safe and quick, unless `lookup_may_wait`. A missing or unreadable entry
+    is a miss, never an exception; an exception (an unreachable store) is caught by the manager and
+    counted as a miss.
     """
 
     medium: Medium
+    lookup_may_wait: bool = False
+    """True where a lookup may wait on a network (the store): the manager then asks `present` in
+    a background thread as soon as a request arrives, never the engine thread at scheduling."""
 
     @abstractmethod
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         """How many of `keys`, from the first on and in order, are present."""
+
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each of `keys` is present, wherever a gap falls; the default answers from
+        `contains_prefix` (False from the first gap on)."""
+        n = self.contains_prefix(keys)
+        return [i < n for i in range(len(keys))]
 
     @abstractmethod
     def put(self, keys: Sequence[bytes], src: torch.Tensor) -> list[bool]:

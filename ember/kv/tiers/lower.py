@@ -12,9 +12,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ember.kv.tiers.base import Counters, Medium, Tier
+from ember.kv.tiers.base import Counters, Medium, Tier, leading
 from ember.kv.tiers.cost import CostModel
 from ember.kv.tiers.host import HostTier
+from ember.kv.tiers.prefetch import Found
 
 log = logging.getLogger(__name__)
 
@@ -37,16 +38,6 @@ class Fetch:
 class _Write:
     keys: list[bytes]
     slots: list[int]
-
-
-def leading(found: Sequence[bool]) -> int:
-    """How many of `found`, from the first, are True."""
-    n = 0
-    for ok in found:
-        if not ok:
-            break
-        n += 1
-    return n
 
 
 class LowerTiers:
@@ -79,13 +70,21 @@ class LowerTiers:
     def __bool__(self) -> bool:
         return bool(self.tiers)
 
-    def lookup(self, keys: Sequence[bytes]) -> dict[Medium, int]:
-        """Blocks found per tier, each going on where the one before stopped (engine thread)."""
+    def lookup(self, keys: Sequence[bytes], known: Found | None = None) -> dict[Medium, int]:
+        """Blocks found per tier, each going on where the one before stopped (engine thread).
+        `known`: what a prefetch found in the tiers whose lookups may wait (the store), which are
+        then not asked; without it, they are (and may take up to their lookup timeout)."""
         found: dict[Medium, int] = {"disk": 0, "store": 0}
         pos = 0
         for tier in self.tiers:
             if pos == len(keys):
                 break
+            if known is not None and tier.lookup_may_wait:
+                held = known.get(tier.medium, frozenset())
+                n = leading([k in held for k in keys[pos:]])
+                found[tier.medium] += n
+                pos += n
+                continue
             try:
                 n = tier.contains_prefix(keys[pos:])
             except Exception:

@@ -3,8 +3,13 @@ store, write-through) and loads hits back up into GPU blocks, without ever block
 
 The engine thread calls, in this order of a request's life (no call waits on I/O or the GPU):
 
-- `lookup(keys)` at scheduling, for the prompt's full blocks past its GPU prefix hit, then
-  `plan(hit)` (or `should_load(hit)`) to decide whether loading beats recomputing;
+- `prefetch(request_id, keys)` when a request arrives, with its prompt's full blocks: the store is
+  asked in the background, never at scheduling;
+- `lookup(keys, request_id)` at scheduling, for the prompt's full blocks past its GPU prefix hit
+  (None while the store's answer is still out, for a short grace: ask again next step), then
+  `plan(hit)` (or `should_load(hit)`) to decide whether loading beats recomputing, and
+  `count_decision(hit, chosen)` and `forget(request_id)` once the request is admitted (or
+  `forget` when it ends waiting);
 - `start_load(load_id, keys, gpu_block_ids)` with freshly allocated GPU blocks for the keys to load,
   then `poll_loads()` every step until it reports `(load_id, blocks_loaded)`: only then may the
   blocks be read (and published); blocks past `blocks_loaded` are recomputed. `cancel(load_id)` if
@@ -30,6 +35,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 
@@ -41,10 +47,12 @@ from ember.kv.tiers.base import (
     TierEvent,
     TierHit,
     TierStats,
+    leading,
 )
 from ember.kv.tiers.cost import CostModel
 from ember.kv.tiers.host import HostTier
-from ember.kv.tiers.lower import Fetch, LowerTiers, leading
+from ember.kv.tiers.lower import Fetch, LowerTiers
+from ember.kv.tiers.prefetch import GRACE_S, Found, LookupPrefetch
 
 log = logging.getLogger(__name__)
 
@@ -109,12 +117,14 @@ class TierManager:
         cost: CostModel,
         max_pending_writes: int | None = None,
         record_events: bool = False,
+        lookup_grace_s: float = GRACE_S,
     ) -> None:
         """`gpu_blocks`: the KV cache viewed as uint8 [num_blocks, nbytes]. `lower`: disk and / or
         store, searched in that order. `max_pending_writes`: blocks waiting for the lower tiers
         beyond which new writes are dropped (default: half the host tier's capacity at the time,
         as it grows, since they stay pinned). `record_events`: keep the tiers' KV events for
-        `drain_events` (host and disk; the store is shared, its blocks are not this engine's)."""
+        `drain_events` (host and disk; the store is shared, its blocks are not this engine's).
+        `lookup_grace_s`: how long a request's admission may wait for its store lookup."""
         if gpu_blocks.dtype != torch.uint8 or gpu_blocks.dim() != 2:
             raise ValueError(
                 f"gpu_blocks must be uint8 [num_blocks, nbytes], got {gpu_blocks.dtype}"
@@ -130,6 +140,7 @@ class TierManager:
         self.cost = cost
         self.counters = Counters(["cpu", *(t.medium for t in lower)])
         self.lower = LowerTiers(lower, host, cost, self.counters, max_pending_writes)
+        self.prefetches = LookupPrefetch(lower, self.counters, lookup_grace_s)
         self._cuda = gpu_blocks.is_cuda
         self._d2h = torch.cuda.Stream(gpu_blocks.device) if self._cuda else None
         self._h2d = torch.cuda.Stream(gpu_blocks.device) if self._cuda else None
@@ -145,24 +156,58 @@ class TierManager:
 
     # -- read path ---------------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[bytes]) -> TierHit:
-        """The longest prefix of `keys` found in host, then disk, then store."""
+    def prefetch(self, request_id: str, keys: Sequence[bytes]) -> None:
+        """Start looking `keys` (a request's prompt blocks) up in the store in the background, so
+        that `lookup(..., request_id)` finds the answer; nothing without a store."""
+        self.prefetches.start(request_id, keys)
+
+    @overload
+    def lookup(self, keys: Sequence[bytes], request_id: None = None) -> TierHit: ...
+    @overload
+    def lookup(self, keys: Sequence[bytes], request_id: str) -> TierHit | None: ...
+    def lookup(self, keys: Sequence[bytes], request_id: str | None = None) -> TierHit | None:
+        """The longest prefix of `keys` found in host, then disk, then store.
+
+        With `request_id` (scheduling), the store is never asked here: its answer comes from the
+        request's prefetch (started now if it has none). While that is out and younger than the
+        grace, the result is None (unless host and disk hold every key): ask again next step;
+        past the grace, the store is a miss for this request. Without `request_id`, the store is
+        asked here and may take up to its lookup timeout (tests, tools).
+        """
         host = self.host.contains_prefix(keys)
-        below = self.lower.lookup(keys[host:])
-        return TierHit(host=host, disk=below["disk"], store=below["store"])
+        known: Found | None = None
+        pending = False
+        if request_id is not None:
+            self.prefetches.start(request_id, keys)
+            known = self.prefetches.result(request_id)
+            pending = known is None
+        below = self.lower.lookup(keys[host:], {} if pending else known)
+        hit = TierHit(host=host, disk=below["disk"], store=below["store"])
+        if pending and hit.num_blocks < len(keys):
+            return None
+        return hit
+
+    def forget(self, request_id: str) -> None:
+        """Drop the request's prefetched lookup: it was admitted, or ended."""
+        self.prefetches.forget(request_id)
 
     def should_load(self, hit: TierHit, prefill_tok_s: float | None = None) -> bool:
         """Whether loading the whole hit beats recomputing it (`prefill_tok_s`: the engine's
-        speed, or None for the cost model's measured one); counted per tier as a decision."""
-        load = self.cost.should_load(hit, prefill_tok_s)
-        self._count_decision(hit, hit if load else TierHit())
-        return load
+        speed, or None for the cost model's measured one)."""
+        return self.cost.should_load(hit, prefill_tok_s)
 
     def plan(self, hit: TierHit, prefill_tok_s: float | None = None) -> TierHit:
-        """The prefix of the hit worth loading (maybe empty); counted per tier as a decision."""
-        chosen = self.cost.plan(hit, prefill_tok_s)
-        self._count_decision(hit, chosen)
-        return chosen
+        """The prefix of the hit worth loading (maybe empty). Not counted: a waiting request is
+        planned again each step; `count_decision` counts the one it is admitted with."""
+        return self.cost.plan(hit, prefill_tok_s)
+
+    def count_decision(self, hit: TierHit, chosen: TierHit) -> None:
+        """Count, per tier of the hit, one decision to load (`chosen` takes blocks of that tier)
+        or to recompute."""
+        load = chosen.by_medium()
+        for medium, n in hit.by_medium().items():
+            if n and self.counters.has(medium):
+                self.counters.add(medium, **({"loads": 1} if load[medium] else {"recomputes": 1}))
 
     def start_load(self, load_id: str, keys: Sequence[bytes], gpu_block_ids: list[int]) -> None:
         """Load `keys` into `gpu_block_ids` (one each): host entries are pinned, the rest fetched
@@ -340,6 +385,7 @@ class TierManager:
         self._closed = True
         if wait:
             self.flush()
+        self.prefetches.close()
         self.lower.close()
         self.host.close()
 
@@ -419,9 +465,3 @@ class TierManager:
                 continue
             self.host.unpin(load.keys[: load.num_ok])
         self._draining = still
-
-    def _count_decision(self, hit: TierHit, chosen: TierHit) -> None:
-        load = chosen.by_medium()
-        for medium, n in hit.by_medium().items():
-            if n and self.counters.has(medium):
-                self.counters.add(medium, **({"loads": 1} if load[medium] else {"recomputes": 1}))

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ember.kv.tiers.base import BlockLayout, Medium, Tier, TierStats, check_rows
+from ember.kv.tiers.base import BlockLayout, Medium, Tier, TierStats, check_rows, leading
 from ember.kv.tiers.store_connection import StoreConnection, StoreError
 
 if TYPE_CHECKING:
@@ -60,6 +60,7 @@ def store_key(layout_fingerprint: str, key: bytes) -> str:
 
 class StoreTier(Tier):
     medium: Medium = "store"
+    lookup_may_wait = True
 
     def __init__(
         self,
@@ -114,32 +115,35 @@ class StoreTier(Tier):
         return self._conn.wait_connected(timeout_s)
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        return leading(self.present(keys))
+
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
         client = self._conn.client
         stuck = self._stuck_lookup
+        missing = [False] * len(keys)
         if client is None or not keys or (stuck is not None and not stuck.done()):
-            return 0
+            return missing
         names = [store_key(self._fingerprint, k) for k in keys]
-        # The engine thread asks this at scheduling: it waits a bounded time, never the library's
-        # own timeouts (4 s and more) of a master that stopped answering; while a call that
-        # overran is still out, lookups are misses rather than queued behind it.
+        # A lookup waits a bounded time, never the library's own timeouts (4 s and more) of a
+        # master that stopped answering; while a call that overran is still out, lookups are
+        # misses rather than queued behind it.
         future = self._lookups.submit(client.batch_is_exist, names)
         try:
             found = future.result(self._lookup_timeout_s)
         except FutureTimeout:
             self._stuck_lookup = future
             self._fail(f"a lookup took over {self._lookup_timeout_s:.1f} s")
-            return 0
+            return missing
         except Exception as e:  # the binding raised: treated as an unreachable store
             self._fail(f"a lookup failed: {e}")
-            return 0
-        n = 0
-        for rc in found:
-            if rc != 1:
-                if rc in _UNREACHABLE:
-                    self._fail("the master is unreachable")
-                break
-            n += 1
-        return n
+            return missing
+        if len(found) != len(keys):
+            self._fail(f"{len(found)} lookup results for {len(keys)} keys")
+            return missing
+        if any(rc in _UNREACHABLE for rc in found):
+            self._fail("the master is unreachable")
+            return missing
+        return [rc == 1 for rc in found]
 
     def put(self, keys: Sequence[bytes], src: torch.Tensor) -> list[bool]:
         check_rows(src, len(keys), self._nbytes, "src")
