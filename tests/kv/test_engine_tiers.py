@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import argparse
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from ember.engine.config import EngineConfig
 from ember.engine.core import EngineCore
@@ -216,3 +219,34 @@ def test_serve_flags_reach_the_engine_config() -> None:
 def test_bad_tier_settings_are_refused(field: str, value: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         EngineConfig(model="m", **{field: value})  # type: ignore[arg-type]
+
+
+def test_prefill_speed_counts_unwaited_chunks_with_the_next_waited_step(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU a prefill chunk that samples nothing is collected without waiting for the device;
+    timed alone it looked infinitely fast (11M tokens/s on an H100) and the cost model never loaded.
+    Its tokens must be timed together with the next step the host waited for."""
+    llm = engine(model, kv_host_gb=0.05)
+    core = llm.engine.core
+    try:
+        assert core.tiers is not None
+        monkeypatch.setattr(core.runner, "device", torch.device("cuda"))  # only read for this
+        chunk = SimpleNamespace(
+            requests=[SimpleNamespace(num_prompt_tokens=4096)],
+            num_computed_tokens=[0],
+            num_scheduled_tokens=[2048],
+        )
+        last = SimpleNamespace(
+            requests=chunk.requests, num_computed_tokens=[2048], num_scheduled_tokens=[2048]
+        )
+        for _ in range(4):  # past the warm-up steps
+            t0 = time.perf_counter()
+            core._observe_prefill(chunk, SimpleNamespace(launched_at=t0, done=None))
+            time.sleep(0.05)  # the device works on both chunks
+            core._observe_prefill(last, SimpleNamespace(launched_at=t0 + 1e-4, done=object()))
+        # 4096 tokens in at least 50 ms: at most ~82k tokens/s (timing the second chunk from
+        # the first one's collection, or the first alone, gives millions).
+        assert 0 < core.tiers.cost.prefill_tok_s <= 4096 / 0.05
+    finally:
+        llm.close()
