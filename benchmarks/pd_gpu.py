@@ -26,17 +26,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_gpu import SHAPES  # noqa: E402
-
+from benchmarks.engine_gpu import SHAPES  # noqa: E402
 from ember.bench.compare import compare_table  # noqa: E402
 from ember.bench.metrics import summarize  # noqa: E402
 from ember.bench.records import PlannedRequest  # noqa: E402
@@ -65,13 +63,15 @@ def model_dir() -> str:
     return str(d)
 
 
-def serve(model: str, port: int, gpu: int, role: str) -> Proc:
+def serve(model: str, port: int, gpu: int, role: str, extra: Sequence[str] = ()) -> Proc:
+    """`ember serve` of the 8B shape with dummy weights on one GPU; `extra` flags come last, so
+    they override the ones here (argparse keeps the last)."""
     args = [
         "serve", model, "--port", str(port),
         "--device", "cuda", "--load-format", "dummy", "--dtype", "bfloat16",
         "--max-model-len", "16384", "--max-num-seqs", "64", "--gpu-memory-utilization", "0.85",
         "--role", role, "--kv-transport", "cuda_ipc", "--served-model-name", "llama-8b",
-        "--log-level", "warning",
+        "--log-level", "warning", *extra,
     ]  # fmt: skip
     env = {"CUDA_VISIBLE_DEVICES": str(gpu), SECRET_ENV: SECRET}
     return spawn(f"{role}@gpu{gpu}", f"http://127.0.0.1:{port}", args, env)
