@@ -53,6 +53,7 @@ _TIER_COUNTERS = (
     ("corrupt", "Entries found truncated or corrupt on read, then recomputed."),
     ("loads", "Requests whose hit in the tier the cost model chose to load."),
     ("recomputes", "Requests whose hit in the tier the cost model chose to recompute."),
+    ("prefetched", "Blocks read from the tier into host ahead of their request's admission."),
 )
 
 

@@ -136,6 +136,8 @@ def test_abort_during_a_load_frees_every_block(
             run(llm, A)
             run(llm, B)  # A now lives in host memory only
         core.add_request(_core_request("x", A))
+        assert core.tiers is not None
+        core.tiers.flush()  # disk blocks are read into host as the request arrives
         core.step()  # admits it: its blocks are allocated and the load started
         req = core.scheduler.requests["x"]
         assert req.status == RequestStatus.WAITING_FOR_TIER_KV and "x" in core.scheduler.loading

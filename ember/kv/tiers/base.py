@@ -91,6 +91,7 @@ class TierStats:
     corrupt: int = 0  # entries found truncated or corrupt on read (then deleted)
     loads: int = 0  # cost-model decisions to load from this tier
     recomputes: int = 0  # cost-model decisions to recompute rather than load
+    prefetched: int = 0  # blocks read from this tier into host ahead of their request's admission
 
     def copy(self) -> TierStats:
         return TierStats(**{f.name: getattr(self, f.name) for f in fields(self)})

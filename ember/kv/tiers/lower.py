@@ -1,6 +1,7 @@
 """The lower tiers (disk, then store) behind one background thread, so the engine never waits on
-them: fetches for loads go first, then writes from a bounded backlog (dropped and counted when it is
-full, never waited for). A tier that raises is a miss, counted as an error."""
+them: fetches for loads go first, then prefetches (a waiting request's blocks read into host ahead
+of its admission, bounded), then writes from a bounded backlog (dropped and counted when it is full,
+never waited for). A tier that raises is a miss, counted as an error."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from ember.kv.tiers.prefetch import Found
 
 log = logging.getLogger(__name__)
 
-_FETCH, _WRITE, _STOP = 0, 1, 2  # job priorities
+_FETCH, _PREFETCH, _WRITE, _STOP = 0, 1, 2, 3  # job priorities
 
 
 @dataclass(slots=True, eq=False)
@@ -32,6 +33,15 @@ class Fetch:
     num_fetched: int = 0
     """Rows read (a prefix of them); set before `done`."""
     cancelled: bool = False
+    read: dict[Medium, int] = field(default_factory=dict)
+    """Rows read per tier."""
+
+
+@dataclass(slots=True, eq=False)
+class _Prefetch:
+    """A fetch into rows reserved (not pinned) by `LowerTiers.prefetch`, committed by the thread."""
+
+    fetch: Fetch
 
 
 @dataclass(slots=True, eq=False)
@@ -48,8 +58,11 @@ class LowerTiers:
         cost: CostModel,
         counters: Counters,
         max_pending_writes: int | None,
+        max_prefetch_blocks: int | None = None,
     ) -> None:
-        """`max_pending_writes`: None for half the host tier's capacity at the time."""
+        """`max_pending_writes`: None for half the host tier's capacity at the time.
+        `max_prefetch_blocks`: blocks being prefetched beyond which new prefetches are skipped
+        (None: the same limit as the writes')."""
         media = [t.medium for t in tiers]
         if len(set(media)) != len(media) or not set(media) <= {"disk", "store"}:
             raise ValueError(f"lower tiers must be at most one disk and one store, got {media}")
@@ -59,6 +72,8 @@ class LowerTiers:
         self.counters = counters
         self.max_pending_writes = max_pending_writes
         self._pending_writes = 0
+        self.max_prefetch_blocks = max_prefetch_blocks
+        self._prefetching: set[bytes] = set()
         self._lock = threading.Lock()
         self._queue: queue.PriorityQueue[tuple[int, int, object]] = queue.PriorityQueue()
         self._seq = itertools.count()
@@ -114,6 +129,39 @@ class LowerTiers:
         self.host.pin(keys)
         self._submit(_WRITE, _Write(keys, slots))
 
+    def prefetch(self, keys: Sequence[bytes]) -> int:
+        """Read `keys` (a prefix, found below the host) into host in the background, ahead of a
+        request's admission; they are committed there as they arrive and then evicted as any
+        entry. Only the leading keys that find a free or evictable slot are read; nothing when the
+        prefetches in flight would pass their limit. Returns the blocks queued (any thread)."""
+        if not self.tiers or not keys:
+            return 0
+        with self._lock:
+            limit = self.max_prefetch_blocks
+            if limit is None:
+                limit = self.max_pending_writes
+            if limit is None:
+                limit = self.host.capacity_blocks // 2
+            if len(self._prefetching) + len(keys) > limit:
+                return 0
+            reserved = self.host.reserve(keys)
+            got = leading([s is not None for s in reserved])
+            self.host.abort(
+                [k for k, s in zip(keys[got:], reserved[got:], strict=True) if s is not None]
+            )
+            if got == 0:
+                return 0
+            fetch = Fetch(list(keys[:got]), [s for s in reserved[:got] if s is not None])
+            self._prefetching.update(fetch.keys)
+        self._submit(_PREFETCH, _Prefetch(fetch))
+        return got
+
+    def prefetching(self, keys: Sequence[bytes]) -> bool:
+        """Whether any of `keys` is being read into host by a prefetch (a load would find it
+        reserved: better to wait for it, as it is read no later than a load's would be)."""
+        with self._lock:
+            return bool(self._prefetching) and not self._prefetching.isdisjoint(keys)
+
     def fetch(self, job: Fetch) -> None:
         """Read a load's rows in the background, ahead of any write; `job.done` is set after."""
         self._submit(_FETCH, job)
@@ -146,6 +194,8 @@ class LowerTiers:
             try:
                 if isinstance(job, Fetch):
                     self._fetch(job)
+                elif isinstance(job, _Prefetch):
+                    self._prefetch(job.fetch)
                 elif isinstance(job, _Write):
                     self._write(job.keys, job.slots)
                 else:
@@ -179,9 +229,23 @@ class LowerTiers:
                 if got:
                     self.cost.observe_load(tier.medium, got * nbytes, seconds)
                 pos += got
+                job.read[tier.medium] = got
         finally:
             job.num_fetched = pos
             job.done.set()
+
+    def _prefetch(self, job: Fetch) -> None:
+        try:
+            self._fetch(job)
+        finally:
+            n = job.num_fetched
+            self.host.commit(job.keys[:n])
+            self.host.abort(job.keys[n:])
+            with self._lock:
+                self._prefetching.difference_update(job.keys)
+            for medium, got in job.read.items():
+                if got:
+                    self.counters.add(medium, prefetched=got)
 
     def _write(self, keys: list[bytes], slots: list[int]) -> None:
         try:

@@ -4,9 +4,11 @@ store, write-through) and loads hits back up into GPU blocks, without ever block
 The engine thread calls, in this order of a request's life (no call waits on I/O or the GPU):
 
 - `prefetch(request_id, keys)` when a request arrives, with its prompt's full blocks: the store is
-  asked in the background, never at scheduling;
+  asked in the background, never at scheduling, and the disk and store blocks worth loading are
+  read into host right away (bounded), so that a request that queues finds them there;
 - `lookup(keys, request_id)` at scheduling, for the prompt's full blocks past its GPU prefix hit
-  (None while the store's answer is still out, for a short grace: ask again next step), then
+  (None while the store's answer is still out, for a short grace, or while its blocks are being
+  prefetched into host: ask again next step), then
   `plan(hit)` (or `should_load(hit)`) to decide whether loading beats recomputing, and
   `count_decision(hit, chosen)` and `forget(request_id)` once the request is admitted (or
   `forget` when it ends waiting);
@@ -118,13 +120,16 @@ class TierManager:
         max_pending_writes: int | None = None,
         record_events: bool = False,
         lookup_grace_s: float = GRACE_S,
+        max_prefetch_blocks: int | None = None,
     ) -> None:
         """`gpu_blocks`: the KV cache viewed as uint8 [num_blocks, nbytes]. `lower`: disk and / or
         store, searched in that order. `max_pending_writes`: blocks waiting for the lower tiers
         beyond which new writes are dropped (default: half the host tier's capacity at the time,
         as it grows, since they stay pinned). `record_events`: keep the tiers' KV events for
         `drain_events` (host and disk; the store is shared, its blocks are not this engine's).
-        `lookup_grace_s`: how long a request's admission may wait for its store lookup."""
+        `lookup_grace_s`: how long a request's admission may wait for its store lookup.
+        `max_prefetch_blocks`: blocks read ahead of admission at once, beyond which prefetches
+        are skipped (default: the write backlog's limit)."""
         if gpu_blocks.dtype != torch.uint8 or gpu_blocks.dim() != 2:
             raise ValueError(
                 f"gpu_blocks must be uint8 [num_blocks, nbytes], got {gpu_blocks.dtype}"
@@ -139,8 +144,12 @@ class TierManager:
         self.host = host
         self.cost = cost
         self.counters = Counters(["cpu", *(t.medium for t in lower)])
-        self.lower = LowerTiers(lower, host, cost, self.counters, max_pending_writes)
-        self.prefetches = LookupPrefetch(lower, self.counters, lookup_grace_s)
+        self.lower = LowerTiers(
+            lower, host, cost, self.counters, max_pending_writes, max_prefetch_blocks
+        )
+        self.prefetches = LookupPrefetch(
+            lower, self.counters, lookup_grace_s, on_found=self._prefetch_blocks
+        )
         self._cuda = gpu_blocks.is_cuda
         self._d2h = torch.cuda.Stream(gpu_blocks.device) if self._cuda else None
         self._h2d = torch.cuda.Stream(gpu_blocks.device) if self._cuda else None
@@ -158,8 +167,22 @@ class TierManager:
 
     def prefetch(self, request_id: str, keys: Sequence[bytes]) -> None:
         """Start looking `keys` (a request's prompt blocks) up in the store in the background, so
-        that `lookup(..., request_id)` finds the answer; nothing without a store."""
-        self.prefetches.start(request_id, keys)
+        that `lookup(..., request_id)` finds the answer, then reading the disk and store blocks
+        the cost model would load into host. Without a store, disk (an index in memory) is
+        looked up here and its blocks are read at once."""
+        if self.prefetches:
+            self.prefetches.start(request_id, keys)
+        elif self.lower:
+            self._prefetch_blocks(list(keys), {})
+
+    def _prefetch_blocks(self, keys: list[bytes], found: Found) -> None:
+        """Read the disk and store blocks of `keys` that `plan` would load into host, in the
+        background (any thread: the engine's, or the lookup thread with the store's answer)."""
+        host = self.host.contains_prefix(keys)
+        below = self.lower.lookup(keys[host:], found)
+        chosen = self.plan(TierHit(host=host, disk=below["disk"], store=below["store"]))
+        if chosen.disk or chosen.store:
+            self.lower.prefetch(keys[host : host + chosen.disk + chosen.store])
 
     @overload
     def lookup(self, keys: Sequence[bytes], request_id: None = None) -> TierHit: ...
@@ -171,8 +194,10 @@ class TierManager:
         With `request_id` (scheduling), the store is never asked here: its answer comes from the
         request's prefetch (started now if it has none). While that is out and younger than the
         grace, the result is None (unless host and disk hold every key): ask again next step;
-        past the grace, the store is a miss for this request. Without `request_id`, the store is
-        asked here and may take up to its lookup timeout (tests, tools).
+        past the grace, the store is a miss for this request. It is None too while blocks of the
+        hit are being prefetched into host (a load now would find them reserved; the prefetch
+        ends no later than that load would). Without `request_id`, the store is asked here and
+        may take up to its lookup timeout (tests, tools).
         """
         host = self.host.contains_prefix(keys)
         known: Found | None = None
@@ -185,6 +210,8 @@ class TierManager:
         hit = TierHit(host=host, disk=below["disk"], store=below["store"])
         if pending and hit.num_blocks < len(keys):
             return None
+        if request_id is not None and self.lower.prefetching(keys[host : hit.num_blocks]):
+            return None  # being read into host: a load now would find the blocks reserved
         return hit
 
     def forget(self, request_id: str) -> None:

@@ -1,7 +1,8 @@
 """Store lookups ahead of admission: a request's prompt blocks are looked up in the tiers whose
 lookups may wait on a network (the store) in a background thread as soon as it arrives, so that
 scheduling reads the answer instead of asking the store (up to a second on a slow master) while
-every running request waits for its next step.
+every running request waits for its next step. An `on_found` callback hears each answer (in that
+thread): the tier manager then starts reading the blocks into host.
 
 Only the engine thread calls `start`, `result` and `forget`; the lookups run in one thread.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -28,6 +29,8 @@ admission starts theirs."""
 
 Found = Mapping[Medium, frozenset[bytes]]
 """The keys each slow tier holds, of those looked up."""
+OnFound = Callable[[list[bytes], Found], None]
+"""Called in the lookup thread with a request's keys and their answer."""
 
 
 @dataclass(slots=True, eq=False)
@@ -45,6 +48,7 @@ class LookupPrefetch:
         counters: Counters,
         grace_s: float = GRACE_S,
         max_lookups: int = MAX_LOOKUPS,
+        on_found: OnFound | None = None,
     ) -> None:
         if grace_s < 0 or max_lookups < 1:
             raise ValueError(f"bad grace_s={grace_s} or max_lookups={max_lookups}")
@@ -52,6 +56,7 @@ class LookupPrefetch:
         self.counters = counters
         self.grace_s = grace_s
         self.max_lookups = max_lookups
+        self.on_found = on_found
         self._lookups: dict[str, _Lookup] = {}
         self._pool = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-kv-lookup")
@@ -109,4 +114,9 @@ class LookupPrefetch:
                 self.counters.add(tier.medium, errors=1)
                 present = []
             found[tier.medium] = frozenset(k for k, ok in zip(keys, present, strict=False) if ok)
+        if self.on_found is not None:
+            try:
+                self.on_found(keys, found)
+            except Exception:
+                log.exception("KV tiers: handling a lookup's answer failed")
         return found
