@@ -213,6 +213,19 @@ def test_put_of_an_existing_key_is_fine(tier: StoreTier) -> None:
     assert tier.connected
 
 
+def test_written_blocks_are_stored_events_of_the_store_medium(tier: StoreTier) -> None:
+    keys, src = keys_of(40, 3), blocks(3, seed=40)
+    tier.events.drain()
+    tier.put(keys, src)
+    assert tier.events.drain() == []  # recorded only when the engine asks for KV events
+    tier.events.enabled = True
+    try:
+        assert tier.put(keys, src) == [True] * 3
+        assert tier.events.drain() == [("stored", k, "store") for k in keys]
+    finally:
+        tier.events.enabled = False
+
+
 def test_a_missing_block_is_a_miss(tier: StoreTier) -> None:
     keys = keys_of(8, 2)
     tier.put(keys[:1], blocks(1, seed=8))

@@ -126,7 +126,7 @@ class TierManager:
         store, searched in that order. `max_pending_writes`: blocks waiting for the lower tiers
         beyond which new writes are dropped (default: half the host tier's capacity at the time,
         as it grows, since they stay pinned). `record_events`: keep the tiers' KV events for
-        `drain_events` (host and disk; the store is shared, its blocks are not this engine's).
+        `drain_events` (host and disk, and the store's "stored" events for what this engine wrote).
         `lookup_grace_s`: how long a request's admission may wait for its store lookup.
         `max_prefetch_blocks`: blocks read ahead of admission at once, beyond which prefetches
         are skipped (default: the write backlog's limit)."""
@@ -394,8 +394,9 @@ class TierManager:
         self.lower.join()
 
     def drain_events(self) -> list[TierEvent]:
-        """KV events since the last call, host's then disk's: ("stored" | "removed", key,
-        "cpu" | "disk"); none unless `record_events`."""
+        """KV events since the last call, host's, disk's then the store's: ("stored" | "removed",
+        key, "cpu" | "disk" | "store"; the store's are "stored" only); none unless
+        `record_events`."""
         return [e for event_log in self._event_logs for e in event_log.drain()]
 
     def stats(self) -> dict[Medium, TierStats]:

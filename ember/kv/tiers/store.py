@@ -25,7 +25,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ember.kv.tiers.base import BlockLayout, Medium, Tier, TierStats, check_rows, leading
+from ember.kv.tiers.base import (
+    BlockLayout,
+    EventLog,
+    Medium,
+    Tier,
+    TierStats,
+    check_rows,
+    leading,
+)
 from ember.kv.tiers.store_connection import StoreConnection, StoreError
 
 if TYPE_CHECKING:
@@ -92,6 +100,9 @@ class StoreTier(Tier):
         self._io_lock = threading.Lock()  # staging, registrations
         self._stats_lock = threading.Lock()
         self._stats = TierStats(capacity_bytes=segment_bytes)
+        # "stored" events for the blocks this engine wrote (the router credits every engine on
+        # this store for them); removals from the shared store are not observable here.
+        self.events = EventLog("store")
         self._lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-store-lookup")
         self._stuck_lookup: Future[list[int]] | None = None
         self._conn = StoreConnection(
@@ -218,6 +229,7 @@ class StoreTier(Tier):
             self._stats.blocks_in += sum(done)
             self._stats.bytes_in += sum(done) * self._nbytes
             self._stats.drops += len(done) - sum(done)
+        self.events.record("stored", [k for k, ok in zip(keys, done, strict=True) if ok])
         if any(rc in _UNREACHABLE for rc in failed):
             self._fail("the master is unreachable")
         elif any(rc != NO_AVAILABLE_HANDLE for rc in failed):  # full is no fault: it evicts
