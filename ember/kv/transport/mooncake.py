@@ -42,11 +42,7 @@ class MooncakeTransport(KVTransport):
     name = "mooncake"
 
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", timeout_s: float = 30.0):
-        # The default TCP slice (64 KiB) makes loopback transfers many times slower.
-        os.environ.setdefault("MC_TCP_SLICE_SIZE", "4194304")
-        # Mooncake's glog writes INFO lines to stderr at every start (topology, ports); its own
-        # MC_LOG_LEVEL (not glog's GLOG_minloglevel, which it ignores) keeps warnings and errors.
-        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+        set_mooncake_env()
         try:
             import mooncake.engine as native  # lazy: the wheel is an optional extra
         except ImportError as e:
@@ -154,8 +150,18 @@ BENIGN_TCP_START_LINES = ("No RDMA devices found",)
 RDMA set-up). Every other line it prints while starting is passed on."""
 
 
+def set_mooncake_env() -> None:
+    """Process settings Mooncake reads when it loads (the transfer engine and the store alike);
+    a value the user set stays."""
+    # The default TCP slice (64 KiB) makes loopback transfers many times slower.
+    os.environ.setdefault("MC_TCP_SLICE_SIZE", "4194304")
+    # Mooncake's glog writes INFO lines to stderr at every start (topology, ports); its own
+    # MC_LOG_LEVEL (not glog's GLOG_minloglevel, which it ignores) keeps warnings and errors.
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+
+
 @contextmanager
-def _start_log_filtered(protocol: str) -> Iterator[None]:
+def start_log_filtered(protocol: str) -> Iterator[None]:
     """Hold the native library's stderr (fd 2) while it starts, then pass on all but the lines
     above: `ember serve` should not greet its user with an E-level line that means nothing."""
     benign = BENIGN_START_LINES + (BENIGN_TCP_START_LINES if protocol == "tcp" else ())
@@ -178,7 +184,7 @@ def _start_log_filtered(protocol: str) -> Iterator[None]:
 
 def _initialize(engine: Any, libraries: list[str], host: str, protocol: str) -> int:
     """Start the engine with its two listeners (handshake, TCP data) bound to `host` only."""
-    with _start_log_filtered(protocol):
+    with start_log_filtered(protocol):
         return _initialize_bound(engine, libraries, host, protocol)
 
 
