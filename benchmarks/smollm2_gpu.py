@@ -42,6 +42,7 @@ from benchmarks.engine_gpu import (  # noqa: E402
     kv_bytes_per_token,
     random_prompts,
 )
+from benchmarks.profile_steps import kernels_of  # noqa: E402
 from ember.engine.core import EngineCore  # noqa: E402
 from ember.engine.messages import EngineCoreRequest  # noqa: E402
 from ember.sampling_params import SamplingParams  # noqa: E402
@@ -108,12 +109,13 @@ def kernels_per_step(core: EngineCore, batch: int, vocab: int, steps: int = 8) -
             core.step()
         torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) * 1e3 / steps
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    table = kernels_of(prof, steps)
+    launches = table.pop("(kernel launches per step)")
     while core.has_unfinished_requests():
         core.step()
     return {
-        "kernels_per_step": len(kernels) / steps,
-        "kernel_ms_per_step": sum(e.device_time_total for e in kernels) / 1e3 / steps,
+        "kernels_per_step": launches,
+        "kernel_ms_per_step": sum(table.values()),
         "profiled_wall_ms_per_step": wall_ms,  # includes the profiler's own start-up
     }
 
