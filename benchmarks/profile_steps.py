@@ -20,8 +20,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmarks.engine_gpu import engine_config, random_prompts, shape_dir  # noqa: E402
+from engine_gpu import engine_config, random_prompts, shape_dir  # noqa: E402
+
 from ember.engine.core import EngineCore  # noqa: E402
 from ember.engine.messages import EngineCoreRequest  # noqa: E402
 from ember.sampling_params import SamplingParams  # noqa: E402

@@ -16,7 +16,6 @@ from ember.engine.request import Request
 from ember.engine.sampler import score_tokens
 from ember.engine.scheduler import Scheduler
 from ember.outputs import Logprob
-from tests.models.hf_reference import hf_prompt_logprobs
 
 ATOL = 1e-4
 
@@ -39,7 +38,7 @@ def random_prompt(seed: int, length: int, vocab: int = 3000) -> list[int]:
 @torch.no_grad()
 def reference(hf, prompt: list[int]) -> torch.Tensor:
     """Row p: the log-softmax that scores prompt token p + 1."""
-    return hf_prompt_logprobs(hf, prompt)
+    return hf(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
 
 
 def check(scored: list[dict[int, Logprob] | None] | None, prompt: list[int], ref, k: int) -> None:

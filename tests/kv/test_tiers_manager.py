@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -77,6 +77,14 @@ def key(i: int) -> bytes:
 def gpu(n: int = 16, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (n, NBYTES), dtype=torch.uint8, generator=g)
+
+
+@pytest.fixture
+def managers() -> Iterator[list[TierManager]]:
+    made: list[TierManager] = []
+    yield made
+    for m in made:
+        m.close(wait=False)
 
 
 def make(

@@ -55,6 +55,14 @@ def eventually(check: Callable[[], bool], timeout_s: float = 20.0) -> bool:
 
 
 @pytest.fixture
+def managers() -> Iterator[list[TierManager]]:
+    made: list[TierManager] = []
+    yield made
+    for m in made:
+        m.close(wait=False)
+
+
+@pytest.fixture
 def store() -> Iterator[SlowStore]:
     s = SlowStore()
     yield s

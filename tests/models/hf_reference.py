@@ -19,9 +19,3 @@ def hf_greedy(model: PreTrainedModel, prompt: list[int], n: int) -> list[int]:
 def hf_logits(model: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
     """Logits at every position of `tokens`, in float32: (len(tokens), vocab)."""
     return model(torch.tensor([tokens])).logits[0].float()
-
-
-@torch.no_grad()
-def hf_prompt_logprobs(model: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
-    """Row p: transformers' log-softmax that scores tokens[p + 1], in float32: (len - 1, vocab)."""
-    return hf_logits(model, tokens)[:-1].log_softmax(-1)

@@ -18,7 +18,7 @@ from typing import Any
 
 from ember.kv.tiers.store_master import accepts, split_address
 from ember.kv.transport.listen_host import PinError, loaded_libraries, pinned_bind
-from ember.kv.transport.mooncake import set_mooncake_env, start_log_filtered
+from ember.kv.transport.mooncake import _start_log_filtered
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,10 @@ class StoreConnection:
             self._master_host, self._master_port = split_address(master)
         except ValueError as e:
             raise StoreError(f"--kv-store: {e}") from None
-        set_mooncake_env()
+        # Mooncake's glog writes INFO lines (ports, topology) at every start; keep its warnings.
+        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+        # The default TCP slice (64 KiB) makes loopback transfers many times slower.
+        os.environ.setdefault("MC_TCP_SLICE_SIZE", "4194304")
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
@@ -187,7 +190,7 @@ class StoreConnection:
             )
 
         try:
-            with start_log_filtered(self._protocol) if quiet else nullcontext():
+            with _start_log_filtered(self._protocol) if quiet else nullcontext():
                 try:
                     with pinned_bind(libraries, self.host):
                         rc = setup()

@@ -42,7 +42,11 @@ class MooncakeTransport(KVTransport):
     name = "mooncake"
 
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", timeout_s: float = 30.0):
-        set_mooncake_env()
+        # The default TCP slice (64 KiB) makes loopback transfers many times slower.
+        os.environ.setdefault("MC_TCP_SLICE_SIZE", "4194304")
+        # Mooncake's glog writes INFO lines to stderr at every start (topology, ports); its own
+        # MC_LOG_LEVEL (not glog's GLOG_minloglevel, which it ignores) keeps warnings and errors.
+        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
         try:
             import mooncake.engine as native  # lazy: the wheel is an optional extra
         except ImportError as e:
@@ -150,18 +154,8 @@ BENIGN_TCP_START_LINES = ("No RDMA devices found",)
 RDMA set-up). Every other line it prints while starting is passed on."""
 
 
-def set_mooncake_env() -> None:
-    """Process settings Mooncake reads when it loads (the transfer engine and the store alike);
-    a value the user set stays."""
-    # The default TCP slice (64 KiB) makes loopback transfers many times slower.
-    os.environ.setdefault("MC_TCP_SLICE_SIZE", "4194304")
-    # Mooncake's glog writes INFO lines to stderr at every start (topology, ports); its own
-    # MC_LOG_LEVEL (not glog's GLOG_minloglevel, which it ignores) keeps warnings and errors.
-    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
-
-
 @contextmanager
-def start_log_filtered(protocol: str) -> Iterator[None]:
+def _start_log_filtered(protocol: str) -> Iterator[None]:
     """Hold the native library's stderr (fd 2) while it starts, then pass on all but the lines
     above: `ember serve` should not greet its user with an E-level line that means nothing."""
     benign = BENIGN_START_LINES + (BENIGN_TCP_START_LINES if protocol == "tcp" else ())
@@ -184,7 +178,7 @@ def start_log_filtered(protocol: str) -> Iterator[None]:
 
 def _initialize(engine: Any, libraries: list[str], host: str, protocol: str) -> int:
     """Start the engine with its two listeners (handshake, TCP data) bound to `host` only."""
-    with start_log_filtered(protocol):
+    with _start_log_filtered(protocol):
         return _initialize_bound(engine, libraries, host, protocol)
 
 

@@ -189,14 +189,14 @@ def test_start_prints_no_benign_error_lines() -> None:
 
 
 def test_the_start_filter_passes_on_every_other_line(capfd: pytest.CaptureFixture[str]) -> None:
-    from ember.kv.transport.mooncake import start_log_filtered
+    from ember.kv.transport.mooncake import _start_log_filtered
 
-    with start_log_filtered("tcp"):
+    with _start_log_filtered("tcp"):
         os.write(2, b"E1126 transfer_metadata.cpp:1098] Local segment descriptor not found\n")
         os.write(2, b"E1126 tcp_transport.cpp:1] a real failure\n")
         os.write(2, b"W1126 topology.cpp:201] No RDMA devices found\n")
     err = capfd.readouterr().err
     assert err == "E1126 tcp_transport.cpp:1] a real failure\n"
-    with start_log_filtered("rdma"):
+    with _start_log_filtered("rdma"):
         os.write(2, b"W1126 topology.cpp:201] No RDMA devices found\n")
     assert "No RDMA devices found" in capfd.readouterr().err  # news on an RDMA set-up
