@@ -49,6 +49,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    speculative: bool = True
+    """Let the engine speculate for this request when it runs with speculative decoding (the
+    output distribution is the same either way; False only saves the verification work)."""
 
     def __post_init__(self) -> None:
         if self.stop is None:

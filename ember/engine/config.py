@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ember.models.config import ModelConfig, parse_dtype
+from ember.spec.config import SpeculativeConfig
 
 
 @dataclass(slots=True)
@@ -61,6 +62,8 @@ class EngineConfig:
     """HOST:PORT of a `mooncake_master`: the KV tier every engine shares; None: off."""
     kv_store_gb: float = 1.0
     """Memory this engine lends the shared store, GiB."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding (ember/spec): None is off."""
     cluster_secret: str = field(default="", repr=False)
     """Sent on a decode engine's lease releases (/kv/release is internal); kept out of logs."""
 

@@ -31,6 +31,7 @@ from ember.engine.prompt_logprobs import add_prompt_logprobs, take_prompt_logpro
 from ember.engine.request import Request, RequestStatus
 from ember.engine.sampler import SamplingBatch, make_generator
 from ember.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from ember.engine.speculation import Speculator
 from ember.engine.structured_output import GrammarCompiler
 from ember.kv.kv_cache_manager import KVCacheManager
 from ember.models.config import ModelConfig
@@ -135,6 +136,10 @@ class EngineCore:
             self.connector,
             self.tiers,
         )
+        self.spec: Speculator | None = None
+        if config.speculative is not None:
+            self.spec = Speculator(config.speculative, measure=on_gpu)
+            self.scheduler.on_finish = self.spec.finish
         self.num_steps = 0
         self.async_scheduling = (
             on_gpu if config.async_scheduling is None else config.async_scheduling
@@ -144,6 +149,7 @@ class EngineCore:
         self._outputs: list[EngineCoreOutput] = []
         self.failed_steps = 0
         self._last_collected = 0.0  # perf_counter() when the host last saw the device's work end
+        self._last_step_end = 0.0  # perf_counter() at the last collected step, for the speculator
         self._prefill_steps = 0
         # Prompt tokens of collected steps whose device work the host never waited for (a prefill
         # chunk that samples nothing returns at once), and when the first of them began.
@@ -229,6 +235,8 @@ class EngineCore:
             req.matcher = self.grammar.matcher(msg.sampling_params.structured_outputs)
         self._check_sampleable(req)
         self.scheduler.add_request(req)
+        if self.spec is not None:
+            self.spec.add_request(req)
 
     def _check_sampleable(self, req: Request) -> None:
         """Build this request's sampling row alone, on the host: a value the sampler cannot
@@ -338,7 +346,19 @@ class EngineCore:
             kv_tiers=tiers,
             kv_tier_bandwidth={m: t.cost.bandwidth(m) for m in tiers} if t is not None else {},
             prefill_tok_s=t.cost.prefill_tok_s if t is not None else 0.0,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, int | list[int]]:
+        sp = self.spec
+        if sp is None:
+            return {}
+        return {
+            "spec_drafts": sp.num_drafts,
+            "spec_draft_tokens": sp.num_draft_tokens,
+            "spec_accepted_tokens": sp.num_accepted_tokens,
+            "spec_accepted_per_pos": list(sp.accepted_per_pos),
+        }
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule and launch a step; return the outputs of the step that finished.
@@ -380,8 +400,12 @@ class EngineCore:
         # Kept on self while the step runs, so that a failure knows its requests and outputs.
         outputs = self._outputs = []
         self._batches = [self._in_flight[0]] if self._in_flight is not None else []
+        if self.spec is not None:
+            self.spec.plan(self.scheduler.running)
         if self._in_flight is not None and self._must_wait():
             outputs += self._collect()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         so = self.scheduler.schedule()
         self._batches.append(so)
         launched = None
@@ -428,7 +452,10 @@ class EngineCore:
         for i, scored in enumerate(result.prompt_logprobs):
             if scored is not None:
                 add_prompt_logprobs(so.requests[i], *scored)
-        progressed, _ = self.scheduler.update_from_output(so, result.sampled)
+        before = {r.request_id: r.num_output_tokens for r in so.requests}
+        progressed, _ = self.scheduler.update_from_output(so, result.sampled, result.accepted)
+        if self.spec is not None:
+            self._record_speculation(so, result.accepted, pending.launched_at)
         logprobs_of = {
             req.request_id: lp
             for req, lp in zip(so.requests, result.logprobs, strict=True)
@@ -436,12 +463,13 @@ class EngineCore:
         }
         outputs = []
         for req in progressed:
+            new = req.output_token_ids[before[req.request_id] :]
             lp = logprobs_of.get(req.request_id)
             outputs.append(
                 EngineCoreOutput(
                     request_id=req.request_id,
-                    new_token_ids=[req.output_token_ids[-1]],
-                    new_logprobs=[lp] if lp is not None else None,
+                    new_token_ids=new,
+                    new_logprobs=lp[: len(new)] if lp is not None else None,
                     finish_reason=req.status.finish_reason,
                     stop_reason=req.stop_reason,
                     num_cached_tokens=max(req.num_cached_tokens, 0),
@@ -451,6 +479,30 @@ class EngineCore:
                 )
             )
         return outputs
+
+    def _record_speculation(
+        self, so: SchedulerOutput, accepted: list[list[int]], launched_at: float
+    ) -> None:
+        """Count the drafts and feed the step's period (from its launch or the previous step's
+        end, whichever is later: idle time is no step's) to the speculator's cost model."""
+        if self.spec is None:
+            return
+        now = time.perf_counter()
+        period = now - max(launched_at, self._last_step_end)
+        self._last_step_end = now
+        tokens = verified = 0
+        for i, req in enumerate(so.requests):
+            drafts = so.spec_token_ids[i] if so.spec_token_ids else []
+            if drafts:
+                n = len(accepted[i]) if accepted else 0
+                self.spec.record(req, drafts, n)
+                verified += 1
+                tokens += n + 1
+        decodes = sum(1 for n in so.num_scheduled_tokens if n == 1)
+        if verified and verified + decodes == len(so.requests):
+            self.spec.observe_step(len(so.requests), True, period, tokens + decodes)
+        elif decodes == len(so.requests):
+            self.spec.observe_step(decodes, False, period, decodes)
 
     def _observe_prefill(self, so: SchedulerOutput, pending: PendingStep) -> None:
         """Feed the tiers' cost model this engine's prefill speed: a step's prompt tokens over its

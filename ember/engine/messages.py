@@ -124,6 +124,12 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     """The cost model's measured load speed by medium, bytes/s (host -> GPU for "cpu")."""
     prefill_tok_s: float = 0.0
     """The cost model's measured prefill speed (0 without tiers)."""
+    spec_drafts: int = 0
+    """Speculative decoding, since start: verifications of a request with at least one draft."""
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
+    """Entry i: drafts whose token at position i (0-based) was accepted."""
 
 
 class KVEvents(msgspec.Struct, array_like=True):

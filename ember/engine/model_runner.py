@@ -22,6 +22,7 @@ from ember.engine.cuda_graphs import DecodeGraphs, feed_input_ids, feed_row
 from ember.engine.prompt_logprobs import PromptScoring, plan_prompt_scoring
 from ember.engine.sampler import Sampler, SamplerOutput, SamplingBatch, score_tokens
 from ember.engine.structured_output import apply_grammar_masks
+from ember.spec.verify import last_rows, num_accepted, verify_rows
 
 if TYPE_CHECKING:
     from torch import nn
@@ -38,11 +39,15 @@ log = logging.getLogger(__name__)
 class ModelRunnerOutput:
     sampled: list[int | None]
     """Parallel to the scheduled requests; None for a prefill chunk that does not sample."""
-    logprobs: list[TokenLogprobs | None]
-    """Per row: (token id, logprob, rank), the sampled token first, then the top alternatives."""
+    logprobs: list[list[TokenLogprobs] | None]
+    """Per request, one entry per token it got (its accepted drafts, then `sampled`): (token id,
+    logprob, rank), the token first, then the top alternatives."""
     prompt_logprobs: list[tuple[int, list[TokenLogprobs]] | None] = field(default_factory=list)
     """Parallel to the scheduled requests: (first position, one entry per position) for a request
     whose prompt positions this step scored, else None."""
+    accepted: list[list[int]] = field(default_factory=list)
+    """Parallel to the scheduled requests: the draft tokens the step accepted (speculative
+    decoding), which come before `sampled`; empty for most."""
 
 
 @dataclass(slots=True)
@@ -51,7 +56,7 @@ class PendingStep:
 
     num_requests: int
     index: list[int]
-    """Batch position of each sampling row."""
+    """Batch position of each sampling request."""
     num_logprobs: list[int | None]
     tokens: torch.Tensor | None
     logprobs: torch.Tensor | None = None
@@ -64,6 +69,9 @@ class PendingStep:
     timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
     launched_at: float = 0.0
     """time.perf_counter() when the step began to launch."""
+    drafts: list[list[int]] = field(default_factory=list)
+    """Per sampling request (as `index`): the drafts it verifies; its k + 1 sampling rows follow
+    one another in `tokens`. Empty when the step verifies none."""
 
 
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -130,6 +138,8 @@ class ModelRunner:
             req, n, blocks = so.requests[i], so.num_scheduled_tokens[i], so.block_ids[i]
             start = so.num_computed_tokens[i]
             known = req.all_token_ids[start : start + n]
+            if so.spec_token_ids and so.spec_token_ids[i]:
+                known = known + so.spec_token_ids[i]  # verified after the last known token
             input_ids.extend(known)
             if len(known) < n:
                 if len(known) != n - 1:
@@ -185,6 +195,7 @@ class ModelRunner:
         if timing is not None:
             timing[0].record()
         scores = None
+        drafts: list[list[int]] = []
         if graph_bs is not None:
             logits = self.graphs.replay(so, order, graph_bs, self._prev_rows)
             # A slice when every row samples; never index with a host list (a hidden sync).
@@ -198,13 +209,22 @@ class ModelRunner:
                 step = PendingStep(n, [], [], None, prompt=prompt, prompt_scores=scores)
                 step.launched_at = launched_at
                 return self._queued(step)
-            last = self._tensor([md.query_start_loc_cpu[j + 1] - 1 for j in rows], torch.int64)
+            ends = [md.query_start_loc_cpu[j + 1] for j in rows]
+            drafts = [so.spec_token_ids[order[j]] for j in rows] if so.spec_token_ids else []
+            if any(drafts):  # every verified position samples: k + 1 rows for k drafts
+                last = self._tensor(verify_rows(ends, drafts), torch.int64)
+            else:
+                drafts, last = [], self._tensor([e - 1 for e in ends], torch.int64)
             logits = self.model.compute_logits(hidden[last])
         if timing is not None:
             timing[1].record()
         reqs = [so.requests[order[j]] for j in rows]
-        out = self._sample(logits, reqs)
-        self.prev_tokens[: len(reqs)].copy_(out.sampled)
+        out = self._sample(logits, reqs, drafts)
+        if drafts:  # the next step may feed each request's last row (the others wait for theirs)
+            out_last = out.sampled[self._tensor(last_rows(drafts), torch.int64)]
+            self.prev_tokens[: len(reqs)].copy_(out_last)
+        else:
+            self.prev_tokens[: len(reqs)].copy_(out.sampled)
         self._prev_rows = {r.request_id: j for j, r in enumerate(reqs)}
         step = PendingStep(
             n,
@@ -218,6 +238,7 @@ class ModelRunner:
             prompt_scores=scores,
             timing=timing,
             launched_at=launched_at,
+            drafts=drafts,
         )
         return self._queued(step)
 
@@ -257,11 +278,20 @@ class ModelRunner:
         lp = step.logprobs.tolist() if step.logprobs is not None else None
         lp_ids = step.logprob_ids.tolist() if step.logprob_ids is not None else None
         ranks = step.ranks.tolist() if step.ranks is not None else None
+        accepted: list[list[int]] = [[] for _ in range(step.num_requests)]
+        result.accepted = accepted
+        row = 0
         for j, i in enumerate(step.index):
-            sampled[i] = tokens[j]
+            drafts = step.drafts[j] if step.drafts else []
+            n = num_accepted(tokens[row : row + len(drafts) + 1], drafts)
+            accepted[i] = drafts[:n]
+            sampled[i] = tokens[row + n]
             want = step.num_logprobs[j]
             if want is not None and lp is not None and lp_ids is not None and ranks is not None:
-                logprobs[i] = _entries(lp_ids[j], lp[j], ranks[j], want)
+                logprobs[i] = [
+                    _entries(lp_ids[r], lp[r], ranks[r], want) for r in range(row, row + n + 1)
+                ]
+            row += len(drafts) + 1
         return result
 
     def _score_prompt(
@@ -277,15 +307,26 @@ class ModelRunner:
         lp, ids, ranks = (self._copy_to_host(t) for t in scores)
         return lp, ids, ranks
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+    def _sample(
+        self, logits: torch.Tensor, reqs: list[Request], drafts: list[list[int]]
+    ) -> SamplerOutput:
+        """One sampling row per request, or with drafts k + 1 rows per request: row i samples
+        as if drafts[:i] had been sampled already (penalties, min_tokens and the grammar see
+        them), and the drafts are accepted while each equals its row's sample
+        (`ember.spec.verify`)."""
+        if not drafts:
+            drafts = [[] for _ in reqs]
         if any(r.matcher is not None for r in reqs):
-            apply_grammar_masks(logits, [r.matcher for r in reqs])
+            apply_grammar_masks(logits, [r.matcher for r in reqs], drafts)
+        rows = [(r, d[:i]) for r, d in zip(reqs, drafts, strict=True) for i in range(len(d) + 1)]
         batch = SamplingBatch.build(
-            params=[r.sampling_params for r in reqs],
-            prompt_ids=[r.prompt_token_ids for r in reqs],
-            output_ids=[r.output_token_ids for r in reqs],
-            generators=[r.generator for r in reqs],
-            blocked=[_blocked_tokens(r) for r in reqs],
+            params=[r.sampling_params for r, _ in rows],
+            prompt_ids=[r.prompt_token_ids for r, _ in rows],
+            output_ids=[
+                r.output_token_ids + seen if seen else r.output_token_ids for r, seen in rows
+            ],
+            generators=[r.generator for r, _ in rows],
+            blocked=[_blocked_tokens(r, len(seen)) for r, seen in rows],
             vocab_size=logits.shape[-1],
             device=self.device,
         )
@@ -366,11 +407,13 @@ def _entries(ids: list[int], logprobs: list[float], rank: int, want: int) -> Tok
     return [(ids[0], logprobs[0], rank)] + [(ids[k], logprobs[k], k) for k in range(1, want + 1)]
 
 
-def _blocked_tokens(req: Request) -> list[int]:
+def _blocked_tokens(req: Request, num_drafts_before: int = 0) -> list[int]:
     """EOS and stop ids may not be sampled before `min_tokens` outputs."""
     params = req.sampling_params
-    # Outputs before the one this step samples: its own placeholder is already counted.
-    if req.num_output_tokens + req.num_output_placeholders - 1 >= params.min_tokens:
+    # Outputs before the one this row samples: its own placeholder is already counted, and a
+    # verification row comes after the drafts before it.
+    before = req.num_output_tokens + req.num_output_placeholders - 1 + num_drafts_before
+    if before >= params.min_tokens:
         return []
     eos = () if params.ignore_eos else req.eos_token_ids
     return sorted(set(eos) | set(params.stop_token_ids or ()))

@@ -75,6 +75,11 @@ class Request:
     token p + 1), gathered over the prefill's chunks."""
     prompt_logprobs_sent: bool = False
     """They went out with the first token: a recompute after a preemption scores nothing again."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Speculative decoding: draft tokens for the next step to verify (taken by the scheduler)."""
+    speculates: bool = False
+    """The engine speculates for this request now: its drafts are made from its known tokens, so
+    its steps are not scheduled ahead of their tokens (see `needs_known_tokens`)."""
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -98,7 +103,8 @@ class Request:
         step cannot be scheduled before the last one's token is back."""
         p = self.sampling_params
         return (
-            self.matcher is not None
+            self.speculates
+            or self.matcher is not None
             or p.repetition_penalty != 1.0
             or p.presence_penalty != 0.0
             or p.frequency_penalty != 0.0

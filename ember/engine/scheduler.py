@@ -8,7 +8,7 @@ sample as a placeholder, so the next step can be scheduled while this one still 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -45,6 +45,9 @@ class SchedulerOutput:
     """Where each request's scheduled tokens start (its computed tokens before this step)."""
     samples: list[bool] = field(default_factory=list)
     """Whether the step reaches the end of a request's tokens and so samples its next one."""
+    spec_token_ids: list[list[int]] = field(default_factory=list)
+    """Each request's draft tokens, verified by this step after its last known token (empty for
+    most); a request with k drafts is scheduled k + 1 tokens and samples k + 1 positions."""
     preempted: list[Request] = field(default_factory=list)
     scores_prompts: bool = False
     """Some unfinished request asked for prompt logprobs: the model runner looks for rows to score
@@ -84,6 +87,8 @@ class Scheduler(KVLoads):
         self.prefix_hits = 0
         self.num_prompt_scorers = 0
         """Unfinished requests with `prompt_logprobs`."""
+        self.on_finish: Callable[[Request], None] | None = None
+        """Called once for every request that ends, however it ends (the speculator's hook)."""
         self.awaiting_lookup = False
         """The last `schedule` held the next waiting request for its store lookup (see
         TierManager.lookup): the engine loop lets the lookup's thread run."""
@@ -141,9 +146,13 @@ class Scheduler(KVLoads):
                 i += 1
                 continue
             ahead = req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
-            num_new = min(ahead, budget)
+            drafts = self._drafts(req, ahead, budget)
+            num_new = min(ahead + len(drafts), budget)
             scheduled = True
             while not self._allocate(req, num_new):
+                if drafts:  # no room for the drafts: a plain decode before preempting anyone
+                    drafts, num_new = [], ahead
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -152,7 +161,7 @@ class Scheduler(KVLoads):
                     break
             if not scheduled:
                 break
-            self._add(out, req, num_new)
+            self._add(out, req, num_new, drafts)
             budget -= num_new
             i += 1
 
@@ -226,9 +235,29 @@ class Scheduler(KVLoads):
             req.request_id, req.block_hashes, req.all_token_ids, req.cache_salt, num_tokens
         )
 
-    def _add(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
+    def _drafts(self, req: Request, ahead: int, budget: int) -> list[int]:
+        """The drafts this step verifies for a decoding request: at most what the token budget,
+        max_tokens and the context length leave after the token it samples anyway."""
+        if not req.spec_token_ids or ahead != 1 or req.num_output_placeholders:
+            req.spec_token_ids = []
+            return []
+        room = min(
+            budget - 1,
+            req.max_tokens - req.num_output_tokens - 1,
+            self.config.max_model_len - req.num_tokens - 1,
+        )
+        drafts = req.spec_token_ids[: max(room, 0)]
+        req.spec_token_ids = []
+        return drafts
+
+    def _add(
+        self, out: SchedulerOutput, req: Request, num_new: int, drafts: list[int] | None = None
+    ) -> None:
         start = req.num_computed_tokens
-        samples = start + num_new == req.num_tokens + req.num_output_placeholders
+        samples = start + num_new == req.num_tokens + req.num_output_placeholders + len(
+            drafts or ()
+        )
+        out.spec_token_ids.append(drafts or [])
         out.requests.append(req)
         out.num_scheduled_tokens.append(num_new)
         out.num_computed_tokens.append(start)
@@ -246,17 +275,26 @@ class Scheduler(KVLoads):
         )
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: list[int | None]
+        self,
+        out: SchedulerOutput,
+        sampled: list[int | None],
+        accepted: list[list[int]] | None = None,
     ) -> tuple[list[Request], list[Request]]:
-        """Fill each sampled placeholder with its token; returns (requests that got a token, those
+        """Fill each sampled placeholder with its token; returns (requests that got tokens, those
         that finished).
 
         `sampled[i]` is the token sampled for `out.requests[i]`, or None for a prefill chunk that
-        did not reach the end of its tokens. A request preempted since `out` was scheduled still
-        takes its token: its KV was computed before its blocks could be reused.
+        did not reach the end of its tokens. With speculation, `accepted[i]` are the drafts the
+        step accepted, which come before `sampled[i]`; the KV slots of the rejected ones are
+        rolled back (the next step overwrites them). The tokens are taken one at a time, so
+        EOS, stop ids, a finished grammar or max_tokens end the request inside an accepted run.
+        A request preempted since `out` was scheduled still takes its tokens: their KV was
+        computed before its blocks could be reused.
         """
         progressed, finished = [], []
-        for req, samples, tok in zip(out.requests, out.samples, sampled, strict=True):
+        for i, (req, samples, tok) in enumerate(
+            zip(out.requests, out.samples, sampled, strict=True)
+        ):
             if req.is_finished:  # stopped from outside, or by an earlier token, since scheduling
                 continue
             if not samples:
@@ -264,13 +302,21 @@ class Scheduler(KVLoads):
             if tok is None:
                 raise RuntimeError(f"request {req.request_id} was to sample but got no token")
             req.num_output_placeholders -= 1
-            req.append_output_token(tok)
+            drafts = out.spec_token_ids[i] if out.spec_token_ids else []
+            taken = accepted[i] if accepted is not None else []
+            if len(taken) > len(drafts) or taken != drafts[: len(taken)]:
+                raise RuntimeError(f"request {req.request_id}: accepted tokens are not its drafts")
+            if drafts and req.status is RequestStatus.RUNNING:
+                req.num_computed_tokens -= len(drafts) - len(taken)
             progressed.append(req)
-            status = self._check_stop(req)
-            if status is not None:
-                self._remove(req)
-                self._finish(req, status)
-                finished.append(req)
+            for t in (*taken, tok):
+                req.append_output_token(t)
+                status = self._check_stop(req)
+                if status is not None:
+                    self._remove(req)
+                    self._finish(req, status)
+                    finished.append(req)
+                    break
         return progressed, finished
 
     # -- internals -----------------------------------------------------------------------------
@@ -321,6 +367,8 @@ class Scheduler(KVLoads):
             self.tiers.forget(req.request_id)
         del self.requests[req.request_id]
         self.num_prompt_scorers -= req.sampling_params.prompt_logprobs is not None
+        if self.on_finish is not None:
+            self.on_finish(req)
 
     def _leases(self, req: Request, status: RequestStatus) -> bool:
         """A prefill-role prompt that ended on its length limit waits for its decode engine."""

@@ -1,0 +1,359 @@
+"""Speculative decoding in the engine: greedy output is token-for-token the output without
+speculation whatever the drafts (right, wrong, cut by max_tokens, stop ids, stop strings, a
+grammar), with chunked prefill, preemption and async scheduling; logprobs are the target's; the
+pool is whole at the end; and sampled output keeps the target's distribution (chi-square).
+
+The drafts come from an oracle proposer that knows the reference run's output and corrupts some
+of it on purpose, so every acceptance length, rejection position and bonus token is exercised
+(random tiny models give n-gram lookups little to find; the proposers have their own tests)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from ember import LLM, SamplingParams
+from ember.sampling_params import StructuredOutputsParams
+from ember.spec.config import SpeculativeConfig
+from ember.spec.proposer import HostProposer
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_dir) -> Path:
+    return tiny_model_dir("llama")
+
+
+class Oracle(HostProposer):
+    """Drafts the reference continuation of the request's prompt; every `corrupt`-th proposal has
+    one token changed (at a position that moves from call to call)."""
+
+    def __init__(self, reference: dict[tuple[int, ...], list[int]], corrupt: int = 0) -> None:
+        self.reference = reference
+        self.corrupt = corrupt
+        self.prompts: dict[str, tuple[int, ...]] = {}
+        self.calls = 0
+        self.finished: list[str] = []
+
+    def add_request(self, request_id: str, prompt: Sequence[int], scope: str | None) -> None:
+        self.prompts[request_id] = tuple(prompt)
+
+    def propose(self, request_id: str, tokens: Sequence[int], max_tokens: int) -> list[int]:
+        prompt = self.prompts[request_id]
+        ref = self.reference.get(prompt, [])
+        done = len(tokens) - len(prompt)
+        drafts = list(ref[done : done + max_tokens])
+        self.calls += 1
+        if drafts and self.corrupt and self.calls % self.corrupt == 0:
+            j = self.calls % len(drafts)
+            drafts[j] = (drafts[j] + 1) % 3000
+        return drafts
+
+    def finish(self, request_id: str, output: Sequence[int]) -> None:
+        self.finished.append(request_id)
+        del self.prompts[request_id]
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, 3000, (9 + 5 * i,), generator=g).tolist() for i in range(n)]
+
+
+def greedy_params(stop_id: int) -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True, frequency_penalty=0.5),
+        SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_id], min_tokens=2),
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+    ]
+
+
+def run(llm: LLM, ps: list[list[int]], params: list[SamplingParams]) -> list[tuple]:
+    outs = llm.generate(ps, params)
+    return [
+        (
+            o.outputs[0].token_ids,
+            o.outputs[0].finish_reason,
+            o.outputs[0].stop_reason,
+            None
+            if o.outputs[0].logprobs is None
+            else [{t: lp.logprob for t, lp in s.items()} for s in o.outputs[0].logprobs],
+        )
+        for o in outs
+    ]
+
+
+def speculating(model: Path, oracle: Oracle, k: int = 4, **kw) -> LLM:
+    llm = LLM(
+        str(model),
+        dtype="float32",
+        speculative=SpeculativeConfig("ngram", num_speculative_tokens=k),
+        **kw,
+    )
+    spec = llm.engine.core.spec
+    assert spec is not None
+    spec.host = oracle
+    return llm
+
+
+def assert_same(got: list[tuple], want: list[tuple]) -> None:
+    assert [g[:3] for g in got] == [w[:3] for w in want]
+    for g, w in zip(got, want, strict=True):
+        if w[3] is None:
+            assert g[3] is None
+            continue
+        for gs, ws in zip(g[3], w[3], strict=True):
+            assert gs.keys() == ws.keys()
+            assert list(gs.values()) == pytest.approx(list(ws.values()), abs=1e-4)
+
+
+def assert_pool_whole(llm: LLM) -> None:
+    core = llm.engine.core
+    assert not core.has_unfinished_requests()
+    assert core.kv.pool.num_free_blocks == core.kv.pool.num_blocks
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"max_num_batched_tokens": 16, "block_size": 4},  # chunked prefills beside verifications
+        {"block_size": 4, "num_kv_blocks": 40, "max_model_len": 64},  # preemption
+        {"async_scheduling": True},
+    ],
+    ids=["plain", "chunked", "preempting", "async"],
+)
+@pytest.mark.parametrize("corrupt", [0, 3], ids=["right-drafts", "some-wrong"])
+def test_greedy_equals_no_speculation(llama: Path, kw: dict, corrupt: int) -> None:
+    ps = prompts(6, seed=1)
+    base = LLM(str(llama), dtype="float32", **kw)
+    probe = base.generate(ps[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    params = greedy_params(stop_id=probe[0].outputs[0].token_ids[5])
+    want = run(base, ps, params)
+    reference = {tuple(p): w[0] for p, w in zip(ps, want, strict=True)}
+    llm = speculating(llama, Oracle(reference, corrupt), **kw)
+    got = run(llm, ps, params)
+    assert_same(got, want)
+    stats = llm.engine.core.stats()
+    assert stats.spec_drafts > 0
+    assert 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens
+    if corrupt:
+        assert stats.spec_accepted_tokens < stats.spec_draft_tokens
+    else:  # right drafts are all accepted
+        assert stats.spec_accepted_tokens == stats.spec_draft_tokens
+    assert stats.spec_accepted_per_pos[0] >= stats.spec_accepted_per_pos[-1]
+    assert sum(stats.spec_accepted_per_pos) == stats.spec_accepted_tokens
+    assert_pool_whole(llm)
+    assert sorted(llm.engine.core.spec.host.finished) == sorted(  # every request told once
+        set(llm.engine.core.spec.host.finished)
+    )
+
+
+def test_wrong_drafts_change_nothing_and_leak_nothing(llama: Path) -> None:
+    """Drafts that are always wrong: every one rejected, output the same, every block back."""
+    ps = prompts(4, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True)
+    base = LLM(str(llama), dtype="float32", block_size=4)
+    want = run(base, ps, [params] * 4)
+    wrong = {tuple(p): [(t + 7) % 3000 for t in w[0]] for p, w in zip(ps, want, strict=True)}
+    llm = speculating(llama, Oracle(wrong), block_size=4)
+    assert_same(run(llm, ps, [params] * 4), want)
+    stats = llm.engine.core.stats()
+    assert stats.spec_drafts > 0 and stats.spec_accepted_tokens == 0
+    assert_pool_whole(llm)
+
+
+def test_stop_string_inside_an_accepted_run(llama: Path) -> None:
+    """A stop string that ends inside the drafts of one step cuts the text where it would have
+    without speculation."""
+    ps = prompts(1, seed=3)
+    base = LLM(str(llama), dtype="float32")
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    full = base.generate(ps, plain)[0].outputs[0]
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
+    assert stop.strip(), "the tiny model's text has a usable middle"
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])
+    want = base.generate(ps, params)[0].outputs[0]
+    llm = speculating(llama, Oracle({tuple(ps[0]): full.token_ids}), k=6)
+    got = llm.generate(ps, params)[0].outputs[0]
+    assert (got.text, got.finish_reason, got.stop_reason) == (
+        want.text,
+        want.finish_reason,
+        want.stop_reason,
+    )
+    assert got.finish_reason == "stop" and len(got.text) < len(full.text)
+    assert_pool_whole(llm)
+
+
+def test_grammar_applies_inside_drafts(llama: Path) -> None:
+    """A regex grammar: drafts the grammar refuses are rejected; the output is the one without
+    speculation and matches the grammar."""
+    ps = prompts(2, seed=4)
+    so = StructuredOutputsParams(regex=r"[a-z]{3,12}")
+    params = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=so)
+    base = LLM(str(llama), dtype="float32")
+    want = run(base, ps, [params] * 2)
+    for corrupt in (0, 2):
+        reference = {tuple(p): w[0] for p, w in zip(ps, want, strict=True)}
+        llm = speculating(llama, Oracle(reference, corrupt))
+        got = run(llm, ps, [params] * 2)
+        assert_same(got, want)
+        assert llm.engine.core.stats().spec_drafts > 0
+        assert_pool_whole(llm)
+
+
+def test_request_may_turn_speculation_off(llama: Path) -> None:
+    ps = prompts(2, seed=5)
+    base = LLM(str(llama), dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    want = run(base, ps, [params] * 2)
+    reference = {tuple(p): w[0] for p, w in zip(ps, want, strict=True)}
+    llm = speculating(llama, Oracle(reference))
+    off = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, speculative=False)
+    assert_same(run(llm, ps, [off] * 2), want)
+    assert llm.engine.core.stats().spec_drafts == 0
+
+
+def test_seeded_sampling_is_reproducible_with_speculation(llama: Path) -> None:
+    ps = prompts(3, seed=6)
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=15, seed=42, ignore_eos=True)
+    base = LLM(str(llama), dtype="float32")
+    greedy = run(base, ps, [SamplingParams(temperature=0.0, max_tokens=15, ignore_eos=True)] * 3)
+    reference = {tuple(p): w[0] for p, w in zip(ps, greedy, strict=True)}
+    first = run(speculating(llama, Oracle(reference)), ps, [params] * 3)
+    second = run(speculating(llama, Oracle(reference)), ps, [params] * 3)
+    assert [f[0] for f in first] == [s[0] for s in second]
+
+
+# -- the distribution --------------------------------------------------------------------------
+
+VOCAB = 12
+
+
+@pytest.fixture(scope="module")
+def small_vocab(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama cut to a 12-token vocabulary with a sharper head: few enough outcomes for
+    a chi-square test over the first two tokens."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("small-vocab")
+    for f in llama.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    config = json.loads((llama / "config.json").read_text())
+    config["vocab_size"] = VOCAB
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        config.pop(key, None)
+    (out / "config.json").write_text(json.dumps(config))
+    for f in llama.glob("*.safetensors"):
+        w = load_file(f)
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            if name in w:
+                w[name] = w[name][:VOCAB].clone() * (2.5 if name == "lm_head.weight" else 1.0)
+        save_file(w, out / f.name)
+    return out
+
+
+def _top_p(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The target's distribution after temperature 1 and top-p, as the sampler defines it."""
+    probs = logprobs.exp()
+    sorted_p, idx = probs.sort()
+    outside = sorted_p.cumsum(0) <= 1.0 - top_p
+    outside[-1] = False
+    sorted_p[outside] = 0.0
+    kept = torch.zeros_like(probs).scatter(0, idx, sorted_p)
+    return kept / kept.sum()
+
+
+def _next_dist(llm: LLM, tokens: list[int], top_p: float) -> torch.Tensor:
+    """The model's distribution after `tokens`, from its prompt logprobs (no speculation)."""
+    out = llm.generate(
+        [tokens + [0]], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=VOCAB)
+    )[0]
+    last = out.prompt_logprobs[-1]
+    logprobs = torch.full((VOCAB,), -math.inf, dtype=torch.float64)
+    for t, lp in last.items():
+        logprobs[t] = lp.logprob
+    return _top_p(logprobs, top_p)
+
+
+class TableOracle(Oracle):
+    """Drafts looked up by the output so far."""
+
+    def __init__(self, table: dict[tuple[int, ...], list[int]]) -> None:
+        super().__init__({})
+        self.table = table
+
+    def propose(self, request_id: str, tokens: Sequence[int], max_tokens: int) -> list[int]:
+        output = tuple(tokens[len(self.prompts[request_id]) :])
+        return self.table.get(output, [])[:max_tokens]
+
+
+def test_sampled_distribution_is_the_targets(small_vocab: Path) -> None:
+    """M = 3: the joint distribution of the first three tokens (the first comes from the
+    prefill, the other two from verification of two drafts: the most likely tokens, accepted
+    often and rejected often), 3,000 samples with temperature 1 and top-p 0.9. Cells with an
+    expected count < 5 are pooled. The test fails when a correct sampler's statistic exceeds the
+    chi-square quantile at 1 - 1e-3: a failure probability of 0.1% (fixed seeds make the outcome
+    the same on every run). The same counts tested against the distribution of a verifier that
+    always accepted the drafts must be rejected (the test has power)."""
+    prompt = [3, 7, 1, 4]
+    top_p, n = 0.9, 3000
+    base = LLM(str(small_vocab), dtype="float32", seed=1)
+    dist = {(): _next_dist(base, prompt, top_p)}
+    for a in torch.nonzero(dist[()]).flatten().tolist():
+        dist[(a,)] = _next_dist(base, prompt + [a], top_p)
+        for b in torch.nonzero(dist[(a,)]).flatten().tolist():
+            dist[(a, b)] = _next_dist(base, prompt + [a, b], top_p)
+    expected: dict[tuple[int, ...], float] = {}
+    table: dict[tuple[int, ...], list[int]] = {}
+    for (a, b), p3 in ((k, v) for k, v in dist.items() if len(k) == 2):
+        for c in range(VOCAB):
+            expected[(a, b, c)] = float(dist[()][a] * dist[(a,)][b] * p3[c])
+    for (a,), p2 in ((k, v) for k, v in dist.items() if len(k) == 1):
+        d2 = int(p2.argmax())
+        table[(a,)] = [d2, int(dist[(a, d2)].argmax())]
+
+    llm = speculating(small_vocab, TableOracle(table), k=2, seed=1)
+    # A fourth token makes room for both drafts (the last is never a draft); it is not counted.
+    params = SamplingParams(temperature=1.0, top_p=top_p, max_tokens=4, ignore_eos=True)
+    outs = llm.generate([prompt] * n, params)
+    counts = Counter(tuple(o.outputs[0].token_ids[:3]) for o in outs)
+    stats = llm.engine.core.stats()
+    assert stats.spec_drafts >= n
+    first, second = stats.spec_accepted_per_pos
+    assert 0.2 * n < first < 0.95 * n and 0.1 * n < second < first  # accepted and rejected often
+    assert sum(counts.values()) == n and all(k in expected for k in counts)
+
+    def chi2(probs: dict[tuple[int, ...], float]) -> tuple[float, int]:
+        big = [c for c in probs if probs[c] * n >= 5]
+        small = [c for c in probs if probs[c] * n < 5]
+        obs = [counts.get(c, 0) for c in big] + [sum(counts.get(c, 0) for c in small)]
+        exp = [probs[c] * n for c in big] + [sum(probs[c] for c in small) * n]
+        stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True) if e > 0)
+        return stat, sum(1 for e in exp if e > 0) - 1
+
+    stat, dof = chi2(expected)
+    assert dof >= 3
+    assert stat < _chi2_quantile(dof, 1e-3), (stat, dof)
+    # A verifier that accepted every draft would give (a, d2, d3) whenever it drafts.
+    always = {c: 0.0 for c in expected}
+    for (a,), (d2, d3) in table.items():
+        always[(a, d2, d3)] += float(dist[()][a])
+    assert chi2(always)[0] > _chi2_quantile(dof, 1e-3)
+
+
+def _chi2_quantile(dof: int, alpha: float) -> float:
+    """Upper-alpha quantile of chi-square(dof) by the Wilson-Hilferty approximation (within ~1%
+    for dof >= 3; scipy is not a dependency)."""
+    z = {1e-3: 3.090232, 1e-2: 2.326348}[alpha]
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
