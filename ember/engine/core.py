@@ -18,7 +18,8 @@ from ember.attention.backend import AttentionBackend
 from ember.attention.torch_backend import TorchAttentionBackend
 from ember.engine.config import EngineConfig, ResolvedConfig
 from ember.engine.kv_connector import KVConnector
-from ember.engine.kv_tiers import build_tiers, model_fingerprint
+from ember.engine.kv_tiers import PrefillClock, build_tiers, model_fingerprint
+from ember.engine.memory import size_kv_cache
 from ember.engine.messages import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -42,11 +43,6 @@ log = logging.getLogger(__name__)
 MAX_FAILED_STEPS = 3
 """Steps in a row that may fail before the core gives up: past it, the fault is the core's own
 (a broken device), not one request's."""
-
-
-PREFILL_WARMUP_STEPS = 2
-"""Prefill steps not fed to the tiers' cost model: the first ones compile kernels (Triton's JIT)
-and would make prefilling look ten times slower than it is."""
 
 
 def default_backend(device: torch.device) -> AttentionBackend:
@@ -96,7 +92,7 @@ class EngineCore:
         )
         num_blocks = r.num_kv_blocks
         if on_gpu and config.num_kv_blocks is None:
-            num_blocks = self._size_kv_cache(total - free0, total)
+            num_blocks = size_kv_cache(self.runner, r, config, total - free0, total)
         self.num_kv_blocks = num_blocks
         self.runner.allocate_kv_cache(num_blocks)
         # Block hashes name the model by what it computes, not by its path: every engine of the
@@ -148,13 +144,9 @@ class EngineCore:
         self._batches: list[SchedulerOutput] = []  # the running step's, for _fail_step
         self._outputs: list[EngineCoreOutput] = []
         self.failed_steps = 0
-        self._last_collected = 0.0  # perf_counter() when the host last saw the device's work end
-        self._last_step_end = 0.0  # perf_counter() at the last collected step, for the speculator
-        self._prefill_steps = 0
-        # Prompt tokens of collected steps whose device work the host never waited for (a prefill
-        # chunk that samples nothing returns at once), and when the first of them began.
-        self._unsynced_tokens = 0
-        self._unsynced_since = float("inf")
+        self.prefill_clock = (
+            PrefillClock(self.tiers.cost, config.block_size, on_gpu) if self.tiers else None
+        )
         self.grammar = GrammarCompiler.for_model(config.model, self.model_config)
         if on_gpu and not config.enforce_eager:
             # The host tier pins its memory in the background: not while graphs are captured.
@@ -170,34 +162,6 @@ class EngineCore:
             num_blocks * config.block_size,
             num_blocks * r.kv_block_bytes / 2**20,
         )
-
-    def _size_kv_cache(self, used_before: int, total: int) -> int:
-        """KV blocks that fit under gpu_memory_utilization after the weights and a profiled step."""
-        r, cfg = self.resolved, self.config
-        peak = self.runner.profile_peak_bytes(
-            r.max_num_batched_tokens, r.max_model_len, cfg.max_num_seqs
-        )
-        weights = torch.cuda.memory_allocated(self.device)
-        # CUDA graphs' own pools and the sampler's buffers: a fixed reserve, as vLLM keeps.
-        reserve = 512 << 20
-        budget = int(total * cfg.gpu_memory_utilization) - used_before - weights - peak - reserve
-        num_blocks = budget // r.kv_block_bytes
-        min_blocks = -(-r.max_model_len // cfg.block_size)
-        if num_blocks < min_blocks:
-            raise ValueError(
-                f"not enough GPU memory for the KV cache: {budget / 2**30:.2f} GiB left after "
-                f"weights ({weights / 2**30:.2f} GiB) and activations ({peak / 2**30:.2f} GiB) "
-                f"holds {max(num_blocks, 0)} blocks, one sequence of max_model_len="
-                f"{r.max_model_len} needs {min_blocks}; raise gpu_memory_utilization or lower "
-                "max_model_len / max_num_batched_tokens"
-            )
-        log.info(
-            "memory: weights %.2f GiB, activation peak %.2f GiB, KV cache %.2f GiB",
-            weights / 2**30,
-            peak / 2**30,
-            num_blocks * r.kv_block_bytes / 2**30,
-        )
-        return int(num_blocks)
 
     def add_request(self, msg: EngineCoreRequest) -> None:
         req = Request(
@@ -346,19 +310,8 @@ class EngineCore:
             kv_tiers=tiers,
             kv_tier_bandwidth={m: t.cost.bandwidth(m) for m in tiers} if t is not None else {},
             prefill_tok_s=t.cost.prefill_tok_s if t is not None else 0.0,
-            **self._spec_stats(),
+            **(self.spec.stats() if self.spec is not None else {}),
         )
-
-    def _spec_stats(self) -> dict[str, int | list[int]]:
-        sp = self.spec
-        if sp is None:
-            return {}
-        return {
-            "spec_drafts": sp.num_drafts,
-            "spec_draft_tokens": sp.num_draft_tokens,
-            "spec_accepted_tokens": sp.num_accepted_tokens,
-            "spec_accepted_per_pos": list(sp.accepted_per_pos),
-        }
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule and launch a step; return the outputs of the step that finished.
@@ -447,15 +400,15 @@ class EngineCore:
         so, pending = self._in_flight
         self._in_flight = None
         result = self.runner.finish(pending)
-        if self.tiers is not None:
-            self._observe_prefill(so, pending)
+        if self.prefill_clock is not None:
+            self.prefill_clock.observe(so, pending)
         for i, scored in enumerate(result.prompt_logprobs):
             if scored is not None:
                 add_prompt_logprobs(so.requests[i], *scored)
         before = {r.request_id: r.num_output_tokens for r in so.requests}
         progressed, _ = self.scheduler.update_from_output(so, result.sampled, result.accepted)
         if self.spec is not None:
-            self._record_speculation(so, result.accepted, pending.launched_at)
+            self.spec.record_step(so, result.accepted, pending.launched_at)
         logprobs_of = {
             req.request_id: lp
             for req, lp in zip(so.requests, result.logprobs, strict=True)
@@ -479,58 +432,3 @@ class EngineCore:
                 )
             )
         return outputs
-
-    def _record_speculation(
-        self, so: SchedulerOutput, accepted: list[list[int]], launched_at: float
-    ) -> None:
-        """Count the drafts and feed the step's period (from its launch or the previous step's
-        end, whichever is later: idle time is no step's) to the speculator's cost model."""
-        if self.spec is None:
-            return
-        now = time.perf_counter()
-        period = now - max(launched_at, self._last_step_end)
-        self._last_step_end = now
-        tokens = verified = 0
-        for i, req in enumerate(so.requests):
-            drafts = so.spec_token_ids[i] if so.spec_token_ids else []
-            if drafts:
-                n = len(accepted[i]) if accepted else 0
-                self.spec.record(req, drafts, n)
-                verified += 1
-                tokens += n + 1
-        decodes = sum(1 for n in so.num_scheduled_tokens if n == 1)
-        if verified and verified + decodes == len(so.requests):
-            self.spec.observe_step(len(so.requests), True, period, tokens + decodes)
-        elif decodes == len(so.requests):
-            self.spec.observe_step(decodes, False, period, decodes)
-
-    def _observe_prefill(self, so: SchedulerOutput, pending: PendingStep) -> None:
-        """Feed the tiers' cost model this engine's prefill speed: a step's prompt tokens over its
-        time on the device (from its launch, or from the end of the step before it, whichever is
-        later). Steps of less than a block of prompt are mostly decode and say little.
-
-        On a GPU, collecting a prefill chunk that samples nothing does not wait for the device (it
-        has no tokens to copy back), so its end is unknown: its tokens are counted with the next
-        step the host did wait for, over the time since the first of them began. (Timing such a
-        chunk alone once measured 11M tokens/s on an H100, and the cost model then never loaded.)"""
-        tokens = sum(
-            max(0, min(start + n, req.num_prompt_tokens) - start)
-            for req, start, n in zip(
-                so.requests, so.num_computed_tokens, so.num_scheduled_tokens, strict=True
-            )
-        )
-        now = time.perf_counter()
-        began = max(pending.launched_at, self._last_collected)
-        if self.runner.device.type == "cuda" and pending.done is None:
-            self._unsynced_tokens += tokens
-            self._unsynced_since = min(self._unsynced_since, began)
-            return
-        tokens += self._unsynced_tokens
-        began = min(began, self._unsynced_since)
-        self._unsynced_tokens, self._unsynced_since = 0, float("inf")
-        self._last_collected = now
-        if self.tiers is None or tokens < self.config.block_size:
-            return
-        self._prefill_steps += 1
-        if self._prefill_steps > PREFILL_WARMUP_STEPS:
-            self.tiers.cost.observe_prefill(tokens, now - began)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,8 @@ from ember.models.loader import safetensors_files
 
 if TYPE_CHECKING:
     from ember.engine.config import EngineConfig
+    from ember.engine.model_runner import PendingStep
+    from ember.engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -114,3 +117,53 @@ def build_tiers(
     return TierManager(
         layout, gpu_blocks, host, lower, CostModel(layout), record_events=config.kv_events
     )
+
+
+class PrefillClock:
+    """Feeds the tiers' cost model this engine's prefill speed from the steps it collects."""
+
+    WARMUP_STEPS = 2
+    """Prefill steps not fed to the cost model: the first ones compile kernels (Triton's JIT)
+    and would make prefilling look ten times slower than it is."""
+
+    def __init__(self, cost: CostModel, block_size: int, cuda: bool) -> None:
+        self.cost = cost
+        self.block_size = block_size
+        self.cuda = cuda
+        self._last_collected = 0.0  # perf_counter() when the host last saw the device's work end
+        self._prefill_steps = 0
+        # Prompt tokens of collected steps whose device work the host never waited for (a
+        # prefill chunk that samples nothing returns at once), and when the first of them began.
+        self._unsynced_tokens = 0
+        self._unsynced_since = float("inf")
+
+    def observe(self, so: SchedulerOutput, pending: PendingStep) -> None:
+        """Feed the tiers' cost model this engine's prefill speed: a step's prompt tokens over its
+        time on the device (from its launch, or from the end of the step before it, whichever is
+        later). Steps of less than a block of prompt are mostly decode and say little.
+
+        On a GPU, collecting a prefill chunk that samples nothing does not wait for the device (it
+        has no tokens to copy back), so its end is unknown: its tokens are counted with the next
+        step the host did wait for, over the time since the first of them began. (Timing such a
+        chunk alone once measured 11M tokens/s on an H100, and the cost model then never loaded.)"""
+        tokens = sum(
+            max(0, min(start + n, req.num_prompt_tokens) - start)
+            for req, start, n in zip(
+                so.requests, so.num_computed_tokens, so.num_scheduled_tokens, strict=True
+            )
+        )
+        now = time.perf_counter()
+        began = max(pending.launched_at, self._last_collected)
+        if self.cuda and pending.done is None:
+            self._unsynced_tokens += tokens
+            self._unsynced_since = min(self._unsynced_since, began)
+            return
+        tokens += self._unsynced_tokens
+        began = min(began, self._unsynced_since)
+        self._unsynced_tokens, self._unsynced_since = 0, float("inf")
+        self._last_collected = now
+        if tokens < self.block_size:
+            return
+        self._prefill_steps += 1
+        if self._prefill_steps > self.WARMUP_STEPS:
+            self.cost.observe_prefill(tokens, now - began)

@@ -10,12 +10,14 @@ step times it measures, `StepCosts`) and async scheduling resumes.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from ember.spec.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from ember.engine.request import Request
+    from ember.engine.scheduler import SchedulerOutput
     from ember.spec.proposer import HostProposer
 
 
@@ -75,6 +77,7 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.k
+        self._last_step_end = 0.0  # perf_counter() at the last collected step
 
     def add_request(self, req: Request) -> None:
         if self.host is not None:
@@ -115,9 +118,40 @@ class Speculator:
         if self.host is not None:
             self.host.observe(req.request_id, len(drafts), accepted)
 
-    def observe_step(self, batch: int, verified: bool, seconds: float, tokens: int) -> None:
-        if self.costs is not None and batch:
-            self.costs.observe(batch, verified, seconds, tokens / batch)
+    def record_step(
+        self, so: SchedulerOutput, accepted: list[list[int]], launched_at: float
+    ) -> None:
+        """Count a collected step's drafts, and feed its period (from its launch or the previous
+        step's end, whichever is later: idle time is no step's) to the cost model."""
+        now = time.perf_counter()
+        period = now - max(launched_at, self._last_step_end)
+        self._last_step_end = now
+        tokens = verified = 0
+        for i, req in enumerate(so.requests):
+            drafts = so.spec_token_ids[i] if so.spec_token_ids else []
+            if drafts:
+                n = len(accepted[i]) if accepted else 0
+                self.record(req, drafts, n)
+                verified += 1
+                tokens += n + 1
+        if self.costs is None:
+            return
+        decodes = sum(1 for n in so.num_scheduled_tokens if n == 1)
+        if verified and verified + decodes == len(so.requests):
+            self.costs.observe(
+                len(so.requests), True, period, (tokens + decodes) / len(so.requests)
+            )
+        elif decodes and decodes == len(so.requests):
+            self.costs.observe(decodes, False, period, 1.0)
+
+    def stats(self) -> dict[str, int | list[int]]:
+        """The counters, as SchedulerStats' fields."""
+        return {
+            "spec_drafts": self.num_drafts,
+            "spec_draft_tokens": self.num_draft_tokens,
+            "spec_accepted_tokens": self.num_accepted_tokens,
+            "spec_accepted_per_pos": list(self.accepted_per_pos),
+        }
 
     def _enabled(self, batch: int) -> bool:
         if self.config.max_batch is not None:

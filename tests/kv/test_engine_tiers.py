@@ -14,7 +14,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
 
 from ember.engine.config import EngineConfig
 from ember.engine.core import EngineCore
@@ -233,7 +232,9 @@ def test_prefill_speed_counts_unwaited_chunks_with_the_next_waited_step(
     core = llm.engine.core
     try:
         assert core.tiers is not None
-        monkeypatch.setattr(core.runner, "device", torch.device("cuda"))  # only read for this
+        clock = core.prefill_clock
+        assert clock is not None
+        monkeypatch.setattr(clock, "cuda", True)
         chunk = SimpleNamespace(
             requests=[SimpleNamespace(num_prompt_tokens=4096)],
             num_computed_tokens=[0],
@@ -244,9 +245,9 @@ def test_prefill_speed_counts_unwaited_chunks_with_the_next_waited_step(
         )
         for _ in range(4):  # past the warm-up steps
             t0 = time.perf_counter()
-            core._observe_prefill(chunk, SimpleNamespace(launched_at=t0, done=None))
+            clock.observe(chunk, SimpleNamespace(launched_at=t0, done=None))
             time.sleep(0.05)  # the device works on both chunks
-            core._observe_prefill(last, SimpleNamespace(launched_at=t0 + 1e-4, done=object()))
+            clock.observe(last, SimpleNamespace(launched_at=t0 + 1e-4, done=object()))
         # 4096 tokens in at least 50 ms: at most ~82k tokens/s (timing the second chunk from
         # the first one's collection, or the first alone, gives millions).
         assert 0 < core.tiers.cost.prefill_tok_s <= 4096 / 0.05
