@@ -138,7 +138,7 @@ class _StrictParser(argparse.ArgumentParser):
 def engine_extra_args(text: str) -> list[str]:
     """`--engine-args`, split as a shell would and checked against `ember serve`'s parser now:
     a typo is a one-line error before anything starts, not an engine that dies starting."""
-    from ember.server.args import add_serve_args
+    from ember.server.args import add_serve_args, speculative_config_from_args
 
     extra = shlex.split(text)
     taken = sorted({a.split("=")[0] for a in extra if a.split("=")[0] in UP_SETS})
@@ -146,7 +146,11 @@ def engine_extra_args(text: str) -> list[str]:
         raise ValueError(f"--engine-args: ember up sets {', '.join(taken)} itself (ember up -h)")
     p = _StrictParser(prog="ember serve", allow_abbrev=False, add_help=False)
     add_serve_args(p)
-    p.parse_args(["MODEL", *extra])
+    parsed = p.parse_args(["MODEL", *extra])
+    try:
+        speculative_config_from_args(parsed)  # values argparse lets through: K = 0, eagle3 alone
+    except ValueError as e:
+        raise ValueError(f"--engine-args: {e}") from e
     return extra
 
 

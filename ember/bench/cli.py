@@ -18,6 +18,7 @@ from ember.bench.fit import (
     size_agentic,
     warn,
 )
+from ember.bench.spec_counters import SpecProbe
 
 USAGE = """ember bench --url URL --workload agentic|trace|random [options]
        ember bench compare A.json B.json"""
@@ -49,6 +50,14 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None, help="file name stem (default: workload and time)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--vocab", default="10:3000", help="token-id range for token prompts (lo:hi)")
+    p.add_argument(
+        "--metrics-url",
+        nargs="+",
+        default=None,
+        metavar="URL",
+        help="servers whose /metrics count speculative decoding, summed (default: --url; behind "
+        "a router, which counts none, give the engines' URLs); ember's needs EMBER_CLUSTER_SECRET",
+    )
     g = p.add_argument_group("agentic")
     g.add_argument("--sessions", type=int, default=8)
     g.add_argument("--turns", type=int, default=4)
@@ -106,6 +115,7 @@ def run_once(
     rate: float | None,
     seed: int,
     size: AgenticSize | None,
+    probe: SpecProbe,
 ) -> dict[str, Any]:
     from ember.bench import workloads as w
     from ember.bench.metrics import summarize
@@ -137,6 +147,7 @@ def run_once(
             seed=seed,
             model=model,
         )
+        probe.start()
         records, duration = asyncio.run(run_sessions(args.url, workload, limits))
     else:
         if args.workload == "trace":
@@ -174,6 +185,7 @@ def run_once(
                 model=model,
             )
         planned = fit_requests(planned, info.max_model_len)
+        probe.start()
         records, duration = asyncio.run(run_open_loop(args.url, planned, limits))
     summary = summarize(
         records,
@@ -181,6 +193,7 @@ def run_once(
         slo_ttft_s=args.slo_ttft / 1e3 if args.slo_ttft else None,
         slo_tpot_s=args.slo_tpot / 1e3 if args.slo_tpot else None,
     )
+    summary["speculative"] = probe.finish()
     return {"rate": rate, "records": records, "summary": summary}
 
 
@@ -205,12 +218,13 @@ def cmd_run(argv: list[str]) -> int:
             max_tokens=args.max_tokens,
         )
     rates = [float(r) for r in args.rates.split(",")] if args.rates else [args.rate]
+    probe = SpecProbe(args.metrics_url or [args.url])
     runs = []
     for i, rate in enumerate(rates):
         if len(rates) > 1:
             print(f"rate {rate}/s ...", file=sys.stderr)
         # Each rate of a sweep gets prompts of its own: the last rate's would all be cached.
-        runs.append(run_once(args, info, rate, args.seed + i, size))
+        runs.append(run_once(args, info, rate, args.seed + i, size, probe))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = args.name or f"{args.workload}-{time.strftime('%Y%m%d-%H%M%S')}"

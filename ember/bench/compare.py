@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ember.bench.metrics import PERCENTILE_KEYS
 from ember.bench.report import LATENCIES, format_number
+from ember.bench.spec_counters import MEAN_ACCEPTED
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -50,8 +51,12 @@ def _ratio(a: Any, b: Any) -> str:
     return f"{b / a:.2f}x"
 
 
-def _rows(summary: Mapping[str, Any]) -> list[tuple[str, Any, int]]:
+def _rows(summary: Mapping[str, Any], spec: bool) -> list[tuple[str, Any, int]]:
     rows: list[tuple[str, Any, int]] = [(lbl, summary.get(k), d) for lbl, k, d in _SCALARS]
+    if spec:  # either run was measured with speculative decoding's counters
+        sd = summary.get("speculative") or {}
+        rows.append(("mean accepted length per verification step", sd.get(MEAN_ACCEPTED), 2))
+        rows.append(("draft acceptance rate", sd.get("acceptance_rate"), 3))
     for key, name in LATENCIES:
         stats = summary.get(key) or {}
         rows.extend((f"{name} {p} (ms)", stats.get(p), 2) for p in PERCENTILE_KEYS)
@@ -63,7 +68,8 @@ def compare_table(
 ) -> str:
     """Markdown table of two results' summaries (as `load_result` returns them): each metric's
     value in A, in B, and B/A ("-" where either is missing or A is 0)."""
-    rows_a, rows_b = _rows(a["summary"]), _rows(b["summary"])
+    spec = any(r["summary"].get("speculative") is not None for r in (a, b))
+    rows_a, rows_b = _rows(a["summary"], spec), _rows(b["summary"], spec)
     name_a, name_b = names
     lines = [
         f"| metric | {name_a} | {name_b} | {name_b}/{name_a} |",

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ember.bench.metrics import PERCENTILE_KEYS
+from ember.bench.spec_counters import MEAN_ACCEPTED
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -116,6 +117,7 @@ def markdown_table(summary: Mapping[str, Any]) -> str:
     detail = "; ".join(f"{n} x `{' '.join(kind.split())}`" for kind, n in ranked)
     lines.append(f"- errors: {summary['errors']}" + (f" ({detail})" if detail else ""))
     lines += _cache_lines(summary)
+    lines += _spec_lines(summary.get("speculative"))
     return "\n".join(lines) + "\n"
 
 
@@ -136,12 +138,33 @@ def _cache_lines(summary: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _spec_lines(spec: Mapping[str, Any] | None) -> list[str]:
+    """Speculative decoding as the server counted it over the run (`spec_counters.spec_summary`);
+    nothing when the server reports none."""
+    if spec is None:
+        return []
+    if not spec["drafts"]:
+        return ["- speculative decoding: no drafts verified during the run"]
+    by_pos = ", ".join(format_percent(r) for r in spec["acceptance_rate_per_position"])
+    return [
+        "- speculative decoding: mean accepted length per verification step "
+        f"{format_number(spec[MEAN_ACCEPTED])} (1 + accepted / drafts over "
+        f"{spec['drafts']} drafts, pooled over the run, not a per-request mean); "
+        f"{spec['accepted_tokens']} of {spec['draft_tokens']} draft tokens accepted "
+        f"({format_percent(spec['acceptance_rate'])})",
+        f"- draft acceptance by position (share of drafts): {by_pos or MISSING}",
+    ]
+
+
 def sweep_table(sweep: Sequence[Mapping[str, Any]]) -> str:
-    """One markdown row per offered rate: throughput, TTFT and TPOT p50/p90, cache hits, errors."""
+    """One markdown row per offered rate: throughput, TTFT and TPOT p50/p90, cache hits, errors,
+    and the mean accepted length per verification step where the server reports it."""
+    spec = any(e["summary"].get("speculative") is not None for e in sweep)
     lines = [
         "| rate (req/s) | req/s | out tok/s | TTFT p50 (ms) | TTFT p90 (ms) "
-        "| TPOT p50 (ms) | TPOT p90 (ms) | cache hit | errors |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| TPOT p50 (ms) | TPOT p90 (ms) | cache hit | errors |"
+        + (" accepted len/step |" if spec else ""),
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if spec else ""),
     ]
     for entry in sweep:
         s = entry["summary"]
@@ -157,6 +180,8 @@ def sweep_table(sweep: Sequence[Mapping[str, Any]]) -> str:
             format_percent(s["cache_hit_ratio"]),
             str(s["errors"]),
         ]
+        if spec:
+            cells.append(format_number((s.get("speculative") or {}).get(MEAN_ACCEPTED)))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -77,6 +77,9 @@ class Request:
     """They went out with the first token: a recompute after a preemption scores nothing again."""
     spec_token_ids: list[int] = field(default_factory=list)
     """Speculative decoding: draft tokens for the next step to verify (taken by the scheduler)."""
+    verifying: bool = False
+    """A step verifying its drafts is in flight: the next one waits for its tokens (how many
+    stand decides where the next step starts)."""
     speculates: bool = False
     """The engine speculates for this request now: its drafts are made from its known tokens, so
     its steps are not scheduled ahead of their tokens (see `needs_known_tokens`)."""
@@ -104,6 +107,7 @@ class Request:
         p = self.sampling_params
         return (
             self.speculates
+            or self.verifying
             or self.matcher is not None
             or p.repetition_penalty != 1.0
             or p.presence_penalty != 0.0

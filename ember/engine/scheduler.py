@@ -238,7 +238,12 @@ class Scheduler(KVLoads):
     def _drafts(self, req: Request, ahead: int, budget: int) -> list[int]:
         """The drafts this step verifies for a decoding request: at most what the token budget,
         max_tokens and the context length leave after the token it samples anyway."""
-        if not req.spec_token_ids or ahead != 1 or req.num_output_placeholders:
+        if (
+            not req.spec_token_ids
+            or ahead != 1
+            or req.num_output_placeholders
+            or not req.num_output_tokens  # the first token comes from the prompt's own step
+        ):
             req.spec_token_ids = []
             return []
         room = min(
@@ -258,6 +263,7 @@ class Scheduler(KVLoads):
             drafts or ()
         )
         out.spec_token_ids.append(drafts or [])
+        req.verifying = bool(drafts)
         out.requests.append(req)
         out.num_scheduled_tokens.append(num_new)
         out.num_computed_tokens.append(start)
@@ -302,6 +308,7 @@ class Scheduler(KVLoads):
             if tok is None:
                 raise RuntimeError(f"request {req.request_id} was to sample but got no token")
             req.num_output_placeholders -= 1
+            req.verifying = False
             drafts = out.spec_token_ids[i] if out.spec_token_ids else []
             taken = accepted[i] if accepted is not None else []
             if len(taken) > len(drafts) or taken != drafts[: len(taken)]:

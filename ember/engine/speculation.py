@@ -102,6 +102,7 @@ class Speculator:
         for r in running:
             if (
                 r.speculates
+                and r.num_output_tokens
                 and not r.num_output_placeholders
                 and r.num_computed_tokens == r.num_tokens - 1
             ):

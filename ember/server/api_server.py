@@ -23,6 +23,7 @@ from ember.engine.async_llm import AsyncLLM
 from ember.engine.config import EngineConfig
 from ember.engine.core_client import RequestFailedError
 from ember.models.resolve import resolve_model
+from ember.server.args import speculative_config_from_args
 from ember.server.connections import guarded_protocol, raise_fd_limit
 from ember.server.errors import APIError, error_from_status, validation_error
 from ember.server.kv_params import kv_peer_urls
@@ -334,6 +335,7 @@ def engine_config_from_args(args: argparse.Namespace, cluster_secret: str = "") 
         kv_disk_gb=args.kv_disk_gb,
         kv_store=args.kv_store,
         kv_store_gb=args.kv_store_gb,
+        speculative=speculative_config_from_args(args),
         cluster_secret=cluster_secret,
     )
 

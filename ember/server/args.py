@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
+
+from ember.spec.config import METHODS, SpeculativeConfig
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -27,6 +30,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "the GPU pool for tests and benchmarks of the KV tiers",
     )
     add_kv_tier_args(p)
+    add_speculative_args(p)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -132,6 +136,70 @@ def add_kv_tier_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=1.0,
         help="GiB of memory this engine lends the shared KV store",
+    )
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding (ember/spec): off unless --speculative names a proposer."""
+    p.add_argument(
+        "--speculative",
+        default=None,
+        choices=METHODS,
+        help="draft tokens with this proposer and verify them in one target forward: ngram "
+        "(prompt lookup), suffix (suffix trees over the request and recent answers), eagle3 "
+        "(a draft head, --draft-model); the output distribution is the target's (default: off)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        metavar="K",
+        help="the most draft tokens verified per request and step, 1 to 16 (default: 4)",
+    )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="DIR",
+        help="eagle3: the draft head's checkpoint directory (config.json + safetensors)",
+    )
+    p.add_argument(
+        "--speculative-max-batch",
+        type=int,
+        default=None,
+        metavar="N",
+        help="running requests above which the engine stops speculating, as verification then "
+        "costs more than it saves (default: measured at start-up on a GPU)",
+    )
+
+
+def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """`--speculative ...` as the engine's config; None when --speculative is absent. A flag that
+    needs another, or a value the config refuses, is a ValueError that names it."""
+    method = args.speculative
+    given = [
+        flag
+        for flag, value in (
+            ("--num-speculative-tokens", args.num_speculative_tokens),
+            ("--draft-model", args.draft_model),
+            ("--speculative-max-batch", args.speculative_max_batch),
+        )
+        if value is not None
+    ]
+    if method is None:
+        if given:
+            raise ValueError(f"{', '.join(given)} needs --speculative {'|'.join(METHODS)}")
+        return None
+    if args.draft_model is not None:
+        if method != "eagle3":
+            raise ValueError(f"--draft-model is for --speculative eagle3, not {method}")
+        if not Path(args.draft_model).is_dir():
+            raise ValueError(f"--draft-model {args.draft_model!r} is not a directory")
+    k = args.num_speculative_tokens
+    return SpeculativeConfig(
+        method=method,
+        num_speculative_tokens=4 if k is None else k,
+        draft_model=args.draft_model,
+        max_batch=args.speculative_max_batch,
     )
 
 

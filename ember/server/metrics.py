@@ -120,6 +120,7 @@ class _EngineCollector(Collector):
             c.add_metric([self.model], value)
             yield c
         yield from self._tier_metrics(s)
+        yield from self._spec_metrics(s)
 
     def _tier_metrics(self, s: SchedulerStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         """`ember:kv_tier_*{medium=cpu|disk|store}` from the KV tiers' counters."""
@@ -151,6 +152,44 @@ class _EngineCollector(Collector):
             for medium, t in s.kv_tiers.items():
                 c.add_metric([self.model, medium], getattr(t, field))
             yield c
+
+    def _spec_metrics(self, s: SchedulerStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """Speculative decoding, vLLM's `spec_decode_*` counters (zero while it is off), and the
+        mean accepted length since start once a draft has been verified."""
+        labels = ["model_name"]
+        for name, doc, value in (
+            (
+                "ember:spec_decode_num_drafts",
+                "Verifications of a request that carried at least one draft token.",
+                s.spec_drafts,
+            ),
+            ("ember:spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_draft_tokens),
+            (
+                "ember:spec_decode_num_accepted_tokens",
+                "Draft tokens accepted by verification.",
+                s.spec_accepted_tokens,
+            ),
+        ):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric([self.model], value)
+            yield c
+        c = CounterMetricFamily(
+            "ember:spec_decode_num_accepted_tokens_per_pos",
+            "Drafts whose token at this position (0-based) was accepted.",
+            labels=["model_name", "position"],
+        )
+        for pos, accepted in enumerate(s.spec_accepted_per_pos):
+            c.add_metric([self.model, str(pos)], accepted)
+        yield c
+        if s.spec_drafts:
+            # Since start; a window's is 1 + rate(accepted_tokens) / rate(num_drafts).
+            g = GaugeMetricFamily(
+                "ember:spec_decode_mean_accepted_length",
+                "Tokens a verification step yields per draft, since start: 1 + accepted / drafts.",
+                labels=labels,
+            )
+            g.add_metric([self.model], 1.0 + s.spec_accepted_tokens / s.spec_drafts)
+            yield g
 
 
 class ServerMetrics:

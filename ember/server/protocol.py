@@ -226,6 +226,9 @@ class _Sampling(_Model):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     """vLLM's field: score the prompt (each token's logprob and this many alternatives). The whole
     prompt is computed, without prefix-cache hits."""
+    speculative: bool = True
+    """ember's field: false keeps this request out of speculative decoding on a server that runs
+    it (the output distribution is the same either way; false only spares the drafts' work)."""
 
     @model_validator(mode="after")
     def _check_seed(self) -> _Sampling:
@@ -285,6 +288,7 @@ class _Sampling(_Model):
             ),
             structured_outputs=structured
             or (self.structured_outputs.params() if self.structured_outputs else None),
+            speculative=self.speculative,
         )
 
 

@@ -1,0 +1,702 @@
+"""Speculative decoding on SmolLM2-135M-Instruct: tok/s, accepted length and speedup per proposer.
+
+Three prompt sets, rendered with the model's chat template as the server renders them: agentic tool
+calls (the `ember bench` agentic workload's sessions: system prompt, tool schemas, earlier tool calls
+and results; the answer is a tool call), code editing (a file and a small change to make; the answer
+quotes the file; benchmarks/data/spec_code_edit.jsonl) and free chat (benchmarks/data/spec_chat.jsonl).
+For each set, batch size, setting (greedy; temperature 0.7 with top-p 0.95) and proposer (none,
+ngram, suffix, eagle3 with `--draft-model`) it times the offline engine's generation over the batch
+after warm-ups, reads the engine's speculation counters (mean accepted length = 1 + accepted tokens /
+drafts) and divides by no speculation timed in the same cell. Greedy outputs must equal no
+speculation's token for token: a mismatch is a failure in the table and the JSON, with the
+baseline's top-2 logprob gap where they part (a near tie points at bf16 numerics, a wide gap at a
+bug), and the exit status is 1.
+
+Every timed run has a KV cache salt of its own, which is also the proposers' scope (their tenant):
+no proposer learns a run's answers from its warm-ups or from another cell.
+
+`--verify-shape` also times, on the Llama-3.1-8B shape (dummy bf16 weights, CUDA graphs), a forward
+step of K + 1 tokens per request against a 1-token decode step at batch 1 and 32 over the paged KV
+(1k context), K = 1..8, and an EAGLE-3 draft step (one 8B-wide layer, fc, a 32k-token head), so an 8B
+speedup follows from a measured acceptance: accepted length x t(decode) / (t(verify) + t(draft)).
+
+    python benchmarks/spec_decode.py [--model DIR|FILE.gguf] [--batch-sizes 1,8,32,64]
+        [--proposers ngram,suffix] [--draft-model DIR] [--verify-shape] [--quick] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ember.bench.workloads.agentic import TOOLS, WORDS, AgenticWorkload  # noqa: E402
+from ember.engine.llm_engine import LLMEngine  # noqa: E402
+from ember.entrypoints.llm import LLM  # noqa: E402
+from ember.sampling_params import SamplingParams  # noqa: E402
+from ember.spec.config import SpeculativeConfig  # noqa: E402
+from ember.tokenizer.tokenizer import Tokenizer  # noqa: E402
+
+DATA = Path(__file__).resolve().parent / "data"
+SETTINGS: dict[str, dict[str, float]] = {
+    "greedy": {"temperature": 0.0},
+    "sampled": {"temperature": 0.7, "top_p": 0.95},
+}
+MAX_TOKENS = {"agentic": 128, "code": 512, "chat": 256}
+QUICK_MAX_TOKENS = {"agentic": 12, "code": 16, "chat": 12}
+MIN_REQUESTS = 8
+"""A cell runs batches one after another until this many requests are done (batch 1: 8 prompts)."""
+CONTEXT = 1024
+"""The 8B shape's context per request."""
+_ids = itertools.count()
+
+# -- prompt sets -------------------------------------------------------------------------------
+
+
+def tool_call(rng: np.random.Generator) -> str:
+    """An answer of the agent: one call of a workload tool, in the Hermes format."""
+
+    def w() -> str:
+        return str(rng.choice(WORDS))
+
+    path = f"ember/{w()}/{w()}_{w()}.py"
+    name = str(rng.choice(["read_file", "search", "edit_file", "run_tests", "run_shell"]))
+    first = int(rng.integers(1, 400))
+    args: dict[str, Any] = {
+        "read_file": {"path": path, "start_line": first, "end_line": first + 60},
+        "search": {"pattern": f"def {w()}_{w()}", "path": "ember"},
+        "edit_file": {"path": path, "old_string": f"{w()} = {w()}", "new_string": f"{w()} = {w()}"},
+        "run_tests": {"path": f"tests/test_{w()}.py", "keyword": w()},
+        "run_shell": {"command": f"git diff --stat -- {path}"},
+    }[name]
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
+
+
+def tools_block(tools: list[dict[str, Any]]) -> str:
+    """The tools in the system prompt, for a template that drops them (SmolLM2's does)."""
+    listing = "\n".join(json.dumps(t) for t in tools)
+    return (
+        "\n\n# Tools\n\nYou may call the functions described in JSON inside <tools></tools>:\n"
+        f"<tools>\n{listing}\n</tools>\n\nTo call one, answer with its name and arguments as a "
+        "JSON object inside <tool_call></tool_call> tags:\n<tool_call>\n"
+        '{"name": <function name>, "arguments": <arguments as a JSON object>}\n</tool_call>'
+    )
+
+
+def agentic(n: int, quick: bool) -> list[list[dict[str, Any]]]:
+    """Session i at turn i % 4: the workload's messages, with tool calls as the earlier answers."""
+    small = dict(system_words=60, tool_result_words=(10, 20), user_words=(10, 20))
+    kw = small if quick else dict(system_words=1000, tool_result_words=(100, 300))
+    wl = AgenticWorkload(n, 4, model="spec_decode", **kw)  # type: ignore[arg-type]
+    convs = []
+    for i in range(n):
+        req, rng = wl.first(i), np.random.default_rng([7, i])
+        for _ in range(i % wl.turns):
+            req = wl.next(req, tool_call(rng))  # type: ignore[assignment]
+        convs.append(req.body["messages"])
+    return convs
+
+
+def code_edit(n: int) -> list[list[dict[str, Any]]]:
+    """Edit k of every file before edit k + 1, so the first prompts are of different files."""
+    rows = [json.loads(s) for s in (DATA / "spec_code_edit.jsonl").read_text().splitlines()]
+    pairs = [(r, e) for k in range(len(rows[0]["edits"])) for r in rows for e in [r["edits"][k]]]
+    return [
+        [
+            {
+                "role": "user",
+                "content": f"Here is the file `{r['file']}`:\n\n```python\n{r['code']}```\n\n{edit}"
+                " Reply with the whole updated file in one ```python block and nothing else.",
+            }
+        ]
+        for r, edit in pairs[:n]
+    ]
+
+
+def chat(n: int) -> list[list[dict[str, Any]]]:
+    rows = [json.loads(s) for s in (DATA / "spec_chat.jsonl").read_text().splitlines()]
+    return [[{"role": "user", "content": r["prompt"]}] for r in rows[:n]]
+
+
+def render(
+    tok: Tokenizer, messages: list[dict[str, Any]], tools: list | None
+) -> tuple[list[int], str]:
+    """Token ids as the chat route makes them; where the tool schemas went."""
+    text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+    where = "template" if tools else "none"
+    if tools and tools[0]["function"]["name"] not in text:
+        sys_msg = {**messages[0], "content": messages[0]["content"] + tools_block(tools)}
+        text = tok.apply_chat_template([sys_msg, *messages[1:]], add_generation_prompt=True)
+        where = "system prompt (the template drops tools)"
+    return tok.encode(text, add_special_tokens=False), where
+
+
+def prompt_sets(
+    tok: Tokenizer, n: int, names: list[str], quick: bool
+) -> tuple[dict[str, list[list[int]]], dict[str, Any]]:
+    build = {
+        "agentic": lambda: agentic(n, quick),
+        "code": lambda: code_edit(n),
+        "chat": lambda: chat(n),
+    }
+    sets, info = {}, {}
+    for name in names:
+        # --quick: two tools, so the tiny model's context holds the prompt and the CPU is quick.
+        tools = list(TOOLS[:2] if quick else TOOLS) if name == "agentic" else None
+        rendered = [render(tok, m, tools) for m in build[name]()]
+        sets[name] = [ids for ids, _ in rendered]
+        lens = [len(ids) for ids in sets[name]]
+        info[name] = {
+            "prompts": len(lens),
+            "mean_prompt_tokens": sum(lens) / len(lens),
+            "max_prompt_tokens": max(lens),
+            "tools": rendered[0][1],
+        }
+    return sets, info
+
+
+# -- timing one cell -----------------------------------------------------------------------------
+
+
+def generate(
+    engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], salt: str
+) -> tuple[list[list[int]], float, int]:
+    """`LLM.generate` with a KV cache salt (the offline API takes none): token ids, wall time and
+    how many requests the engine failed (finish reason "error")."""
+    t0 = time.perf_counter()
+    ids = [f"{salt}#{next(_ids)}" for _ in prompts]
+    for rid, p, sp in zip(ids, prompts, params, strict=True):
+        engine.add_request(rid, {"prompt_token_ids": p}, sp, cache_salt=salt)
+    done: dict[str, list[int]] = {}
+    errors = 0
+    while len(done) < len(ids):
+        if not engine.has_unfinished_requests():
+            raise RuntimeError("engine went idle with requests unanswered")
+        for out in engine.step(final_only=True):
+            done[out.request_id] = list(out.outputs[0].token_ids)
+            errors += out.outputs[0].finish_reason == "error"
+    return [done[r] for r in ids], time.perf_counter() - t0, errors
+
+
+COUNTERS = ("drafts", "draft_tokens", "accepted_tokens", "steps")
+
+
+def spec_counters(engine: LLMEngine) -> dict[str, Any] | None:
+    """The engine's speculation counters since start; None where its stats have none."""
+    s = engine.core.stats()
+    if not hasattr(s, "spec_drafts"):
+        return None
+    return {
+        "drafts": s.spec_drafts,
+        "draft_tokens": s.spec_draft_tokens,
+        "accepted_tokens": s.spec_accepted_tokens,
+        "steps": s.num_steps,
+        "accepted_per_pos": list(s.spec_accepted_per_pos),
+    }
+
+
+def add_counts(total: dict[str, Any], before: dict | None, after: dict | None) -> None:
+    """Add one run's counters (after - before) into `total`; None where the engine has none."""
+    if before is None or after is None:
+        total.update(dict.fromkeys(COUNTERS), accepted_per_pos=None)
+        return
+    for k in COUNTERS:
+        total[k] = total.get(k, 0) + after[k] - before[k]
+
+    def at(xs: list[int], i: int) -> int:
+        return xs[i] if i < len(xs) else 0
+
+    pos, a, b = (
+        total.get("accepted_per_pos", []),
+        after["accepted_per_pos"],
+        before["accepted_per_pos"],
+    )
+    n = max(len(pos), len(a))
+    total["accepted_per_pos"] = [at(pos, i) + at(a, i) - at(b, i) for i in range(n)]
+
+
+def measure(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    batch: int,
+    setting: str,
+    max_tokens: int,
+    cell: str,
+    compile_salt: str | None,
+    quick: bool,
+) -> dict[str, Any]:
+    """Rounds of `batch` requests, each timed after warm-ups: on a GPU, the same requests under
+    `compile_salt` (a scope of their own) so that Triton compiles this round's shapes (a prefill
+    over a cached prefix, decodes, verification) before the clock runs, not in the first
+    engine to meet them; then one token under this round's salt, which puts the prompts in the
+    prefix cache and shows the proposers no part of an answer."""
+    rounds = 1 if quick else -(-MIN_REQUESTS // batch)
+    base = SamplingParams(max_tokens=max_tokens, **SETTINGS[setting])
+    tokens: list[list[int]] = []
+    wall, counts, errors = 0.0, {}, 0
+    for r in range(rounds):
+        chunk = [prompts[(r * batch + i) % len(prompts)] for i in range(batch)]
+        seeded = setting != "greedy"
+        params = [replace(base, seed=r * batch + i) if seeded else base for i in range(batch)]
+        salt = f"{cell}/r{r}"
+        if compile_salt is not None:  # the timed run's shapes: a cached prefix, then decodes
+            generate(engine, chunk, [replace(p, max_tokens=1) for p in params], compile_salt)
+            warm = [replace(p, max_tokens=min(16, max_tokens)) for p in params]
+            generate(engine, chunk, warm, compile_salt)
+        generate(engine, chunk, [replace(p, max_tokens=1) for p in params], salt)
+        before = spec_counters(engine)
+        out, w, failed = generate(engine, chunk, params, salt)
+        add_counts(counts, before, spec_counters(engine))
+        tokens, wall, errors = tokens + out, wall + w, errors + failed
+    n_out, drafts = sum(len(t) for t in tokens), counts["drafts"]
+    return {
+        "requests": len(tokens),
+        "errored_requests": errors,
+        "rounds": rounds,
+        "output_tokens": n_out,
+        "wall_s": wall,
+        "tok_s": n_out / wall,
+        **counts,
+        "mean_accepted_len": 1 + counts["accepted_tokens"] / drafts if drafts else None,
+        "mean_draft_len": counts["draft_tokens"] / drafts if drafts else None,
+        "tokens": tokens,
+    }
+
+
+def first_mismatch(
+    base: LLMEngine, prompts: list[list[int]], ref: list[list[int]], got: list[list[int]]
+) -> dict[str, Any] | None:
+    """Where the first differing request parts from the baseline, and the baseline's top-2 logprob
+    gap there (the baseline engine scores prompt + the common prefix)."""
+    for i, (a, b) in enumerate(zip(ref, got, strict=True)):
+        if a == b:
+            continue
+        j = next(
+            (k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+        )
+        params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2)
+        rid = f"diagnose#{next(_ids)}"
+        base.add_request(rid, {"prompt_token_ids": prompts[i % len(prompts)] + a[:j]}, params)
+        lp = None
+        while base.has_unfinished_requests():
+            for out in base.step(final_only=True):
+                lp = out.outputs[0].logprobs
+        top = sorted((v.logprob for v in lp[0].values()), reverse=True) if lp else []
+        return {
+            "request": i,
+            "position": j,
+            "lengths": [len(a), len(b)],
+            "baseline_token": a[j] if j < len(a) else None,
+            "spec_token": b[j] if j < len(b) else None,
+            "baseline_top2_gap": top[0] - top[1] if len(top) > 1 else None,
+        }
+    return None
+
+
+# -- the proposers' engines ------------------------------------------------------------------------
+
+
+def proposer_configs(args: argparse.Namespace) -> dict[str, SpeculativeConfig | None]:
+    """ "name" or "name:K" per proposer; eagle3 joins when a draft model is given."""
+    out: dict[str, SpeculativeConfig | None] = {"none": None}
+    names = [p for p in args.proposers.split(",") if p]
+    if args.draft_model and not any(p.startswith("eagle3") for p in names):
+        names.append("eagle3")
+    for item in names:
+        method, _, k = item.partition(":")
+        draft = args.draft_model if method == "eagle3" else None
+        k_ = int(k or args.num_speculative_tokens)
+        out[item] = SpeculativeConfig(method, k_, draft_model=draft, max_batch=args.spec_max_batch)
+    return out
+
+
+def open_engines(
+    model: str, configs: dict[str, SpeculativeConfig | None], kw: dict[str, Any]
+) -> tuple[dict[str, LLM], dict[str, dict[str, Any]]]:
+    """One LLM per proposer, all open at once, so each cell runs them back to back."""
+    llms: dict[str, LLM] = {}
+    status: dict[str, dict[str, Any]] = {}
+    for name, spec in configs.items():
+        status[name] = (
+            {}
+            if spec is None
+            else {
+                "method": spec.method,
+                "k": spec.num_speculative_tokens,
+                "draft_model": spec.draft_model,
+            }
+        )
+        try:
+            llms[name] = LLM(model, **kw, speculative=spec) if spec else LLM(model, **kw)
+            status[name]["available"] = True
+        except (TypeError, ValueError, NotImplementedError, ImportError) as e:
+            status[name].update(available=False, error=f"{type(e).__name__}: {e}")
+            print(f"proposer {name}: not run ({status[name]['error']})", flush=True)
+    return llms, status
+
+
+def run_sets(args: argparse.Namespace, out: dict[str, Any], save: Callable[[], None]) -> None:
+    """Every cell into out["results"], saved after each (a run cut short keeps what it did)."""
+    from ember.models.resolve import get_model, resolve_model
+
+    model = resolve_model(args.model) if args.model else str(get_model("smollm2"))
+    tok = Tokenizer.from_dir(model)
+    limits = QUICK_MAX_TOKENS if args.quick else MAX_TOKENS
+    sets, info = prompt_sets(tok, max(args.batch_sizes), args.sets.split(","), args.quick)
+    longest = max(len(p) + limits[s] for s, ps in sets.items() for p in ps)
+    top = max(args.batch_sizes)
+    max_len = longest + 64  # room for a draft's lookahead past max_tokens
+    kw = dict(
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=max_len,
+        max_num_seqs=top,
+        max_cuda_graph_batch=top,
+        num_kv_blocks=2 * top * -(-max_len // 16) + 64,
+        kv_host_gb=0,
+    )
+    llms, status = open_engines(model, proposer_configs(args), kw)
+    out.update(model=model, prompt_sets=info, proposers=status, engine=kw)
+    for name, llm in llms.items():  # whether the engine drafts at all with this proposer
+        before, delta = spec_counters(llm.engine), {}
+        greedy = [SamplingParams(temperature=0.0, max_tokens=16)] * 2
+        generate(llm.engine, next(iter(sets.values()))[:2], greedy, f"probe/{name}")
+        add_counts(delta, before, spec_counters(llm.engine))
+        status[name]["drafts_in_probe"] = delta["drafts"]
+    for set_name, prompts in sets.items():
+        for batch in args.batch_sizes:
+            for setting in SETTINGS:
+                cell = f"{set_name}/b{batch}/{setting}"
+                rows = [
+                    measure(
+                        llm.engine,
+                        prompts,
+                        batch,
+                        setting,
+                        limits[set_name],
+                        f"{cell}/{name}",
+                        f"{set_name}/b{batch}/{name}/compile" if args.device == "cuda" else None,
+                        args.quick,
+                    )
+                    | {"set": set_name, "batch": batch, "setting": setting, "proposer": name}
+                    for name, llm in llms.items()
+                ]
+                compare(rows, llms["none"].engine, prompts)
+                rows[0]["answers"] = answer_shape(tok, set_name, rows[0]["tokens"])
+                for r in rows:
+                    acc = r["mean_accepted_len"]
+                    print(
+                        f"{cell} {r['proposer']}: {r['tok_s']:.0f} tok/s x{r['speedup']:.2f}"
+                        + (f", accepted {acc:.2f}" if acc else ""),
+                        flush=True,
+                    )
+                    del r["tokens"]
+                out["results"] += rows
+                save()
+    for llm in llms.values():
+        llm.close()
+    del llms
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def compare(rows: list[dict[str, Any]], base_engine: LLMEngine, prompts: list[list[int]]) -> None:
+    """Speedups over rows[0] (no speculation); greedy outputs checked against it."""
+    base = rows[0]
+    for r in rows:
+        r["speedup"] = r["tok_s"] / base["tok_s"]
+        if r["setting"] != "greedy" or r is base:
+            continue
+        pairs = zip(base["tokens"], r["tokens"], strict=True)
+        r["mismatched_requests"] = sum(a != b for a, b in pairs)
+        r["greedy_match"] = r["mismatched_requests"] == 0
+        if not r["greedy_match"]:
+            r["first_mismatch"] = first_mismatch(base_engine, prompts, base["tokens"], r["tokens"])
+
+
+def answer_shape(tok: Tokenizer, set_name: str, tokens: list[list[int]]) -> dict[str, Any]:
+    """What the answers are (a sample, and the share in the set's expected form), so a table
+    of speedups on answers that are not tool calls or code is not mistaken for one that is."""
+    texts = [tok.decode(t) for t in tokens]
+    marker = {"agentic": "<tool_call>", "code": "```"}.get(set_name)
+    shape: dict[str, Any] = {"sample": texts[0][:300]}
+    if marker is not None:
+        shape[f"share_with_{'tool_call' if set_name == 'agentic' else 'code_block'}"] = sum(
+            marker in t for t in texts
+        ) / len(texts)
+    return shape
+
+
+# -- the 8B shape --------------------------------------------------------------------------------
+
+
+def verify_shape(quick: bool) -> dict[str, Any]:
+    """Verify (K + 1 tokens a request) against decode (1), and an EAGLE-3 draft step, in ms."""
+    from benchmarks.engine_gpu import SHAPES
+    from ember.attention.triton_backend import TritonAttentionBackend
+
+    dev, backend = torch.device("cuda"), TritonAttentionBackend()
+    h = SHAPES["llama"]["hidden_size"]
+    target = dummy_model(SHAPES["llama"], dev)
+    draft = dummy_model({**SHAPES["llama"], "num_hidden_layers": 1, "vocab_size": 32000}, dev)
+    fc = torch.nn.Linear(3 * h, h, bias=False, dtype=torch.bfloat16, device=dev)
+    out: dict[str, Any] = {
+        "shape": "llama-3.1-8b (dummy bf16)",
+        "context": CONTEXT,
+        "gpu": torch.cuda.get_device_name(),
+        "attention": "decode kernel for 1 token, the paged prefill kernel for K + 1",
+        "batches": {},
+    }
+    for batch in (1, 32):
+        dec_ms, mode = time_step(step_fn(target, batch, 1, backend))
+        draft_ms, _ = time_step(step_fn(draft, batch, 1, backend, fc))
+        d: dict[str, Any] = {
+            "decode_ms": dec_ms,
+            "timing": mode,
+            "eagle3_draft_step_ms": draft_ms,
+            "k": {},
+        }
+        for k in range(1, 3 if quick else 9):
+            v, _ = time_step(step_fn(target, batch, k + 1, backend))
+            d["k"][k] = {
+                "verify_ms": v,
+                "ratio": v / dec_ms,
+                "break_even_host": v / dec_ms,
+                "break_even_eagle3": (v + k * draft_ms) / dec_ms,
+                "max_speedup_host": (k + 1) * dec_ms / v,
+            }
+        out["batches"][batch] = d
+        ratios = ", ".join(f"K={k} {e['ratio']:.2f}" for k, e in d["k"].items())
+        print(f"8B shape batch {batch}: decode {dec_ms:.3f} ms ({mode}); verify/decode {ratios}")
+    return out
+
+
+def dummy_model(shape: dict[str, Any], dev: torch.device) -> tuple[torch.nn.Module, Any]:
+    import tempfile
+
+    from ember.models.config import ModelConfig
+    from ember.models.loader import load_model
+
+    path = Path(tempfile.mkdtemp())
+    (path / "config.json").write_text(json.dumps(shape))
+    mc = ModelConfig.from_dir(str(path))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = load_model(
+        str(path), mc, dtype=dtype, device=dev, load_format="dummy", max_position=4096
+    )
+    return model, mc
+
+
+def step_fn(
+    model_cfg: tuple[torch.nn.Module, Any],
+    batch: int,
+    q: int,
+    backend: Any,
+    fc: torch.nn.Module | None = None,
+) -> Any:
+    """One forward step of `q` new tokens per request over CONTEXT cached ones (blocks scattered
+    in the pool), with logits for every new token; `fc` first, as an EAGLE-3 draft runs it."""
+    from ember.attention.metadata import AttentionMetadata, ForwardContext
+    from ember.engine.model_runner import kv_cache_shape
+
+    model, mc = model_cfg
+    param = next(model.parameters())
+    dev, bs = param.device, 16
+    per = -(-(CONTEXT + q) // bs)
+    kv = torch.zeros(kv_cache_shape(mc, batch * per, bs), dtype=param.dtype, device=dev)
+    tables = torch.randperm(batch * per).view(batch, per)
+    qsl = [i * q for i in range(batch + 1)]
+    lens = [CONTEXT + q] * batch
+    new = range(CONTEXT, CONTEXT + q)
+    slots = [int(tables[b, p // bs]) * bs + p % bs for b in range(batch) for p in new]
+
+    def t(x: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(x, dtype=dtype, device=dev)
+
+    md = AttentionMetadata(
+        query_start_loc=t(qsl, torch.int32),
+        seq_lens=t(lens, torch.int32),
+        block_tables=tables.to(dev, torch.int32),
+        slot_mapping=t(slots, torch.int64),
+        max_query_len=q,
+        max_seq_len=CONTEXT + q,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=lens,
+        num_decodes=batch if q == 1 else 0,
+    )
+    ctx = ForwardContext(md, kv, backend)
+    ids = torch.randint(0, mc.vocab_size, (batch * q,), device=dev)
+    positions = t(list(new) * batch, torch.int64)
+    feats = torch.randn(batch * q, 3 * mc.hidden_size, dtype=param.dtype, device=dev)
+
+    @torch.inference_mode()
+    def step() -> torch.Tensor:
+        if fc is not None:
+            fc(feats)
+        return model.compute_logits(model(ids, positions, ctx))
+
+    return step
+
+
+@torch.inference_mode()
+def time_step(step: Any) -> tuple[float, str]:
+    """Milliseconds of `step` as a CUDA graph replay (eager where it cannot be captured)."""
+    from benchmarks.engine_gpu import median_ms
+
+    step(), step()  # Triton compiles and autotunes outside the capture
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        return median_ms(graph.replay), "cuda_graph"
+    except RuntimeError as e:  # a step that reads host data cannot be captured
+        torch.cuda.synchronize()
+        return median_ms(step), f"eager ({str(e)[:80]})"
+
+
+def predicted_speedup(r: dict[str, Any], v: dict[str, Any]) -> float | None:
+    """The 8B speedup for this row's acceptance, at the verify cost of its mean draft length."""
+    d = v["batches"].get(r["batch"])
+    if d is None or r["mean_accepted_len"] is None or r["proposer"] == "none":
+        return None
+    k = min(max(round(r["mean_draft_len"]), 1), max(d["k"]))
+    draft = k * d["eagle3_draft_step_ms"] if r["proposer"].startswith("eagle3") else 0.0
+    return r["mean_accepted_len"] * d["decode_ms"] / (d["k"][k]["verify_ms"] + draft)
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+
+def checks(r: dict[str, Any]) -> str:
+    """The table's verdict on a row: greedy equality with no speculation, and failed requests."""
+    parts = []
+    if r.get("greedy_match") is not None:
+        bad = f"**FAIL** greedy differs in {r['mismatched_requests']}/{r['requests']}"
+        parts.append("greedy == none" if r["greedy_match"] else bad)
+    if r["errored_requests"]:
+        parts.append(f"**FAIL** {r['errored_requests']} requests errored")
+    return "; ".join(parts)
+
+
+def print_table(out: dict[str, Any]) -> None:
+    print(f"\n## Speculative decoding, {out.get('model', '')} on {out['gpu']} ({out['dtype']})\n")
+    print(
+        "| set | batch | setting | proposer | tok/s | speedup | mean accepted | drafts | "
+        "checks | 8B speedup |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in out["results"]:
+        acc = "" if r["mean_accepted_len"] is None else f"{r['mean_accepted_len']:.2f}"
+        p8 = r.get("predicted_8b_speedup")
+        print(
+            f"| {r['set']} | {r['batch']} | {r['setting']} | {r['proposer']} | {r['tok_s']:.0f} "
+            f"| {r['speedup']:.2f} | {acc} | {'' if r['drafts'] is None else r['drafts']} "
+            f"| {checks(r)} | {'' if p8 is None else f'{p8:.2f}'} |"
+        )
+    v = out.get("verify_shape")
+    if v and "skipped" in v:
+        print(f"\n8B shape: skipped ({v['skipped']})")
+    elif v:
+        print(f"\n## Llama-3.1-8B shape, {CONTEXT} context: verify K+1 tokens against decode 1\n")
+        print(
+            "| batch | K | decode ms | verify ms | verify / decode = break-even accepted length "
+            "(ngram, suffix) | break-even with an EAGLE-3 draft |"
+        )
+        print("|---|---|---|---|---|---|")
+        for b, d in v["batches"].items():
+            for k, e in d["k"].items():
+                print(
+                    f"| {b} | {k} | {d['decode_ms']:.3f} | {e['verify_ms']:.3f} | "
+                    f"{e['ratio']:.3f} | {e['break_even_eagle3']:.2f} |"
+                )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="model directory or .gguf (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--batch-sizes", help="comma-separated; default 1,8,32,64 (--quick: 1,2)")
+    ap.add_argument("--sets", default="agentic,code,chat")
+    ap.add_argument("--proposers", default="ngram,suffix", help="name or name:K, comma-separated")
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--draft-model", help="an EAGLE-3 draft checkpoint: adds the eagle3 proposer")
+    ap.add_argument(
+        "--spec-max-batch", type=int, help="SpeculativeConfig.max_batch (default: the engine's)"
+    )
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", help="default bfloat16 on a GPU, float32 on the CPU")
+    ap.add_argument("--verify-shape", action="store_true", help="also time the 8B verify step")
+    ap.add_argument("--skip-sets", action="store_true", help="only the 8B shape")
+    ap.add_argument("--quick", action="store_true", help="small sizes, to check the script")
+    ap.add_argument("--out", help="JSON path (default benchmarks/results/spec_decode-<gpu>.json)")
+    args = ap.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    args.batch_sizes = [
+        int(b) for b in (args.batch_sizes or ("1,2" if args.quick else "1,8,32,64")).split(",")
+    ]
+    cuda = args.device == "cuda"
+    if not cuda:  # as the server's engine process does (ember/engine/core_proc.py)
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    gpu = torch.cuda.get_device_name() if cuda else f"cpu-{platform.machine()}"
+    out: dict[str, Any] = {
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "dtype": args.dtype,
+        "quick": args.quick,
+        "batch_sizes": args.batch_sizes,
+        "settings": SETTINGS,
+        "max_tokens": QUICK_MAX_TOKENS if args.quick else MAX_TOKENS,
+        "results": [],
+    }
+    name = f"spec_decode-{gpu.replace(' ', '_').replace('/', '_')}.json"
+    dest = (
+        Path(args.out) if args.out else Path(os.environ.get("OUT") or "benchmarks/results") / name
+    )
+    dest.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        keys = ("set", "batch", "setting", "proposer", "errored_requests")
+        out["failures"] = [
+            {k: r[k] for k in keys}
+            | {k: r[k] for k in ("mismatched_requests", "first_mismatch") if k in r}
+            for r in out["results"]
+            if r.get("greedy_match") is False or r["errored_requests"]
+        ]
+        dest.write_text(json.dumps(out, indent=2, default=str))
+
+    if args.verify_shape:  # first: its 8B weights leave the GPU before the engines take it
+        out["verify_shape"] = verify_shape(args.quick) if cuda else {"skipped": "GPU only"}
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        save()
+    if not args.skip_sets:
+        run_sets(args, out, save)
+    if "batches" in out.get("verify_shape", {}):
+        for r in out["results"]:
+            r["predicted_8b_speedup"] = predicted_speedup(r, out["verify_shape"])
+    save()
+    print_table(out)
+    print(f"\nwrote {dest}")
+    if out["failures"]:
+        print(f"FAIL: {len(out['failures'])} cells failed their checks (JSON: failures)")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
