@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams
+from ember.engine.speculation import StepCosts
 from ember.sampling_params import StructuredOutputsParams
 from ember.spec.config import SpeculativeConfig
 from ember.spec.proposer import HostProposer
@@ -153,6 +154,40 @@ def test_greedy_equals_no_speculation(llama: Path, kw: dict, corrupt: int) -> No
     assert sorted(llm.engine.core.spec.host.finished) == sorted(  # every request told once
         set(llm.engine.core.spec.host.finished)
     )
+
+
+def test_speculation_turned_on_and_off_between_async_steps(
+    llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's cost model turns speculation off for a probe step now and then: a request
+    whose verification is still in flight must be collected before it is scheduled again (it
+    once was not, and a step was scheduled with a negative token count on the GPU)."""
+    monkeypatch.setattr(StepCosts, "PROBE_EVERY", 2)
+    ps = prompts(4, seed=8)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    base = LLM(str(llama), dtype="float32", async_scheduling=True)
+    want = run(base, ps, [params] * 4)
+    reference = {tuple(p): w[0] for p, w in zip(ps, want, strict=True)}
+    llm = speculating(llama, Oracle(reference, corrupt=3), async_scheduling=True)
+    spec = llm.engine.core.spec
+    spec.costs = StepCosts()  # as on a GPU
+    assert_same(run(llm, ps, [params] * 4), want)
+    stats = llm.engine.core.stats()
+    assert 0 < stats.spec_drafts
+    assert spec.costs.decode_s and spec.costs.verify_s  # both kinds of step ran
+    assert_pool_whole(llm)
+
+
+def test_step_costs_decide_by_measured_times() -> None:
+    costs = StepCosts()
+    assert costs.worth_it(8)  # nothing measured: speculate
+    costs.observe(8, verified=False, seconds=0.010, tokens_per_request=1.0)
+    costs.observe(8, verified=True, seconds=0.012, tokens_per_request=2.0)
+    assert costs.worth_it(7)  # 2 tokens x 10 ms > 12 ms
+    costs.observe(64, verified=False, seconds=0.010, tokens_per_request=1.0)
+    costs.observe(64, verified=True, seconds=0.030, tokens_per_request=2.0)
+    assert not costs.worth_it(64)  # 2 x 10 ms < 30 ms
+    assert costs.bucket(33) == costs.bucket(64) == 64 and costs.bucket(1) == 1
 
 
 def test_wrong_drafts_change_nothing_and_leak_nothing(llama: Path) -> None:
