@@ -130,27 +130,38 @@ class DecodeGraphs:
     def replay(
         self, so: SchedulerOutput, order: list[int], size: int, prev_rows: dict[str, int]
     ) -> torch.Tensor:
-        """Run the decode batch `order` of `so` padded to `size`; returns the graph's logits."""
+        """Run the decode batch `order` of `so` (its verifications as one row per position)
+        padded to `size`; returns the graph's logits, one row per position."""
         # The pinned staging buffers are reused every step: wait until their last copy is done
         # (normally long done: it was queued before the previous step's graph).
         self._staged.synchronize()
         rows = self._h_rows.numpy()
         tables = self._h_tables.numpy()
         bs = self.block_size
-        for j, i in enumerate(order):
+        j = 0
+        for i in order:
             req, blocks = so.requests[i], so.block_ids[i]
             p = so.num_computed_tokens[i]
+            drafts = so.spec_token_ids[i] if so.spec_token_ids else []
             if p < req.num_tokens:
                 rows[0, j] = req.all_token_ids[p]
                 rows[4, j] = -1
             else:  # the token is the one the previous step sampled for this request
                 rows[0, j] = 0
                 rows[4, j] = feed_row(prev_rows, req.request_id)
-            rows[1, j] = p
-            rows[2, j] = blocks[p // bs] * bs + p % bs
-            rows[3, j] = p + 1
-            tables[j, : len(blocks)] = blocks
-        n = len(order)
+            # A verification of k drafts is k + 1 decode rows over the same blocks, row r at
+            # position p + r seeing the positions up to its own (the step writes all of their KV
+            # before any attention reads it): a verify batch replays the decode graphs.
+            for r in range(len(drafts) + 1):
+                if r:
+                    rows[0, j] = drafts[r - 1]
+                    rows[4, j] = -1
+                rows[1, j] = p + r
+                rows[2, j] = blocks[(p + r) // bs] * bs + (p + r) % bs
+                rows[3, j] = p + r + 1
+                tables[j, : len(blocks)] = blocks
+                j += 1
+        n = j
         # Padding rows write nowhere (slot -1) and attend to one harmless slot.
         rows[0, n:size] = 0
         rows[1, n:size] = 0

@@ -189,8 +189,13 @@ class ModelRunner:
         order = sorted(range(n), key=lambda i: so.num_scheduled_tokens[i] != 1)
         rows = [j for j, i in enumerate(order) if so.samples[i]]
         prompt = plan_prompt_scoring(so, order) if so.scores_prompts else None
-        all_decode = all(k == 1 for k in so.num_scheduled_tokens) and prompt is None
-        graph_bs = self.graphs.size_for(n) if all_decode and self.graphs.graphs else None
+        # Decodes and verifications (1 + k tokens for k drafts) replay the decode graphs.
+        spec = so.spec_token_ids or [[]] * n
+        all_decode = prompt is None and all(
+            k == 1 + len(d) for k, d in zip(so.num_scheduled_tokens, spec, strict=True)
+        )
+        num_rows = so.total_num_scheduled_tokens
+        graph_bs = self.graphs.size_for(num_rows) if all_decode and self.graphs.graphs else None
         timing = self._timing_events() if self.gpu_timing else None
         if timing is not None:
             timing[0].record()
@@ -198,8 +203,12 @@ class ModelRunner:
         drafts: list[list[int]] = []
         if graph_bs is not None:
             logits = self.graphs.replay(so, order, graph_bs, self._prev_rows)
-            # A slice when every row samples; never index with a host list (a hidden sync).
-            logits = logits[:n] if len(rows) == n else logits[self._tensor(rows, torch.int64)]
+            # Every decode and verification samples: a slice, never an index from a host list
+            # (a hidden sync).
+            if len(rows) != n:
+                raise RuntimeError("a decode graph's rows must all sample")
+            logits = logits[:num_rows]
+            drafts = [spec[i] for i in order] if num_rows > n else []
         else:
             ids, positions, md = self.prepare(so, order)
             hidden = self.model(ids, positions, ForwardContext(md, self.kv_cache, self.backend))

@@ -173,7 +173,7 @@ def test_speculation_turned_on_and_off_between_async_steps(
     spec.costs = StepCosts()  # as on a GPU
     assert_same(run(llm, ps, [params] * 4), want)
     stats = llm.engine.core.stats()
-    assert 0 < stats.spec_drafts
+    assert stats.spec_drafts > 0
     assert spec.costs.decode_s and spec.costs.verify_s  # both kinds of step ran
     assert_pool_whole(llm)
 
@@ -392,3 +392,25 @@ def _chi2_quantile(dof: int, alpha: float) -> float:
     for dof >= 3; scipy is not a dependency)."""
     z = {1e-3: 3.090232, 1e-2: 2.326348}[alpha]
     return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("eager", [False, True], ids=["cuda-graphs", "eager"])
+def test_greedy_equals_no_speculation_on_the_gpu(llama: Path, eager: bool) -> None:
+    """On the GPU (float32): verifications replay the decode CUDA graphs (k + 1 decode rows per
+    request) or run eagerly through the prefill kernel; both give the output without
+    speculation, with async scheduling on, and leak no block."""
+    kw = dict(device="cuda", dtype="float32", enforce_eager=eager, num_kv_blocks=512)
+    ps = prompts(6, seed=1)
+    base = LLM(str(llama), **kw)
+    probe = base.generate(ps[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    params = greedy_params(stop_id=probe[0].outputs[0].token_ids[5])
+    want = run(base, ps, params)
+    reference = {tuple(p): w[0] for p, w in zip(ps, want, strict=True)}
+    llm = speculating(llama, Oracle(reference, corrupt=3), **kw)
+    llm.engine.core.spec.costs = None  # the GPU's cost model would skip probe steps
+    assert_same(run(llm, ps, params), want)
+    stats = llm.engine.core.stats()
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    assert_pool_whole(llm)
