@@ -90,11 +90,33 @@ class EngineCore:
             backend or default_backend(self.device),
             max_num_seqs=config.max_num_seqs,
         )
+        spec = config.speculative
+        if spec is not None and spec.method == "eagle3" and spec.draft_model:
+            from ember.spec.eagle3 import Eagle3Drafter
+
+            # Before the KV sizing and the graphs: the head's weights count as weights, and the
+            # target hands out its hidden states in every captured step.
+            self.runner.drafter = Eagle3Drafter(
+                spec.draft_model,
+                model,
+                config.block_size,
+                r.dtype,
+                self.device,
+                self.runner.backend,
+            )
+            self.runner.num_draft_tokens = spec.num_speculative_tokens
         num_blocks = r.num_kv_blocks
         if on_gpu and config.num_kv_blocks is None:
             num_blocks = size_kv_cache(self.runner, r, config, total - free0, total)
+            if self.runner.drafter is not None:  # its one layer of KV shares the budget
+                layer = self.runner.drafter.model.config.layer
+                draft_bytes = 2 * config.block_size * layer.num_key_value_heads * layer.head_dim
+                draft_bytes *= torch.tensor([], dtype=r.dtype).element_size()
+                num_blocks = num_blocks * r.kv_block_bytes // (r.kv_block_bytes + draft_bytes)
         self.num_kv_blocks = num_blocks
         self.runner.allocate_kv_cache(num_blocks)
+        if self.runner.drafter is not None:
+            self.runner.drafter.allocate_kv_cache(num_blocks)
         # Block hashes name the model by what it computes, not by its path: every engine of the
         # same model, on any node, names a block the same (the KV tiers and the router rely on it).
         fingerprint = model_fingerprint(config.model, config.load_format, self.device)
@@ -136,6 +158,8 @@ class EngineCore:
         if config.speculative is not None:
             self.spec = Speculator(config.speculative, measure=on_gpu)
             self.scheduler.on_finish = self.spec.finish
+            if self.runner.drafter is not None:
+                self.scheduler.num_lookahead_tokens = self.runner.num_draft_tokens
         self.num_steps = 0
         self.async_scheduling = (
             on_gpu if config.async_scheduling is None else config.async_scheduling
@@ -409,6 +433,9 @@ class EngineCore:
         progressed, _ = self.scheduler.update_from_output(so, result.sampled, result.accepted)
         if self.spec is not None:
             self.spec.record_step(so, result.accepted, pending.launched_at)
+            for req, drafts in zip(so.requests, result.drafts, strict=False):
+                if drafts and req.speculates and not req.is_finished:
+                    req.spec_token_ids = drafts
         logprobs_of = {
             req.request_id: lp
             for req, lp in zip(so.requests, result.logprobs, strict=True)

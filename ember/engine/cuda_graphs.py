@@ -49,6 +49,8 @@ def feed_row(prev_rows: dict[str, int], request_id: str) -> int:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor
+    aux: torch.Tensor | None = None
+    """The target's aux hidden states (EAGLE-3) the graph writes, when a draft head reads them."""
 
 
 class DecodeGraphs:
@@ -106,7 +108,7 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits = self._forward(size, ctx)
-            self.graphs[size] = _Graph(graph, logits)
+            self.graphs[size] = _Graph(graph, logits, getattr(self.model.model, "aux_hidden", None))
         torch.cuda.synchronize()
         log.info("captured %d CUDA graphs for decode batches up to %d", len(self.graphs), max_batch)
 
@@ -174,4 +176,6 @@ class DecodeGraphs:
         self._staged.record()
         g = self.graphs[size]
         g.graph.replay()
+        if g.aux is not None:
+            self.model.model.aux_hidden = g.aux
         return g.logits

@@ -22,6 +22,7 @@ from ember.engine.cuda_graphs import DecodeGraphs, feed_input_ids, feed_row
 from ember.engine.prompt_logprobs import PromptScoring, plan_prompt_scoring
 from ember.engine.sampler import Sampler, SamplerOutput, SamplingBatch, score_tokens
 from ember.engine.structured_output import apply_grammar_masks
+from ember.spec.eagle3 import DraftRow
 from ember.spec.verify import last_rows, num_accepted, verify_rows
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from ember.engine.request import Request
     from ember.engine.scheduler import SchedulerOutput
     from ember.models.config import ModelConfig
+    from ember.spec.eagle3 import Eagle3Drafter
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,8 @@ class ModelRunnerOutput:
     accepted: list[list[int]] = field(default_factory=list)
     """Parallel to the scheduled requests: the draft tokens the step accepted (speculative
     decoding), which come before `sampled`; empty for most."""
+    drafts: list[list[int]] = field(default_factory=list)
+    """With a draft head (EAGLE-3): the drafts for each request's next step."""
 
 
 @dataclass(slots=True)
@@ -72,6 +76,12 @@ class PendingStep:
     drafts: list[list[int]] = field(default_factory=list)
     """Per sampling request (as `index`): the drafts it verifies; its k + 1 sampling rows follow
     one another in `tokens`. Empty when the step verifies none."""
+    so: SchedulerOutput | None = None
+    """The step's batch, with a draft head: its positions extend the head's KV after the step."""
+    aux: torch.Tensor | None = None
+    """With a draft head: the target's aux hidden states of every position, in `flat` order."""
+    flat: list[int] = field(default_factory=list)
+    """With a draft head: where each request's positions start in `aux` (by batch index)."""
 
 
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -110,6 +120,10 @@ class ModelRunner:
         """Benchmarks: time each step's forward pass on the GPU with events (last_forward_ms)."""
         self.last_forward_ms = 0.0
         self._cuda = device.type == "cuda"
+        self.drafter: Eagle3Drafter | None = None
+        """EAGLE-3: drafts from the target's hidden states after each step (ember/spec/eagle3)."""
+        self.num_draft_tokens = 0
+        """K: the drafts the head chains per request and step."""
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = kv_cache_shape(self.config, num_blocks, self.block_size)
@@ -217,6 +231,7 @@ class ModelRunner:
                 self._prev_rows = {}
                 step = PendingStep(n, [], [], None, prompt=prompt, prompt_scores=scores)
                 step.launched_at = launched_at
+                self._keep_aux(step, so, order)
                 return self._queued(step)
             ends = [md.query_start_loc_cpu[j + 1] for j in rows]
             drafts = [so.spec_token_ids[order[j]] for j in rows] if so.spec_token_ids else []
@@ -249,7 +264,19 @@ class ModelRunner:
             launched_at=launched_at,
             drafts=drafts,
         )
+        self._keep_aux(step, so, order)
         return self._queued(step)
+
+    def _keep_aux(self, step: PendingStep, so: SchedulerOutput, order: list[int]) -> None:
+        """With a draft head: the step's aux hidden states, for `draft` once tokens are known."""
+        if self.drafter is None:
+            return
+        step.so, step.aux = so, self.model.model.aux_hidden
+        step.flat = [0] * len(so.requests)
+        at = 0
+        for i in order:
+            step.flat[i] = at
+            at += so.num_scheduled_tokens[i]
 
     def _queued(self, step: PendingStep) -> PendingStep:
         """Mark the end of a step's device work, which its host copies wait for."""
@@ -301,7 +328,49 @@ class ModelRunner:
                     _entries(lp_ids[r], lp[r], ranks[r], want) for r in range(row, row + n + 1)
                 ]
             row += len(drafts) + 1
+        if self.drafter is not None:
+            result.drafts = self._draft(step, result)
         return result
+
+    def _draft(self, step: PendingStep, result: ModelRunnerOutput) -> list[list[int]]:
+        """EAGLE-3 after a step: every speculative request's new positions extend the draft
+        head's KV (token t_{p+1} with the target's hidden state h_p: the accepted ones only),
+        and the requests that speculate and sampled get K drafts chained from their last."""
+        so, drafter, k = step.so, self.drafter, self.num_draft_tokens
+        drafts: list[list[int]] = [[] for _ in range(step.num_requests)]
+        if so is None or step.aux is None or drafter is None:
+            return drafts
+        chain: list[tuple[int, DraftRow]] = []
+        extend: list[DraftRow] = []
+        for i, req in enumerate(so.requests):
+            if not req.sampling_params.speculative:
+                continue
+            start, n = so.num_computed_tokens[i], so.num_scheduled_tokens[i]
+            rejected = (
+                len(so.spec_token_ids[i]) - len(result.accepted[i]) if so.spec_token_ids else 0
+            )
+            valid = n - rejected
+            tok = result.sampled[i]
+            new = [*result.accepted[i], tok] if tok is not None else []
+            known = req.all_token_ids[start + 1 : start + valid]
+            tokens = (known + new)[:valid]
+            if len(tokens) != valid or not valid:
+                continue  # tokens still in flight (async): nothing to extend with yet
+            aux = step.aux[step.flat[i] : step.flat[i] + valid]
+            row = DraftRow(so.block_ids[i], start, tokens, aux)
+            # The chain writes K - 1 positions past the last valid one: only into blocks the
+            # scheduler gave it (lookahead), else no drafts this step.
+            room = len(so.block_ids[i]) * self.block_size - (start + valid) + 1
+            if tok is not None and req.speculates and room >= k:
+                chain.append((i, row))
+            else:
+                extend.append(row)
+        if extend:
+            drafter.propose(extend, 0)
+        if chain:
+            for (i, _), d in zip(chain, drafter.propose([r for _, r in chain], k), strict=True):
+                drafts[i] = d
+        return drafts
 
     def _score_prompt(
         self, hidden: torch.Tensor, scoring: PromptScoring

@@ -87,6 +87,9 @@ class Scheduler(KVLoads):
         self.prefix_hits = 0
         self.num_prompt_scorers = 0
         """Unfinished requests with `prompt_logprobs`."""
+        self.num_lookahead_tokens = 0
+        """Slots allocated past a speculating request's scheduled tokens: a draft head (EAGLE-3)
+        writes its chained drafts' KV there after the step."""
         self.on_finish: Callable[[Request], None] | None = None
         """Called once for every request that ends, however it ends (the speculator's hook)."""
         self.awaiting_lookup = False
@@ -149,7 +152,11 @@ class Scheduler(KVLoads):
             drafts = self._drafts(req, ahead, budget)
             num_new = min(ahead + len(drafts), budget)
             scheduled = True
-            while not self._allocate(req, num_new):
+            ahead_slots = self.num_lookahead_tokens if req.speculates else 0
+            while not self._allocate(req, num_new, lookahead=ahead_slots):
+                if ahead_slots:  # no room to draft ahead: a plain step first
+                    ahead_slots = 0
+                    continue
                 if drafts:  # no room for the drafts: a plain decode before preempting anyone
                     drafts, num_new = [], ahead
                     continue
@@ -215,15 +222,19 @@ class Scheduler(KVLoads):
         num_new: int,
         hits: list[KVBlock] | None = None,
         publish: bool = True,
+        lookahead: int = 0,
     ) -> bool:
-        """Blocks for `num_new` tokens after the computed ones and the hits; False if full.
+        """Blocks for `num_new` tokens (and `lookahead` slots more, never published) after the
+        computed ones and the hits; False if full.
 
         Blocks that the step will fill completely are published in the prefix index at once: their
         KV is written before any attention reads it within the same forward pass. Blocks filled
         some other way (read from a remote engine or a tier) pass publish=False and are published
         once written.
         """
-        if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens, num_new, hits):
+        if not self.kv.allocate_slots(
+            req.request_id, req.num_computed_tokens, num_new + lookahead, hits
+        ):
             return False
         if publish:
             hit_tokens = len(hits) * self.kv.block_size if hits else 0

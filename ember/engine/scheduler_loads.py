@@ -52,6 +52,7 @@ class KVLoads:
             num_new: int,
             hits: list[KVBlock] | None = None,
             publish: bool = True,
+            lookahead: int = 0,
         ) -> bool: ...
 
         def _publish(self, req: Request, num_tokens: int) -> None: ...
