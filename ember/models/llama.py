@@ -106,14 +106,28 @@ class DecoderModel(nn.Module):
             layer_cls(cfg, i, self.rotary) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.aux_layers: tuple[int, ...] = ()
+        """EAGLE-3: the residual-stream indices whose states a draft head reads. Index i is the
+        input of layer i (the output of layer i - 1, `x + residual`): 0 is the token embedding,
+        num_hidden_layers the last layer's output before the final norm (vLLM's convention)."""
+        self.aux_hidden: torch.Tensor | None = None
+        """After a forward with `aux_layers` set: those states concatenated, [T, len * hidden]."""
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        aux: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                aux[i] = x if residual is None else x + residual
             x, residual = layer(positions, x, residual, ctx)
+        if self.aux_layers:
+            if len(self.layers) in self.aux_layers:
+                aux[len(self.layers)] = x + residual
+            # Device-side work only (no host sync), so a captured CUDA graph replays it too.
+            self.aux_hidden = torch.cat([aux[i] for i in self.aux_layers], dim=-1)
         x, _ = self.norm(x, residual)
         return x
 
