@@ -198,6 +198,25 @@ def test_growth_waits_while_paused() -> None:
         host.close()
 
 
+def test_a_pause_holds_every_host_tier_of_the_process() -> None:
+    """Two engines in one process: while one captures CUDA graphs (paused), the other's tier may
+    not pin either (a cudaHostRegister from any thread invalidates a capture: CUDA error 900, seen
+    on an H200 with two LLMs in one test)."""
+    first, second = (
+        growing(8, GatedAllocator(open_first=16)),
+        growing(8, GatedAllocator(open_first=16)),
+    )
+    try:
+        with first.memory.paused():
+            seen = second.capacity_blocks
+            time.sleep(0.05)
+            assert second.capacity_blocks == seen
+        assert second.memory.wait_full(timeout_s=30) and first.memory.wait_full(timeout_s=30)
+    finally:
+        first.close()
+        second.close()
+
+
 def test_a_failed_allocation_keeps_what_was_allocated() -> None:
     alloc = GatedAllocator(open_first=16, fail_at=2)
     host = growing(8, alloc)

@@ -85,6 +85,17 @@ def _plain(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
+class _Growth:
+    """Process-wide state of every host tier's growth. A cudaHostRegister from any thread while
+    any engine of the process captures a CUDA graph invalidates the capture (CUDA error 900): with
+    two engines in one process, the first one's tier was still pinning while the second captured
+    its graphs. So a pause holds every tier's growth, and waits for any allocation under way."""
+
+    cond = threading.Condition()
+    paused = 0
+    allocating = 0
+
+
 class HostMemory:
     """Rows of `row_bytes` in chunks, grown up to `target_rows`; see the module's doc."""
 
@@ -115,9 +126,6 @@ class HostMemory:
         self._allocate = allocate or (_pinned if self.pinned else _plain)
         self._on_grow = on_grow
         self._num_rows = 0
-        self._cond = threading.Condition()
-        self._paused = 0
-        self._allocating = False
         self._closed = False
         self._thread: threading.Thread | None = None
         self._add_chunk()
@@ -172,17 +180,18 @@ class HostMemory:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """No allocation runs inside this block (one under way is waited for first)."""
-        with self._cond:
-            self._paused += 1
-            while self._allocating:
-                self._cond.wait()
+        """No allocation runs inside this block, in any host tier of the process (one under way
+        is waited for first)."""
+        with _Growth.cond:
+            _Growth.paused += 1
+            while _Growth.allocating:
+                _Growth.cond.wait()
         try:
             yield
         finally:
-            with self._cond:
-                self._paused -= 1
-                self._cond.notify_all()
+            with _Growth.cond:
+                _Growth.paused -= 1
+                _Growth.cond.notify_all()
 
     def wait_full(self, timeout_s: float | None = None) -> bool:
         """Whether every row is allocated (waiting up to `timeout_s`); False if growth stopped."""
@@ -194,11 +203,11 @@ class HostMemory:
     def close(self) -> None:
         """Stop growing (a chunk under way is finished first) and unpin the chunks; the memory
         must no longer be read or written."""
-        with self._cond:
+        with _Growth.cond:
             if self._closed:
                 return
             self._closed = True
-            self._cond.notify_all()
+            _Growth.cond.notify_all()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -219,12 +228,12 @@ class HostMemory:
     def _grow(self) -> None:
         t0 = time.perf_counter()
         while True:
-            with self._cond:
-                while self._paused and not self._closed:
-                    self._cond.wait()
+            with _Growth.cond:
+                while _Growth.paused and not self._closed:
+                    _Growth.cond.wait()
                 if self._closed or self.full:
                     break
-                self._allocating = True
+                _Growth.allocating += 1
             try:
                 self._add_chunk()
             except (RuntimeError, MemoryError) as e:  # out of pinnable memory: keep what we have
@@ -233,9 +242,9 @@ class HostMemory:
                 )
                 return
             finally:
-                with self._cond:
-                    self._allocating = False
-                    self._cond.notify_all()
+                with _Growth.cond:
+                    _Growth.allocating -= 1
+                    _Growth.cond.notify_all()
         if self.full:
             log.info(
                 "KV host tier: %.2f GiB %s in %.1f s",
