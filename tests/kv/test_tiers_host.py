@@ -202,16 +202,21 @@ def test_a_pause_holds_every_host_tier_of_the_process() -> None:
     """Two engines in one process: while one captures CUDA graphs (paused), the other's tier may
     not pin either (a cudaHostRegister from any thread invalidates a capture: CUDA error 900, seen
     on an H200 with two LLMs in one test)."""
-    first, second = (
-        growing(8, GatedAllocator(open_first=16)),
-        growing(8, GatedAllocator(open_first=16)),
-    )
+    first = growing(8, GatedAllocator(open_first=16))
+    alloc = GatedAllocator(open_first=1)
+    second = growing(8, alloc)
     try:
+        assert first.memory.wait_full(timeout_s=30)
+        # The second tier's thread is inside its next allocation, held at the gate: the pause
+        # waits for it (opened shortly), then holds the rest.
+        threading.Timer(0.1, alloc.gates[1].set).start()
         with first.memory.paused():
             seen = second.capacity_blocks
-            time.sleep(0.05)
-            assert second.capacity_blocks == seen
-        assert second.memory.wait_full(timeout_s=30) and first.memory.wait_full(timeout_s=30)
+            for gate in alloc.gates:
+                gate.set()
+            time.sleep(0.1)  # time for its thread to grow, were it not paused
+            assert second.capacity_blocks == seen == 4
+        assert second.memory.wait_full(timeout_s=30) and second.capacity_blocks == 8
     finally:
         first.close()
         second.close()
