@@ -146,7 +146,7 @@ def test_stop_strings_and_aborts_free_every_block(llama: Path) -> None:
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
 def test_async_equals_sync_on_the_gpu(llama: Path, eager: bool) -> None:
     """On a GPU the step really is in flight while the next is prepared (CUDA graphs included)."""
-    kw = dict(device="cuda", dtype="float32", enforce_eager=eager, num_kv_blocks=512)
+    kw = dict(device="cuda", dtype="float32", enforce_eager=eager, num_kv_blocks=512, kv_host_gb=0)
     sync = LLM(str(llama), async_scheduling=False, **kw)
     ps = prompts(6, seed=1)
     probe = sync.generate(ps[4], SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))

@@ -401,7 +401,7 @@ def test_greedy_equals_no_speculation_on_the_gpu(llama: Path, eager: bool) -> No
     """On the GPU (float32): verifications replay the decode CUDA graphs (k + 1 decode rows per
     request) or run eagerly through the prefill kernel; both give the output without
     speculation, with async scheduling on, and leak no block."""
-    kw = dict(device="cuda", enforce_eager=eager, num_kv_blocks=512)
+    kw = dict(device="cuda", enforce_eager=eager, num_kv_blocks=512, kv_host_gb=0)
     ps = prompts(6, seed=1)
     base = LLM(str(llama), dtype="float32", **kw)
     probe = base.generate(ps[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
