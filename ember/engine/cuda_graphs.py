@@ -29,6 +29,25 @@ def cuda_graph_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
+VERIFY_GRAPH_STEP = 64
+MAX_VERIFY_ROWS = 512
+"""With speculation a verify batch is k + 1 decode rows a request: graphs past the decode sizes,
+every 64 rows up to this many (a handful more graphs, not one per 8 rows)."""
+
+
+def graph_sizes(max_batch: int, max_rows: int = 0) -> list[int]:
+    """The decode sizes, then (speculation) every VERIFY_GRAPH_STEP rows up to
+    min(max_rows, MAX_VERIFY_ROWS)."""
+    sizes = cuda_graph_sizes(max_batch)
+    top = min(max_rows, MAX_VERIFY_ROWS)
+    if top > sizes[-1]:
+        start = (sizes[-1] // VERIFY_GRAPH_STEP + 1) * VERIFY_GRAPH_STEP
+        sizes += list(range(start, top + 1, VERIFY_GRAPH_STEP))
+        if sizes[-1] != top:
+            sizes.append(top)
+    return sizes
+
+
 def feed_input_ids(ids: torch.Tensor, src: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
     """Input ids with the rows whose token is still on the GPU (src >= 0) taken from `prev_tokens`,
     the tokens the previous step sampled: async scheduling launches a step before the host has
@@ -81,7 +100,13 @@ class DecodeGraphs:
         return None
 
     @torch.inference_mode()
-    def capture(self, kv_cache: torch.Tensor, max_batch: int, max_model_len: int) -> None:
+    def capture(
+        self, kv_cache: torch.Tensor, max_batch: int, max_model_len: int, max_rows: int = 0
+    ) -> None:
+        """Graphs for decode batches up to `max_batch` and, with speculation, verify batches up
+        to `max_rows` rows (see `graph_sizes`)."""
+        self.sizes = graph_sizes(max_batch, max_rows)
+        max_batch = self.sizes[-1]
         max_blocks = -(-max_model_len // self.block_size)
         dev = self.device
         # One static buffer for the per-row inputs and one for the block tables, each filled from
@@ -98,7 +123,6 @@ class DecodeGraphs:
         self._staged.record()
         self._qsl = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self._max_len = max_model_len
-        self.sizes = cuda_graph_sizes(max_batch)
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             ctx = ForwardContext(self._metadata(size), kv_cache, self.backend)
@@ -110,7 +134,9 @@ class DecodeGraphs:
                 logits = self._forward(size, ctx)
             self.graphs[size] = _Graph(graph, logits, getattr(self.model.model, "aux_hidden", None))
         torch.cuda.synchronize()
-        log.info("captured %d CUDA graphs for decode batches up to %d", len(self.graphs), max_batch)
+        log.info(
+            "captured %d CUDA graphs for decode batches up to %d rows", len(self.graphs), max_batch
+        )
 
     def _forward(self, size: int, ctx: ForwardContext) -> torch.Tensor:
         ids = feed_input_ids(self._ids[:size], self._src[:size], self.prev_tokens)

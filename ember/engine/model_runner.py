@@ -427,10 +427,13 @@ class ModelRunner:
 
     # -- CUDA graphs -----------------------------------------------------------------------------
 
-    def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
-        """Capture one decode graph per batch size; replays pad a batch up to the next size."""
+    def capture_cuda_graphs(self, max_batch: int, max_model_len: int, max_rows: int = 0) -> None:
+        """Capture one decode graph per batch size; replays pad a batch up to the next size.
+        `max_rows`: verify batches (speculation) of up to that many rows get graphs too."""
         if self._cuda:
-            self.graphs.capture(self.kv_cache, min(max_batch, len(self.prev_tokens)), max_model_len)
+            self.graphs.capture(
+                self.kv_cache, min(max_batch, len(self.prev_tokens)), max_model_len, max_rows
+            )
 
     # -- memory ----------------------------------------------------------------------------------
 

@@ -24,8 +24,14 @@ if TYPE_CHECKING:
 class StepCosts:
     """Measured step periods with and without verification, by batch size (powers of two), and
     the tokens a verifying request gets per step: speculation pays at a batch size while
-    tokens per request x t(decode step) > t(verify step). Until both are known at a size, it
-    speculates; every PROBE_EVERY-th step at a size runs without drafts to keep t(decode) fresh."""
+    tokens per request x t(decode step) > t(verify step).
+
+    A size's first step runs without drafts (a plain decode's time is learned first), the next
+    with them; from then on the measured decision holds, except that every PROBE_EVERY-th step
+    at a size does the opposite, to keep the other side's time fresh (a decision never sticks
+    on an old measurement). On an H200 a SmolLM2 step of 64 requests verifying 4 drafts each
+    took 18-46 ms against 2.8 ms for a plain decode: the engine must learn that within a few
+    steps, not after dozens."""
 
     PROBE_EVERY = 32
     EMA = 0.1
@@ -52,12 +58,15 @@ class StepCosts:
     def worth_it(self, batch: int) -> bool:
         b = self.bucket(batch)
         self._steps[b] = self._steps.get(b, 0) + 1
-        if self._steps[b] % self.PROBE_EVERY == 0:
-            return False
         dec, ver, tok = self.decode_s.get(b), self.verify_s.get(b), self.tokens.get(b)
-        if dec is None or ver is None or tok is None:
+        if dec is None:
+            return False
+        if ver is None or tok is None:
             return True
-        return tok * dec > ver
+        decision = tok * dec > ver
+        if self._steps[b] % self.PROBE_EVERY == 0:
+            return not decision
+        return decision
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.EMA * (new - old)

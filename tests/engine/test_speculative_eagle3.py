@@ -55,7 +55,9 @@ def test_eagle3_greedy_equals_no_speculation(llama: Path, head: Path, kw: dict) 
     params = [
         SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (17, 5, 30, 12, 2)
     ]
-    want = [o.outputs[0].token_ids for o in LLM(str(llama), dtype="float32", **kw).generate(ps, params)]
+    want = [
+        o.outputs[0].token_ids for o in LLM(str(llama), dtype="float32", **kw).generate(ps, params)
+    ]
     llm = eagle(llama, head, **kw)
     got = [o.outputs[0].token_ids for o in llm.generate(ps, params)]
     assert got == want
