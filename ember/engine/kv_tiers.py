@@ -7,6 +7,7 @@ import hashlib
 import logging
 import os
 import time
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,13 +55,36 @@ def physical_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+_default_claims: dict[int, int] = {}
+"""Bytes of the live default-sized host tiers of this process, by id(tier)."""
+
+
 def host_tier_bytes(config: EngineConfig, device: torch.device) -> int:
-    """The host tier's size: `kv_host_gb`, else the default for the device (0 on the CPU)."""
+    """The host tier's size: `kv_host_gb`, else the default for the device (0 on the CPU).
+
+    The default, min(32 GiB, 20% of RAM), is one budget for the whole process, shared by the
+    default-sized tiers of its engines: three engines in one process each pinning 20% of RAM
+    (a test with three `LLM`s on an H200 machine) were killed for memory."""
     if config.kv_host_gb is not None:
         return int(config.kv_host_gb * GiB)
     if device.type != "cuda":
         return 0
-    return min(HOST_TIER_MAX_BYTES, int(physical_memory_bytes() * HOST_TIER_RAM_SHARE))
+    budget = min(HOST_TIER_MAX_BYTES, int(physical_memory_bytes() * HOST_TIER_RAM_SHARE))
+    left = budget - sum(_default_claims.values())
+    if left < MIN_DEFAULT_HOST_BYTES:
+        log.info("KV host tier off: this process's other engines hold its default budget")
+        return 0
+    return left
+
+
+MIN_DEFAULT_HOST_BYTES = 1 * GiB
+
+
+def _claim_default(config: EngineConfig, host: HostTier, nbytes: int) -> None:
+    """Count a default-sized tier against the process's budget until it is collected."""
+    if config.kv_host_gb is None:
+        _default_claims[id(host)] = nbytes
+        weakref.finalize(host, _default_claims.pop, id(host), None)
 
 
 def build_tiers(
@@ -87,6 +111,7 @@ def build_tiers(
             "raise it or set 0 to turn the host tier off"
         )
     host = HostTier(layout, num_blocks, pin=kv_cache.is_cuda)
+    _claim_default(config, host, host_bytes)
     lower: list[Tier] = []
     try:
         if config.kv_disk_dir is not None:
