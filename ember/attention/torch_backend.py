@@ -67,7 +67,7 @@ def paged_attention_ref(
             b1 = min(qe, b0 + rows)
             # The block's last query sees keys 0..end-1; earlier ones see fewer (bottom-right).
             end = first_pos + (b1 - qs)
-            mask = torch.ones(b1 - b0, end, dtype=torch.bool).tril(end - (b1 - b0))
+            mask = torch.ones(b1 - b0, end, dtype=torch.bool, device=q.device).tril(end - (b1 - b0))
             o = F.scaled_dot_product_attention(
                 q[b0:b1].float().transpose(0, 1),
                 k[:, :end],
