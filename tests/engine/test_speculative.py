@@ -427,3 +427,28 @@ def test_verify_batches_get_graphs_past_the_decode_sizes() -> None:
     assert graph_sizes(64, 320) == cuda_graph_sizes(64) + [128, 192, 256, 320]
     assert graph_sizes(256, 1280) == cuda_graph_sizes(256) + [320, 384, 448, 512]
     assert graph_sizes(8, 20) == cuda_graph_sizes(8) + [20]
+
+
+def test_abort_while_verifying_frees_every_block(llama: Path) -> None:
+    """A client that hangs up while its request's drafts are being verified (or its step is in
+    flight): every block comes back, and the other request finishes as without speculation."""
+    ps = prompts(2, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    base = LLM(str(llama), dtype="float32", block_size=4, async_scheduling=True)
+    want = run(base, ps, [params] * 2)
+    reference = {tuple(p): w[0] for p, w in zip(ps, want, strict=True)}
+    llm = speculating(llama, Oracle(reference, corrupt=2), block_size=4, async_scheduling=True)
+    engine = llm.engine
+    engine.add_request("leaves", ps[0], params)
+    engine.add_request("stays", ps[1], params)
+    done = {}
+    for _ in range(4):
+        for out in engine.step():
+            done[out.request_id] = out
+    assert llm.engine.core.stats().spec_drafts > 0  # it was speculating when it left
+    engine.abort_request("leaves")
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out
+    assert done["stays"].finished and done["stays"].outputs[0].token_ids == want[1][0]
+    assert_pool_whole(llm)
