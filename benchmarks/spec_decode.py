@@ -39,19 +39,22 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ember.bench.workloads.agentic import TOOLS, WORDS, AgenticWorkload  # noqa: E402
+from benchmarks.spec_prompts import answer_shape, prompt_sets  # noqa: E402
+from benchmarks.spec_verify_shape import (  # noqa: E402
+    predicted_speedup,
+    print_verify_shape,
+    verify_shape,
+)
 from ember.engine.llm_engine import LLMEngine  # noqa: E402
 from ember.entrypoints.llm import LLM  # noqa: E402
 from ember.sampling_params import SamplingParams  # noqa: E402
 from ember.spec.config import SpeculativeConfig  # noqa: E402
 from ember.tokenizer.tokenizer import Tokenizer  # noqa: E402
 
-DATA = Path(__file__).resolve().parent / "data"
 SETTINGS: dict[str, dict[str, float]] = {
     "greedy": {"temperature": 0.0},
     "sampled": {"temperature": 0.7, "top_p": 0.95},
@@ -60,114 +63,7 @@ MAX_TOKENS = {"agentic": 128, "code": 512, "chat": 256}
 QUICK_MAX_TOKENS = {"agentic": 12, "code": 16, "chat": 12}
 MIN_REQUESTS = 8
 """A cell runs batches one after another until this many requests are done (batch 1: 8 prompts)."""
-CONTEXT = 1024
-"""The 8B shape's context per request."""
 _ids = itertools.count()
-
-# -- prompt sets -------------------------------------------------------------------------------
-
-
-def tool_call(rng: np.random.Generator) -> str:
-    """An answer of the agent: one call of a workload tool, in the Hermes format."""
-
-    def w() -> str:
-        return str(rng.choice(WORDS))
-
-    path = f"ember/{w()}/{w()}_{w()}.py"
-    name = str(rng.choice(["read_file", "search", "edit_file", "run_tests", "run_shell"]))
-    first = int(rng.integers(1, 400))
-    args: dict[str, Any] = {
-        "read_file": {"path": path, "start_line": first, "end_line": first + 60},
-        "search": {"pattern": f"def {w()}_{w()}", "path": "ember"},
-        "edit_file": {"path": path, "old_string": f"{w()} = {w()}", "new_string": f"{w()} = {w()}"},
-        "run_tests": {"path": f"tests/test_{w()}.py", "keyword": w()},
-        "run_shell": {"command": f"git diff --stat -- {path}"},
-    }[name]
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
-
-
-def tools_block(tools: list[dict[str, Any]]) -> str:
-    """The tools in the system prompt, for a template that drops them (SmolLM2's does)."""
-    listing = "\n".join(json.dumps(t) for t in tools)
-    return (
-        "\n\n# Tools\n\nYou may call the functions described in JSON inside <tools></tools>:\n"
-        f"<tools>\n{listing}\n</tools>\n\nTo call one, answer with its name and arguments as a "
-        "JSON object inside <tool_call></tool_call> tags:\n<tool_call>\n"
-        '{"name": <function name>, "arguments": <arguments as a JSON object>}\n</tool_call>'
-    )
-
-
-def agentic(n: int, quick: bool) -> list[list[dict[str, Any]]]:
-    """Session i at turn i % 4: the workload's messages, with tool calls as the earlier answers."""
-    small = dict(system_words=60, tool_result_words=(10, 20), user_words=(10, 20))
-    kw = small if quick else dict(system_words=1000, tool_result_words=(100, 300))
-    wl = AgenticWorkload(n, 4, model="spec_decode", **kw)  # type: ignore[arg-type]
-    convs = []
-    for i in range(n):
-        req, rng = wl.first(i), np.random.default_rng([7, i])
-        for _ in range(i % wl.turns):
-            req = wl.next(req, tool_call(rng))  # type: ignore[assignment]
-        convs.append(req.body["messages"])
-    return convs
-
-
-def code_edit(n: int) -> list[list[dict[str, Any]]]:
-    """Edit k of every file before edit k + 1, so the first prompts are of different files."""
-    rows = [json.loads(s) for s in (DATA / "spec_code_edit.jsonl").read_text().splitlines()]
-    pairs = [(r, e) for k in range(len(rows[0]["edits"])) for r in rows for e in [r["edits"][k]]]
-    return [
-        [
-            {
-                "role": "user",
-                "content": f"Here is the file `{r['file']}`:\n\n```python\n{r['code']}```\n\n{edit}"
-                " Reply with the whole updated file in one ```python block and nothing else.",
-            }
-        ]
-        for r, edit in pairs[:n]
-    ]
-
-
-def chat(n: int) -> list[list[dict[str, Any]]]:
-    rows = [json.loads(s) for s in (DATA / "spec_chat.jsonl").read_text().splitlines()]
-    return [[{"role": "user", "content": r["prompt"]}] for r in rows[:n]]
-
-
-def render(
-    tok: Tokenizer, messages: list[dict[str, Any]], tools: list | None
-) -> tuple[list[int], str]:
-    """Token ids as the chat route makes them; where the tool schemas went."""
-    text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
-    where = "template" if tools else "none"
-    if tools and tools[0]["function"]["name"] not in text:
-        sys_msg = {**messages[0], "content": messages[0]["content"] + tools_block(tools)}
-        text = tok.apply_chat_template([sys_msg, *messages[1:]], add_generation_prompt=True)
-        where = "system prompt (the template drops tools)"
-    return tok.encode(text, add_special_tokens=False), where
-
-
-def prompt_sets(
-    tok: Tokenizer, n: int, names: list[str], quick: bool
-) -> tuple[dict[str, list[list[int]]], dict[str, Any]]:
-    build = {
-        "agentic": lambda: agentic(n, quick),
-        "code": lambda: code_edit(n),
-        "chat": lambda: chat(n),
-    }
-    sets, info = {}, {}
-    for name in names:
-        # --quick: two tools, so the tiny model's context holds the prompt and the CPU is quick.
-        tools = list(TOOLS[:2] if quick else TOOLS) if name == "agentic" else None
-        rendered = [render(tok, m, tools) for m in build[name]()]
-        sets[name] = [ids for ids, _ in rendered]
-        lens = [len(ids) for ids in sets[name]]
-        info[name] = {
-            "prompts": len(lens),
-            "mean_prompt_tokens": sum(lens) / len(lens),
-            "max_prompt_tokens": max(lens),
-            "tools": rendered[0][1],
-        }
-    return sets, info
-
 
 # -- timing one cell -----------------------------------------------------------------------------
 
@@ -429,157 +325,6 @@ def compare(rows: list[dict[str, Any]], base_engine: LLMEngine, prompts: list[li
             r["first_mismatch"] = first_mismatch(base_engine, prompts, base["tokens"], r["tokens"])
 
 
-def answer_shape(tok: Tokenizer, set_name: str, tokens: list[list[int]]) -> dict[str, Any]:
-    """What the answers are (a sample, and the share in the set's expected form), so a table
-    of speedups on answers that are not tool calls or code is not mistaken for one that is."""
-    texts = [tok.decode(t) for t in tokens]
-    marker = {"agentic": "<tool_call>", "code": "```"}.get(set_name)
-    shape: dict[str, Any] = {"sample": texts[0][:300]}
-    if marker is not None:
-        shape[f"share_with_{'tool_call' if set_name == 'agentic' else 'code_block'}"] = sum(
-            marker in t for t in texts
-        ) / len(texts)
-    return shape
-
-
-# -- the 8B shape --------------------------------------------------------------------------------
-
-
-def verify_shape(quick: bool) -> dict[str, Any]:
-    """Verify (K + 1 tokens a request) against decode (1), and an EAGLE-3 draft step, in ms."""
-    from benchmarks.engine_gpu import SHAPES
-    from ember.attention.triton_backend import TritonAttentionBackend
-
-    dev, backend = torch.device("cuda"), TritonAttentionBackend()
-    h = SHAPES["llama"]["hidden_size"]
-    target = dummy_model(SHAPES["llama"], dev)
-    draft = dummy_model({**SHAPES["llama"], "num_hidden_layers": 1, "vocab_size": 32000}, dev)
-    fc = torch.nn.Linear(3 * h, h, bias=False, dtype=torch.bfloat16, device=dev)
-    out: dict[str, Any] = {
-        "shape": "llama-3.1-8b (dummy bf16)",
-        "context": CONTEXT,
-        "gpu": torch.cuda.get_device_name(),
-        "attention": "decode kernel for 1 token, the paged prefill kernel for K + 1",
-        "batches": {},
-    }
-    for batch in (1, 32):
-        dec_ms, mode = time_step(step_fn(target, batch, 1, backend))
-        draft_ms, _ = time_step(step_fn(draft, batch, 1, backend, fc))
-        d: dict[str, Any] = {
-            "decode_ms": dec_ms,
-            "timing": mode,
-            "eagle3_draft_step_ms": draft_ms,
-            "k": {},
-        }
-        for k in range(1, 3 if quick else 9):
-            v, _ = time_step(step_fn(target, batch, k + 1, backend))
-            d["k"][k] = {
-                "verify_ms": v,
-                "ratio": v / dec_ms,
-                "break_even_host": v / dec_ms,
-                "break_even_eagle3": (v + k * draft_ms) / dec_ms,
-                "max_speedup_host": (k + 1) * dec_ms / v,
-            }
-        out["batches"][batch] = d
-        ratios = ", ".join(f"K={k} {e['ratio']:.2f}" for k, e in d["k"].items())
-        print(f"8B shape batch {batch}: decode {dec_ms:.3f} ms ({mode}); verify/decode {ratios}")
-    return out
-
-
-def dummy_model(shape: dict[str, Any], dev: torch.device) -> tuple[torch.nn.Module, Any]:
-    import tempfile
-
-    from ember.models.config import ModelConfig
-    from ember.models.loader import load_model
-
-    path = Path(tempfile.mkdtemp())
-    (path / "config.json").write_text(json.dumps(shape))
-    mc = ModelConfig.from_dir(str(path))
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    model = load_model(
-        str(path), mc, dtype=dtype, device=dev, load_format="dummy", max_position=4096
-    )
-    return model, mc
-
-
-def step_fn(
-    model_cfg: tuple[torch.nn.Module, Any],
-    batch: int,
-    q: int,
-    backend: Any,
-    fc: torch.nn.Module | None = None,
-) -> Any:
-    """One forward step of `q` new tokens per request over CONTEXT cached ones (blocks scattered
-    in the pool), with logits for every new token; `fc` first, as an EAGLE-3 draft runs it."""
-    from ember.attention.metadata import AttentionMetadata, ForwardContext
-    from ember.engine.model_runner import kv_cache_shape
-
-    model, mc = model_cfg
-    param = next(model.parameters())
-    dev, bs = param.device, 16
-    per = -(-(CONTEXT + q) // bs)
-    kv = torch.zeros(kv_cache_shape(mc, batch * per, bs), dtype=param.dtype, device=dev)
-    tables = torch.randperm(batch * per).view(batch, per)
-    qsl = [i * q for i in range(batch + 1)]
-    lens = [CONTEXT + q] * batch
-    new = range(CONTEXT, CONTEXT + q)
-    slots = [int(tables[b, p // bs]) * bs + p % bs for b in range(batch) for p in new]
-
-    def t(x: list[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(x, dtype=dtype, device=dev)
-
-    md = AttentionMetadata(
-        query_start_loc=t(qsl, torch.int32),
-        seq_lens=t(lens, torch.int32),
-        block_tables=tables.to(dev, torch.int32),
-        slot_mapping=t(slots, torch.int64),
-        max_query_len=q,
-        max_seq_len=CONTEXT + q,
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=lens,
-        num_decodes=batch if q == 1 else 0,
-    )
-    ctx = ForwardContext(md, kv, backend)
-    ids = torch.randint(0, mc.vocab_size, (batch * q,), device=dev)
-    positions = t(list(new) * batch, torch.int64)
-    feats = torch.randn(batch * q, 3 * mc.hidden_size, dtype=param.dtype, device=dev)
-
-    @torch.inference_mode()
-    def step() -> torch.Tensor:
-        if fc is not None:
-            fc(feats)
-        return model.compute_logits(model(ids, positions, ctx))
-
-    return step
-
-
-@torch.inference_mode()
-def time_step(step: Any) -> tuple[float, str]:
-    """Milliseconds of `step` as a CUDA graph replay (eager where it cannot be captured)."""
-    from benchmarks.engine_gpu import median_ms
-
-    step(), step()  # Triton compiles and autotunes outside the capture
-    torch.cuda.synchronize()
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        return median_ms(graph.replay), "cuda_graph"
-    except RuntimeError as e:  # a step that reads host data cannot be captured
-        torch.cuda.synchronize()
-        return median_ms(step), f"eager ({str(e)[:80]})"
-
-
-def predicted_speedup(r: dict[str, Any], v: dict[str, Any]) -> float | None:
-    """The 8B speedup for this row's acceptance, at the verify cost of its mean draft length."""
-    d = v["batches"].get(r["batch"])
-    if d is None or r["mean_accepted_len"] is None or r["proposer"] == "none":
-        return None
-    k = min(max(round(r["mean_draft_len"]), 1), max(d["k"]))
-    draft = k * d["eagle3_draft_step_ms"] if r["proposer"].startswith("eagle3") else 0.0
-    return r["mean_accepted_len"] * d["decode_ms"] / (d["k"][k]["verify_ms"] + draft)
-
-
 # -- report ----------------------------------------------------------------------------------------
 
 
@@ -609,22 +354,7 @@ def print_table(out: dict[str, Any]) -> None:
             f"| {r['speedup']:.2f} | {acc} | {'' if r['drafts'] is None else r['drafts']} "
             f"| {checks(r)} | {'' if p8 is None else f'{p8:.2f}'} |"
         )
-    v = out.get("verify_shape")
-    if v and "skipped" in v:
-        print(f"\n8B shape: skipped ({v['skipped']})")
-    elif v:
-        print(f"\n## Llama-3.1-8B shape, {CONTEXT} context: verify K+1 tokens against decode 1\n")
-        print(
-            "| batch | K | decode ms | verify ms | verify / decode = break-even accepted length "
-            "(ngram, suffix) | break-even with an EAGLE-3 draft |"
-        )
-        print("|---|---|---|---|---|---|")
-        for b, d in v["batches"].items():
-            for k, e in d["k"].items():
-                print(
-                    f"| {b} | {k} | {d['decode_ms']:.3f} | {e['verify_ms']:.3f} | "
-                    f"{e['ratio']:.3f} | {e['break_even_eagle3']:.2f} |"
-                )
+    print_verify_shape(out.get("verify_shape"))
 
 
 def main() -> None:

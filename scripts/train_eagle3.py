@@ -28,31 +28,22 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import json
 import math
 import os
 import random
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ember.attention.backend import AttentionBackend  # noqa: E402
-from ember.attention.metadata import AttentionMetadata, ForwardContext  # noqa: E402
-from ember.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from ember.engine.model_runner import kv_cache_shape  # noqa: E402
-from ember.entrypoints.llm import LLM  # noqa: E402
 from ember.models.config import ModelConfig  # noqa: E402
 from ember.models.loader import load_model  # noqa: E402
 from ember.models.resolve import KNOWN_MODELS, get_model  # noqa: E402
-from ember.sampling_params import SamplingParams  # noqa: E402
 from ember.spec.eagle3 import (  # noqa: E402
     DraftRow,
     Eagle3Config,
@@ -60,136 +51,18 @@ from ember.spec.eagle3 import (  # noqa: E402
     Eagle3DraftModel,
     default_aux_layers,
 )
+from scripts.eagle3_data import (  # noqa: E402
+    Sample,
+    attention,
+    draft_vocab,
+    generate,
+    in_answer,
+    target_states,
+)
+from scripts.eagle3_ttt import shift, ttt_forward  # noqa: E402
 
 PROMPTS = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "eagle3_prompts.jsonl"
 STEP_WEIGHT = 0.8
-
-
-@dataclass(slots=True)
-class Sample:
-    ids: torch.Tensor  # [S] prompt + answer
-    aux: torch.Tensor  # [S, 3 * H]
-    labels: torch.Tensor  # [S] the target's greedy next token after each position
-    answer_start: int
-
-
-Seq = tuple[list[int], int]
-"""prompt + answer ids, and where the answer starts."""
-
-
-def generate(model_dir: Path, args: argparse.Namespace) -> tuple[list[Seq], list[Seq]]:
-    """The target's own answers: (training, held-out). The held-out prompts are answered greedily,
-    as the replay decodes; training prompts get --samples answers at --temperature (sampled
-    contexts, still scored against the target's greedy next tokens)."""
-    rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
-    rows = rows[: args.max_prompts] if args.max_prompts else rows
-    random.Random(args.seed).shuffle(rows)
-    n_eval = max(1, int(len(rows) * args.eval_fraction)) if len(rows) > 1 else 0
-    # A share of the GPU, so the training that follows finds the rest free.
-    llm = LLM(
-        str(model_dir),
-        device=args.device,
-        dtype=args.dtype,
-        seed=args.seed,
-        gpu_memory_utilization=0.4,
-    )
-    try:
-        greedy = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
-        sampled = SamplingParams(
-            n=args.samples, temperature=args.temperature, max_tokens=args.max_new_tokens
-        )
-        held_out = llm.chat([r["messages"] for r in rows[:n_eval]], greedy) if n_eval else []
-        train = llm.chat([r["messages"] for r in rows[n_eval:]], sampled)
-    finally:
-        llm.close()
-
-    def seqs(outs: list) -> list[Seq]:
-        return [
-            (o.prompt_token_ids + c.token_ids, len(o.prompt_token_ids))
-            for o in outs
-            for c in o.outputs
-        ]
-
-    return seqs(train), seqs(held_out)
-
-
-def attention(device: torch.device) -> AttentionBackend:
-    """The engine's backend for the device (the PyTorch reference runs on the CPU only)."""
-    if device.type == "cuda":
-        from ember.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    return TorchAttentionBackend()
-
-
-@torch.no_grad()
-def target_states(
-    target: torch.nn.Module,
-    seqs: list[tuple[list[int], int]],
-    device: torch.device,
-    batch_tokens: int,
-) -> list[Sample]:
-    """A plain forward of each sequence (batched, over a throwaway paged cache)."""
-    cfg, bs, backend = target.config, 16, attention(device)
-    samples: list[Sample] = []
-    groups: list[list[tuple[list[int], int]]] = []
-    for seq in seqs:  # consecutive sequences, up to batch_tokens a forward
-        if groups and sum(len(x) for x, _ in groups[-1]) + len(seq[0]) <= batch_tokens:
-            groups[-1].append(seq)
-        else:
-            groups.append([seq])
-    for batch in groups:
-        # Each sequence gets consecutive blocks, so its slots are its positions plus an offset.
-        lens = [len(x) for x, _ in batch]
-        nbs = [-(-length // bs) for length in lens]
-        first = list(itertools.accumulate(nbs, initial=0))
-        qsl = list(itertools.accumulate(lens, initial=0))
-        tables = [
-            list(range(f, f + nb)) + [0] * (max(nbs) - nb)
-            for f, nb in zip(first[:-1], nbs, strict=True)
-        ]
-        slots = [
-            f * bs + p for f, length in zip(first[:-1], lens, strict=True) for p in range(length)
-        ]
-        n = first[-1]
-        md = AttentionMetadata(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            max_query_len=max(lens),
-            max_seq_len=max(lens),
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=lens,
-        )
-        kv = torch.zeros(
-            kv_cache_shape(cfg, n, bs), dtype=next(target.parameters()).dtype, device=device
-        )
-        ids = torch.tensor([t for s, _ in batch for t in s], device=device)
-        pos = torch.cat([torch.arange(length, device=device) for length in lens])
-        hidden = target(ids, pos, ForwardContext(md, kv, backend))
-        labels = target.compute_logits(hidden).argmax(-1)
-        aux = target.model.aux_hidden
-        for j, (_, start) in enumerate(batch):
-            a, b = qsl[j], qsl[j + 1]
-            samples.append(Sample(ids[a:b].clone(), aux[a:b].float(), labels[a:b].clone(), start))
-    return samples
-
-
-def in_answer(sample: Sample) -> torch.Tensor:
-    """Positions q whose label y_q is an answer token: answer_start <= q + 1 <= S - 1."""
-    q = torch.arange(len(sample.ids), device=sample.ids.device)
-    return (q + 1 >= sample.answer_start) & (q + 1 <= len(sample.ids) - 1)
-
-
-def draft_vocab(samples: list[Sample], size: int, vocab: int) -> torch.Tensor:
-    """The `size` target ids the target predicts most often in its answers, ascending."""
-    counts = torch.zeros(vocab, dtype=torch.int64)
-    for s in samples:
-        counts += torch.bincount(s.labels[in_answer(s)].cpu(), minlength=vocab)
-    # Ties (unseen tokens) go by id, so the choice is deterministic.
-    order = sorted(range(vocab), key=lambda t: (-int(counts[t]), t))
-    return torch.tensor(sorted(order[:size]), dtype=torch.int64)
 
 
 def head_config(target_cfg: ModelConfig, aux_layers: tuple[int, ...], draft_size: int) -> dict:
@@ -233,74 +106,6 @@ def init_head(config: dict, target: torch.nn.Module, draft_ids: torch.Tensor) ->
         model.lm_head.weight.copy_(target.lm_head.weight[draft_ids])
         model.norm.weight.copy_(target.model.norm.weight)
     return model
-
-
-def ttt_attention(
-    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float
-) -> torch.Tensor:
-    """q [B, S, Hq, D] of step j = len(keys) - 1: causal over step 0's keys, plus each row's own
-    keys of steps 1..j (the chain's later positions)."""
-    b, s, hq, d = q.shape
-    rep = hq // keys[0].shape[2]
-    expand = [
-        (k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2))
-        for k, v in zip(keys, values, strict=True)
-    ]
-    qt = q.transpose(1, 2).float()  # [B, Hq, S, D]
-    k0, v0 = (t.transpose(1, 2).float() for t in expand[0])
-    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-    scores = [(qt @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
-    scores += [
-        ((q.float() * k.float()).sum(-1) * scale).transpose(1, 2)[..., None] for k, _ in expand[1:]
-    ]
-    probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
-    out = probs[..., :s] @ v0
-    for i, (_, v) in enumerate(expand[1:]):
-        out = out + probs[..., s + i : s + i + 1] * v.transpose(1, 2).float()
-    return out.transpose(1, 2).to(q.dtype)
-
-
-def shift(x: torch.Tensor, n: int, fill: int | bool) -> torch.Tensor:
-    """x[:, p + n] at p, `fill` past the end."""
-    return torch.cat([x[:, n:], x.new_full((x.shape[0], n), fill)], dim=1)
-
-
-def ttt_forward(
-    model: Eagle3DraftModel,
-    ids: torch.Tensor,
-    aux: torch.Tensor,
-    labels: torch.Tensor,
-    answer: torch.Tensor,
-    steps: int,
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """labels: draft ids, -1 outside the draft vocabulary; answer: `in_answer` per row. Per step:
-    the loss, and each row's correctness [B, S] (False where the label is not scored)."""
-    layer, attn = model.midlayer, model.midlayer.self_attn
-    b, s = ids.shape
-    hidden = model.fc(aux)
-    keys: list[torch.Tensor] = []
-    values: list[torch.Tensor] = []
-    losses, correct = [], []
-    for j in range(steps):
-        tok, lab = shift(ids, 1 + j, 0), shift(labels, 1 + j, -1)
-        m = shift(answer, 1 + j, False) & (lab >= 0)
-        normed = layer.hidden_norm(hidden)
-        residual = normed if layer.norm_before_residual else hidden
-        x = torch.cat([layer.input_layernorm(model.embed_tokens(tok)), normed], dim=-1)
-        q, k, v = attn.qkv_proj.split(attn.qkv_proj(x))
-        q = q.reshape(b * s, attn.num_heads, attn.head_dim)
-        k = k.reshape(b * s, attn.num_kv_heads, attn.head_dim)
-        pos = (torch.arange(s, device=ids.device) + j).repeat(b)
-        q, k = attn.rotary(pos, q, k)
-        keys.append(k.reshape(b, s, attn.num_kv_heads, attn.head_dim))
-        values.append(v.reshape(b, s, attn.num_kv_heads, attn.head_dim))
-        o = ttt_attention(q.reshape(b, s, attn.num_heads, attn.head_dim), keys, values, attn.scale)
-        x, residual = layer.post_attention_layernorm(attn.o_proj(o.reshape(b, s, -1)), residual)
-        hidden = layer.mlp(x) + residual
-        logits = model.compute_logits(hidden)
-        losses.append(F.cross_entropy(logits[m], lab[m]) if m.any() else logits.sum() * 0)
-        correct.append((logits.argmax(-1) == lab) & m)
-    return losses, correct
 
 
 def batches(samples: list[Sample], batch_tokens: int) -> list[list[Sample]]:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ember.spec.proposer import HostProposer
+from ember.spec.suffix_draft import speculate, speculate_open
 from ember.spec.suffix_tree import SuffixTree
 
 _OWN = 0  # the one sequence of a request's own tree
@@ -113,11 +114,11 @@ class SuffixProposer(HostProposer):
         if limit <= 0:
             return []
         settings = (limit, self.max_spec_factor, self.max_spec_offset, self.min_token_prob)
-        best = req.tree.speculate_open(*settings)
+        best = speculate_open(req.tree, *settings)
         cache = self._scopes.get(req.scope)
         if cache is not None:
             self._scopes.move_to_end(req.scope)
-            shared = cache.tree.speculate(req.tree.tokens(_OWN), *settings)
+            shared = speculate(cache.tree, req.tree.tokens(_OWN), *settings)
             if shared.score > best.score:
                 best = shared
         return best.tokens

@@ -1,7 +1,8 @@
 """A bounded-depth suffix tree with counts over one or more token sequences: every substring of
 up to `max_depth` tokens is a path from the root, and each node counts the occurrences that pass
 through it, so child count / parent count estimates how often a continuation follows a pattern
-(SuffixDecoding, arXiv 2411.04975). Updated in O(max_depth) per appended token."""
+(SuffixDecoding, arXiv 2411.04975). Updated in O(max_depth) per appended token; drafts are
+read from it in ember/spec/suffix_draft.py."""
 
 from __future__ import annotations
 
@@ -13,17 +14,6 @@ from dataclasses import dataclass, field
 _ROOT = 0
 _NONE = -1
 _NO_TOKENS: list[int] = []
-
-
-@dataclass(slots=True)
-class Draft:
-    """A greedy continuation: its tokens, their estimated probabilities (products along the
-    path), their sum (the expected number of accepted tokens) and the pattern length matched."""
-
-    tokens: list[int] = field(default_factory=list)
-    probs: list[float] = field(default_factory=list)
-    score: float = 0.0
-    match_len: int = 0
 
 
 @dataclass(slots=True)
@@ -354,115 +344,3 @@ class SuffixTree:
         """Occurrences of `pattern` (len <= max_depth) across the sequences."""
         hit = self.match(list(pattern))
         return 0 if hit is None else self._count[hit[0]]
-
-    def speculate(
-        self,
-        context: Sequence[int],
-        max_tokens: int,
-        max_spec_factor: float,
-        max_spec_offset: float,
-        min_token_prob: float,
-    ) -> Draft:
-        """The best greedy draft to follow `context`, over all lengths of its matched suffix.
-
-        For match length m the draft holds at most min(max_tokens, m * factor + offset) tokens;
-        the draft of highest score wins, the longer match on a tie.
-        """
-        context = list(context[-self.max_depth :])
-        settings = (max_tokens, max_spec_factor, max_spec_offset, min_token_prob)
-        return self._speculate(context, *settings, own=False)
-
-    def speculate_open(
-        self, max_tokens: int, max_spec_factor: float, max_spec_offset: float, min_token_prob: float
-    ) -> Draft:
-        """`speculate` for the open sequence's own continuation: its latest occurrence of each
-        matched suffix (itself) is left out of the counts, as it has no continuation yet."""
-        if self._open_id is None:
-            raise ValueError("suffix tree: no open sequence")
-        context = self._seqs[self._open_id][-self.max_depth :]
-        settings = (max_tokens, max_spec_factor, max_spec_offset, min_token_prob)
-        return self._speculate(context, *settings, own=True)
-
-    def _speculate(
-        self,
-        context: list[int],
-        max_tokens: int,
-        max_spec_factor: float,
-        max_spec_offset: float,
-        min_token_prob: float,
-        own: bool,
-    ) -> Draft:
-        best = Draft()
-        n = len(context)
-        # own: the context is the open sequence; its own occurrence of a pattern is no evidence.
-        own_counted = self._own_counted if own else _not_counted
-        # A suffix of a pattern occurs at least as often as the pattern, so the lengths that
-        # occur (apart from the context's own occurrence) are 1..longest: binary search.
-        longest, absent = 0, min(n, self.max_depth - 1) + 1
-        while absent - longest > 1:
-            mid = (longest + absent) // 2
-            hit = self.match(context[n - mid :])
-            if hit is None or self._count[hit[0]] <= own_counted(mid):
-                absent = mid
-            else:
-                longest = mid
-        # A match of m tokens leaves room for max_depth - m more. Try first the longest match
-        # with room for max_tokens: when its draft is certain, no other can score higher.
-        depth = self.max_depth
-        first = min(longest, depth - max_tokens)
-        lengths: Sequence[int] = range(longest, 0, -1)
-        if 0 < first < longest:
-            lengths = (first, *(m for m in lengths if m != first))
-        for m in lengths:
-            cap = min(max_tokens, int(m * max_spec_factor + max_spec_offset + 1e-6))
-            if cap <= best.score:
-                break  # shorter matches: a draft of at most `cap` tokens cannot score higher
-            if depth - m <= best.score:
-                continue  # no room left below this match for a better draft
-            node, idx = self.match(context[n - m :])  # type: ignore[misc]
-            draft = self._walk(node, idx, cap, min_token_prob, own_counted(m))
-            if draft.score > best.score:
-                draft.match_len = m
-                best = draft
-        return best
-
-    def _walk(self, node: int, idx: int, cap: int, min_token_prob: float, discount: int) -> Draft:
-        """Follow the most frequent continuation while its probability stays >= min_token_prob.
-        `discount`: occurrences counted at the start that continue nowhere (the context's own)."""
-        count, children_of, top = self._count, self._children, self._top
-        draft = Draft()
-        tokens = draft.tokens
-        probs = draft.probs
-        prob = 1.0
-        node_len = self._edge_len(node)
-        while len(tokens) < cap:
-            if idx < node_len:
-                # The rest of an edge: every occurrence here goes on the same way.
-                take = min(node_len - idx, cap - len(tokens))
-                at = self._start[node] + idx
-                tokens.extend(self._seq[node][at : at + take])
-                probs.extend([prob] * take)
-                idx += take
-                continue
-            children = children_of[node]
-            if not children:
-                break
-            best = top[node]
-            if best == _NONE:
-                best = top[node] = max(children.values(), key=count.__getitem__)
-            total = count[node] - discount
-            discount = 0
-            if total <= 0:
-                break
-            prob *= count[best] / total
-            if prob < min_token_prob:
-                break
-            node = best
-            node_len = self._edge_len(node)
-            idx = 0
-        draft.score = sum(probs)
-        return draft
-
-
-def _not_counted(length: int) -> int:
-    return 0

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from ember.spec.host import make_host_proposer
 from ember.spec.suffix import SuffixProposer
+from ember.spec.suffix_draft import speculate_open
 from ember.spec.suffix_tree import SuffixTree
 
 # ---- the tree ------------------------------------------------------------------------------
@@ -169,7 +170,7 @@ _BRANCHY = [7, 8, 1, 50, 60, 7, 8, 1, 50, 61, 7, 8, 1, 51, 62, 7, 8, 2, 63, 7, 8
 def test_greedy_walk_takes_the_most_frequent_continuation_with_its_probability() -> None:
     tree = SuffixTree(24)
     tree.append(0, _BRANCHY)
-    draft = tree.speculate_open(8, 1.0, 0.0, 0.1)
+    draft = speculate_open(tree, 8, 1.0, 0.0, 0.1)
     assert draft.tokens == [1, 50]
     assert draft.probs == pytest.approx([3 / 4, 3 / 4 * 2 / 3])
     assert draft.score == pytest.approx(3 / 4 + 1 / 2)
@@ -197,7 +198,7 @@ def test_tokens_arrive_incrementally_and_a_changed_prefix_rebuilds() -> None:
 def test_own_drafts_are_real_continuations(tokens: list[int], k: int) -> None:
     tree = SuffixTree(6)
     tree.append(0, tokens)
-    draft = tree.speculate_open(k, 1.0, 0.0, 0.1)
+    draft = speculate_open(tree, k, 1.0, 0.0, 0.1)
     m, n = draft.match_len, len(tokens)
     assert len(draft.tokens) <= min(k, m)
     if draft.tokens:
