@@ -21,7 +21,7 @@ cat /tmp/smolA.part .smolB/part > /tmp/smollm2.gguf
 echo "$(cat .smolB/sha256)  /tmp/smollm2.gguf" | sha256sum -c - || exit 1
 model=$(python3 -c "from ember.models.resolve import resolve_model; print(resolve_model('/tmp/smollm2.gguf'))")
 echo "model: $model"
-timeout 150 python3 scripts/train_eagle3.py --model "$model" --out /tmp/eagle3 --device cuda \
+timeout 330 python3 scripts/train_eagle3.py --model "$model" --out /tmp/eagle3 --device cuda \
   --max-seconds 50 2>&1 | tail -8 | tee "$OUT/train_eagle3.log"
 cp /tmp/eagle3/train_summary.json "$OUT/" 2>/dev/null
 draft=()
