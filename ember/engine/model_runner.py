@@ -9,6 +9,7 @@ inputs (`prev_tokens`) and travel to the host in one asynchronous copy."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -217,12 +218,13 @@ class ModelRunner:
         drafts: list[list[int]] = []
         if graph_bs is not None:
             logits = self.graphs.replay(so, order, graph_bs, self._prev_rows)
-            # Every decode and verification samples: a slice, never an index from a host list
-            # (a hidden sync).
-            if len(rows) != n:
-                raise RuntimeError("a decode graph's rows must all sample")
-            logits = logits[:num_rows]
-            drafts = [spec[i] for i in order] if num_rows > n else []
+            drafts = [spec[order[j]] for j in rows] if num_rows > n else []
+            if len(rows) == n:  # a slice; an index (below) costs a copy to the device
+                logits = logits[:num_rows]
+            else:  # a one-token prompt chunk that does not end its prompt samples nothing
+                starts = list(itertools.accumulate((len(spec[i]) + 1 for i in order), initial=0))
+                keep = [r for j in rows for r in range(starts[j], starts[j + 1])]
+                logits = logits[self._tensor(keep, torch.int64)]
         else:
             ids, positions, md = self.prepare(so, order)
             hidden = self.model(ids, positions, ForwardContext(md, self.kv_cache, self.backend))

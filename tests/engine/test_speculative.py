@@ -452,3 +452,44 @@ def test_abort_while_verifying_frees_every_block(llama: Path) -> None:
             done[out.request_id] = out
     assert done["stays"].finished and done["stays"].outputs[0].token_ids == want[1][0]
     assert_pool_whole(llm)
+
+
+def test_graph_rows_are_matched_to_their_requests(llama: Path) -> None:
+    """The CUDA-graph path's row bookkeeping, on the CPU with a stand-in for the graphs: a decode,
+    a one-token prompt chunk that samples nothing, and a verification of two drafts replay as
+    one row each and three rows; each request gets the samples of its own rows."""
+    from ember.engine.request import Request
+    from ember.engine.scheduler import SchedulerOutput
+
+    llm = LLM(str(llama), dtype="float32")
+    runner = llm.engine.core.runner
+    vocab = llm.engine.core.model_config.vocab_size
+
+    class Graphs:
+        graphs = {8: None}
+
+        def size_for(self, n: int) -> int:
+            return 8
+
+        def replay(self, so, order, size, prev_rows):  # type: ignore[no-untyped-def]
+            return torch.nn.functional.one_hot(torch.arange(size) + 100, vocab).float()
+
+    runner.graphs = Graphs()
+    greedy = SamplingParams(temperature=0.0, max_tokens=10)
+    reqs = [
+        Request(f"r{i}", [1, 2, 3, 4], greedy, frozenset(), 10, output_token_ids=[5])
+        for i in range(3)
+    ]
+    for r in reqs:
+        r.all_token_ids = [1, 2, 3, 4, 5]
+    so = SchedulerOutput(
+        requests=reqs,
+        num_scheduled_tokens=[1, 1, 3],
+        block_ids=[[0], [1], [2]],
+        num_computed_tokens=[4, 2, 4],
+        samples=[True, False, True],
+        spec_token_ids=[[], [], [102, 999]],
+    )
+    out = runner.finish(runner.launch(so))
+    assert out.sampled == [100, None, 103]  # rows 0 | 1 (skipped) | 2, 3, 4
+    assert out.accepted == [[], [], [102]]
