@@ -52,3 +52,7 @@ class RequestOutput:
     """Prefill role: where the prompt's KV waits for a decode engine (on the final output)."""
     prompt_logprobs: PromptLogprobs | None = None
     """With SamplingParams.prompt_logprobs: set from the first output on."""
+    spec_draft_tokens: int = 0
+    """Speculative decoding: draft tokens verified for this request (all its samples)."""
+    spec_accepted_tokens: int = 0
+    """Of them, those accepted: output tokens that cost no forward pass of their own."""

@@ -104,6 +104,9 @@ async def send(
                     rec.completion_tokens = usage.get("completion_tokens") or 0
                     details = usage.get("prompt_tokens_details") or {}
                     rec.cached_tokens = details.get("cached_tokens") or 0
+                    spec = usage.get("completion_tokens_details") or {}
+                    accepted = spec.get("accepted_prediction_tokens")
+                    rec.accepted_prediction_tokens = accepted if isinstance(accepted, int) else None
     except TimeoutError:
         # Our own cut-off, not the server's doing: say so (aiohttp raises a bare TimeoutError).
         rec.error = f"timeout: no end within {timeout_s:g} s (ember bench --timeout)"

@@ -142,6 +142,26 @@ def summarize(
         "cached_tokens": cached,
         "cache_hit_ratio": _ratio(cached, prompt),
         **_trace_hits(records),
+        **_tokens_per_step(done),
+    }
+
+
+def _tokens_per_step(done: Sequence[RequestRecord]) -> dict[str, Any]:
+    """Speculative decoding per request, from the usage each answer reports: a request's output
+    tokens over the forward steps that made them (each step makes one token of its own, the rest
+    are accepted drafts), averaged over the requests that report it: the mean accepted length
+    per request (1.0 without speculation)."""
+    per_request = [
+        r.completion_tokens / (r.completion_tokens - r.accepted_prediction_tokens)
+        for r in done
+        if r.accepted_prediction_tokens is not None
+        and r.completion_tokens > r.accepted_prediction_tokens >= 0
+    ]
+    return {
+        "mean_accepted_length_per_request": (
+            sum(per_request) / len(per_request) if per_request else None
+        ),
+        "requests_with_accepted_length": len(per_request),
     }
 
 

@@ -56,6 +56,9 @@ class RequestRecord:
     sent_prompt_tokens: int | None = None
     """Prompt tokens the client sent, where it knows them (token-id prompts): a failed request's
     share of the ideal hit ratio needs a denominator the server never reported."""
+    accepted_prediction_tokens: int | None = None
+    """usage.completion_tokens_details.accepted_prediction_tokens: output tokens that came from
+    accepted drafts (speculative decoding); None when the server reports none."""
     error: str | None = None
     output_text: str = ""
 

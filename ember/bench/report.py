@@ -118,6 +118,13 @@ def markdown_table(summary: Mapping[str, Any]) -> str:
     lines.append(f"- errors: {summary['errors']}" + (f" ({detail})" if detail else ""))
     lines += _cache_lines(summary)
     lines += _spec_lines(summary.get("speculative"))
+    per_request = summary.get("mean_accepted_length_per_request")
+    if per_request is not None:
+        lines.append(
+            "- speculative decoding: mean accepted length per request "
+            f"{format_number(per_request)} (output tokens / forward steps, from each answer's "
+            f"usage, over {summary['requests_with_accepted_length']} requests)"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -456,6 +456,8 @@ class EngineCore:
                     kv_transfer_params=(lease := self._lease_of(req)),
                     lease_until=self._lease_until(lease),
                     prompt_logprobs=take_prompt_logprobs(req),
+                    spec_draft_tokens=req.spec_draft_tokens,
+                    spec_accepted_tokens=req.spec_accepted_tokens,
                 )
             )
         return outputs

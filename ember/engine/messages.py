@@ -87,6 +87,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     lease_until: float = 0.0
     """With kv_transfer_params: when the core will let the lease expire (time.monotonic(), the
     system-wide clock both processes read), so the API process can answer a release itself."""
+    spec_draft_tokens: int = 0
+    """Speculative decoding: the request's draft tokens verified so far (cumulative, so the last
+    output seen has the totals), and how many of them were accepted."""
+    spec_accepted_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs] | None = None
     """With SamplingParams.prompt_logprobs, on the output of the step that ends the prompt: entry p
     scores prompt token p + 1 (the first token has no entry)."""

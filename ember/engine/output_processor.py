@@ -29,6 +29,8 @@ class SampleState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -69,6 +71,8 @@ class RequestState:
             self.num_cached_tokens,
             kv_transfer_params=self.kv_transfer_params,
             prompt_logprobs=self.prompt_logprobs,
+            spec_draft_tokens=sum(s.spec_draft_tokens for s in self.samples.values()),
+            spec_accepted_tokens=sum(s.spec_accepted_tokens for s in self.samples.values()),
         )
 
 
@@ -114,6 +118,8 @@ class OutputProcessor:
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             if out.kv_transfer_params is not None:
                 state.kv_transfer_params = out.kv_transfer_params
+            sample.spec_draft_tokens = max(sample.spec_draft_tokens, out.spec_draft_tokens)
+            sample.spec_accepted_tokens = max(sample.spec_accepted_tokens, out.spec_accepted_tokens)
             if out.prompt_logprobs is not None and state.prompt_logprobs is None:
                 state.prompt_logprobs = [None, *map(self._logprob_dict, out.prompt_logprobs)]
             if self._apply(sample, out) and out.finish_reason is None:

@@ -80,6 +80,9 @@ class Request:
     verifying: bool = False
     """A step verifying its drafts is in flight: the next one waits for its tokens (how many
     stand decides where the next step starts)."""
+    spec_draft_tokens: int = 0
+    """Draft tokens verified for this request so far, and how many of them stood."""
+    spec_accepted_tokens: int = 0
     speculates: bool = False
     """The engine speculates for this request now: its drafts are made from its known tokens, so
     its steps are not scheduled ahead of their tokens (see `needs_known_tokens`)."""

@@ -123,6 +123,8 @@ class Speculator:
         self.num_drafts += 1
         self.num_draft_tokens += len(drafts)
         self.num_accepted_tokens += accepted
+        req.spec_draft_tokens += len(drafts)
+        req.spec_accepted_tokens += accepted
         for i in range(accepted):
             self.accepted_per_pos[i] += 1
         if self.host is not None:

@@ -11,6 +11,8 @@ from typing import Any
 from ember.kv.block_hash import BlockHash, hash_blocks
 from ember.tokenizer.tokenizer import Tokenizer
 
+TOKEN_ID_LIMIT = 1 << 32
+"""Block hashes pack token ids as uint32."""
 CHARS_PER_TOKEN = 4
 """Without a tokenizer, prompt length is estimated from its characters."""
 BIG_TEXT_CHARS = 64 << 10
@@ -69,7 +71,10 @@ class PromptReader:
     def _completion(self, body: dict[str, Any]) -> PromptInfo:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return PromptInfo(len(prompt), list(prompt))
+            # Ids outside what a block hash holds get no hashes (the engine answers them with a
+            # 400); hashing a negative id raised OverflowError, a 500 (found by the fuzzer).
+            valid = all(0 <= t < TOKEN_ID_LIMIT for t in prompt)
+            return PromptInfo(len(prompt), list(prompt) if valid else None)
         if isinstance(prompt, str):
             return self._text(prompt)
         if isinstance(prompt, list) and prompt:

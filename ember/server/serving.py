@@ -37,15 +37,43 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(out: RequestOutput) -> dict[str, Any]:
-    prompt = len(out.prompt_token_ids)
+def usage(out: RequestOutput, speculates: bool = False) -> dict[str, Any]:
     completion = sum(len(o.token_ids) for o in out.outputs)
-    return {
+    return usage_body(
+        len(out.prompt_token_ids),
+        completion,
+        out.num_cached_tokens,
+        out.spec_draft_tokens,
+        out.spec_accepted_tokens,
+        speculates,
+    )
+
+
+def usage_body(
+    prompt: int,
+    completion: int,
+    cached: int,
+    drafted: int = 0,
+    accepted: int = 0,
+    speculates: bool = False,
+) -> dict[str, Any]:
+    """OpenAI's usage object. With speculative decoding, `completion_tokens_details` says how
+    many draft tokens stood and how many were rejected, in the fields OpenAI uses for its
+    predicted outputs: a client sees per request what speculation saved (the output tokens that
+    needed no forward pass of their own). `speculates`: the request could speculate (the details
+    come even when nothing was drafted, so that a client's per-request average counts it)."""
+    body: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if drafted or speculates:
+        body["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": drafted - accepted,
+        }
+    return body
 
 
 def stop_holdback(params: SamplingParams) -> int:
@@ -77,6 +105,10 @@ class ServingContext:
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
+
+    def speculates(self, asked: bool) -> bool:
+        """Whether a request that asked for speculation (the default) may get it here."""
+        return asked and self.engine.config.speculative is not None
 
     def check_model(self, model: str | None) -> str:
         if model is None or model in self.served_model_names:

@@ -184,7 +184,7 @@ class ChatHandler:
             "created": int(time.time()),
             "model": model,
             "choices": choices,
-            "usage": usage(final),
+            "usage": usage(final, self.ctx.speculates(req.speculative)),
             "system_fingerprint": None,
         }
         if req.prompt_logprobs is not None:
@@ -257,7 +257,13 @@ class ChatHandler:
                         for piece in self._advance(req, states[o.index], o, holdback):
                             yield chunk(o.index, *piece)
             if include_usage and final is not None and final.finished:
-                yield sse({**base, "choices": [], "usage": usage(final)})
+                yield sse(
+                    {
+                        **base,
+                        "choices": [],
+                        "usage": usage(final, self.ctx.speculates(req.speculative)),
+                    }
+                )
         except Exception as e:  # after the 200: end with an error event, never a hang
             yield stream_error(e)
         finally:

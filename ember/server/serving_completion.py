@@ -28,6 +28,7 @@ from ember.server.serving import (
     sse,
     stop_holdback,
     stream_error,
+    usage_body,
     watch_disconnect,
 )
 
@@ -167,7 +168,14 @@ class CompletionHandler:
             "created": int(time.time()),
             "model": model,
             "choices": choices,
-            "usage": _usage(prompt_tokens, completion_tokens, cached),
+            "usage": usage_body(
+                prompt_tokens,
+                completion_tokens,
+                cached,
+                sum(f.spec_draft_tokens for f in finals.values()),
+                sum(f.spec_accepted_tokens for f in finals.values()),
+                self.ctx.speculates(req.speculative),
+            ),
             "system_fingerprint": None,
         }
         kv = self.ctx.kv_transfer_body(finals[0], raw)
@@ -238,9 +246,17 @@ class CompletionHandler:
                 completion = sum(len(o.token_ids) for f in finals.values() for o in f.outputs)
                 completion = 0 if req.echo_only else completion
                 cached = sum(f.num_cached_tokens for f in finals.values())
-                yield sse(
-                    {**base, "choices": [], "usage": _usage(prompt_tokens, completion, cached)}
+                drafted = sum(f.spec_draft_tokens for f in finals.values())
+                accepted = sum(f.spec_accepted_tokens for f in finals.values())
+                body = usage_body(
+                    prompt_tokens,
+                    completion,
+                    cached,
+                    drafted,
+                    accepted,
+                    self.ctx.speculates(req.speculative),
                 )
+                yield sse({**base, "choices": [], "usage": body})
         except Exception as e:  # after the 200: end with an error event, never a hang
             yield stream_error(e)
         yield DONE
@@ -258,12 +274,3 @@ class CompletionHandler:
 
 def _choice(index: int, text: str, finish: str | None) -> dict[str, Any]:
     return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
-
-
-def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }

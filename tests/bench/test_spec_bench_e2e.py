@@ -49,8 +49,12 @@ def test_without_the_secret_it_says_why_once(server: Server, tmp_path: Path) -> 
         line for line in r.stderr.splitlines() if "speculative decoding is not reported" in line
     ]
     assert len(said) == 1 and "HTTP 401" in said[0] and SECRET_ENV in said[0]
-    assert json.loads((tmp_path / "run.json").read_text())["summary"]["speculative"] is None
-    assert "speculative" not in r.stdout
+    summary = json.loads((tmp_path / "run.json").read_text())["summary"]
+    assert summary["speculative"] is None
+    assert "per verification step" not in r.stdout
+    # Each answer's usage still says what speculation did for it, secret or not.
+    assert summary["requests_with_accepted_length"] == 4
+    assert "mean accepted length per request" in r.stdout
 
 
 def test_the_run_reports_the_servers_drafts(server: Server, tmp_path: Path) -> None:

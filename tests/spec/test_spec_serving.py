@@ -4,6 +4,7 @@ the prefix cache and the host tier; greedy output is the output without speculat
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -91,3 +92,61 @@ def test_speculation_over_prefix_cache_and_host_tier_hits(llama: Path) -> None:
         assert pool.num_free_blocks == pool.num_blocks
     finally:
         llm.close()
+
+
+def test_usage_reports_accepted_and_rejected_draft_tokens(llama: Path) -> None:
+    """With speculation on, every answer's usage says how many draft tokens stood and how many
+    did not (OpenAI's predicted-output fields), streamed or not; a request that opts out, or a
+    server without speculation, reports none."""
+    prompt = [11, 12, 13, 14, 15] * 8
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": 24,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    server = start_server(llama, *ENGINE, "--speculative", "suffix")
+    try:
+
+        def usage(extra: dict, stream: bool = False) -> dict:
+            req = {**body, **extra}
+            if not stream:
+                r = httpx.post(f"{server.url}/v1/completions", json=req, timeout=60)
+                assert r.status_code == 200, r.text
+                return r.json()["usage"]
+            req.update(stream=True, stream_options={"include_usage": True})
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=req, timeout=60) as r:
+                lines = [ln for ln in r.iter_lines() if ln.startswith("data: {")]
+            return json.loads(lines[-1][6:])["usage"]
+
+        first = usage({})
+        assert first["completion_tokens_details"]["accepted_prediction_tokens"] >= 0
+        second = usage({})  # drafted from the first answer by the suffix tree
+        details = second["completion_tokens_details"]
+        assert details["accepted_prediction_tokens"] > 0
+        assert details["accepted_prediction_tokens"] < second["completion_tokens"]
+        streamed = usage({}, stream=True)["completion_tokens_details"]
+        assert streamed["accepted_prediction_tokens"] > 0
+        assert "completion_tokens_details" not in usage({"speculative": False})
+        chat = httpx.post(
+            f"{server.url}/v1/chat/completions",
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 8,
+            },
+            timeout=60,
+        ).json()["usage"]
+        assert set(chat["completion_tokens_details"]) == {
+            "accepted_prediction_tokens",
+            "rejected_prediction_tokens",
+        }
+    finally:
+        server.stop()
+    plain = start_server(llama, *ENGINE)
+    try:
+        r = httpx.post(f"{plain.url}/v1/completions", json=body, timeout=60).json()
+        assert "completion_tokens_details" not in r["usage"]
+    finally:
+        plain.stop()
