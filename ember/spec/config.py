@@ -18,7 +18,8 @@ class SpeculativeConfig:
     """eagle3: the draft checkpoint's directory (config.json + safetensors)."""
     max_batch: int | None = None
     """Running requests above which the engine stops speculating (verification would cost more
-    than it saves); None: measured at start-up on a GPU, never on the CPU."""
+    than it saves); None: on a GPU the engine decides from the step times it measures while it
+    serves (`ember.engine.speculation.StepCosts`); on the CPU it always speculates."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
