@@ -168,7 +168,7 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="running requests above which the engine stops speculating, as verification then "
-        "costs more than it saves (default: measured at start-up on a GPU)",
+        "costs more than it saves (default: decided from measured step times on a GPU)",
     )
 
 
