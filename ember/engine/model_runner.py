@@ -23,7 +23,7 @@ from ember.engine.cuda_graphs import DecodeGraphs, feed_input_ids, feed_row
 from ember.engine.prompt_logprobs import PromptScoring, plan_prompt_scoring
 from ember.engine.sampler import Sampler, SamplerOutput, SamplingBatch, score_tokens
 from ember.engine.structured_output import apply_grammar_masks
-from ember.spec.eagle3 import DraftRow
+from ember.spec.eagle3_step import draft_after_step
 from ember.spec.verify import last_rows, num_accepted, verify_rows
 
 if TYPE_CHECKING:
@@ -335,44 +335,20 @@ class ModelRunner:
         return result
 
     def _draft(self, step: PendingStep, result: ModelRunnerOutput) -> list[list[int]]:
-        """EAGLE-3 after a step: every speculative request's new positions extend the draft
-        head's KV (token t_{p+1} with the target's hidden state h_p: the accepted ones only),
-        and the requests that speculate and sampled get K drafts chained from their last."""
-        so, drafter, k = step.so, self.drafter, self.num_draft_tokens
-        drafts: list[list[int]] = [[] for _ in range(step.num_requests)]
-        if so is None or step.aux is None or drafter is None:
-            return drafts
-        chain: list[tuple[int, DraftRow]] = []
-        extend: list[DraftRow] = []
-        for i, req in enumerate(so.requests):
-            if not req.sampling_params.speculative:
-                continue
-            start, n = so.num_computed_tokens[i], so.num_scheduled_tokens[i]
-            rejected = (
-                len(so.spec_token_ids[i]) - len(result.accepted[i]) if so.spec_token_ids else 0
-            )
-            valid = n - rejected
-            tok = result.sampled[i]
-            new = [*result.accepted[i], tok] if tok is not None else []
-            known = req.all_token_ids[start + 1 : start + valid]
-            tokens = (known + new)[:valid]
-            if len(tokens) != valid or not valid:
-                continue  # tokens still in flight (async): nothing to extend with yet
-            aux = step.aux[step.flat[i] : step.flat[i] + valid]
-            row = DraftRow(so.block_ids[i], start, tokens, aux)
-            # The chain writes K - 1 positions past the last valid one: only into blocks the
-            # scheduler gave it (lookahead), else no drafts this step.
-            room = len(so.block_ids[i]) * self.block_size - (start + valid) + 1
-            if tok is not None and req.speculates and room >= k:
-                chain.append((i, row))
-            else:
-                extend.append(row)
-        if extend:
-            drafter.propose(extend, 0)
-        if chain:
-            for (i, _), d in zip(chain, drafter.propose([r for _, r in chain], k), strict=True):
-                drafts[i] = d
-        return drafts
+        """EAGLE-3 after a step (`ember.spec.eagle3_step`): the head's KV grows by the step's
+        accepted positions, and the speculating requests get their next drafts."""
+        if step.so is None or step.aux is None or self.drafter is None:
+            return [[] for _ in range(step.num_requests)]
+        return draft_after_step(
+            self.drafter,
+            self.num_draft_tokens,
+            self.block_size,
+            step.so,
+            step.aux,
+            step.flat,
+            result.sampled,
+            result.accepted,
+        )
 
     def _score_prompt(
         self, hidden: torch.Tensor, scoring: PromptScoring
