@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import socket
 import subprocess
 import time
@@ -9,8 +10,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
+import pytest
 
 from ember.cluster import spawn, stop_processes
 from ember.trust import SECRET_ENV, internal_headers
@@ -151,3 +154,25 @@ def pd_cluster(model_dir: Path, *engine_args: str, prefill: int = 2) -> Iterator
         yield PDCluster(servers[:prefill], servers[prefill], servers[-1])
     finally:
         stop_processes([s.proc for s in reversed(servers)], 20)  # the router first
+
+
+def spawned_by_up(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], **start: object
+) -> tuple[argparse.Namespace, dict[str, list[str]]]:
+    """`ember up argv`'s parsed arguments and the command line it would give each process
+    (router and engines, by name), without starting any: `start` goes to `start_cluster` (e.g. a
+    store address)."""
+    import ember.cluster as cluster
+
+    spawned: dict[str, list[str]] = {}
+
+    def record(name: str, url: str, args: list[str], env: object = None) -> SimpleNamespace:
+        spawned[name] = list(args)
+        return SimpleNamespace(name=name, url=url)
+
+    monkeypatch.setattr(cluster, "spawn", record)
+    p = argparse.ArgumentParser()
+    cluster.add_up_args(p)
+    args = p.parse_args(argv)
+    cluster.start_cluster(args, argv[0], "secret", **start)
+    return args, spawned

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.servers import free_port
+from tests.servers import free_port, spawned_by_up
 
 pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine is not installed")
 
@@ -299,23 +299,9 @@ def test_served_names_default_to_the_tiny_models_directory_name() -> None:
 
 
 def test_store_reaches_every_engine_and_not_the_router(monkeypatch: pytest.MonkeyPatch) -> None:
-    import argparse
-    from types import SimpleNamespace
-
-    import ember.cluster as cluster
-
-    spawned: dict[str, list[str]] = {}
-
-    def spawn(name: str, url: str, args: list[str], env: object = None) -> SimpleNamespace:
-        spawned[name] = list(args)
-        return SimpleNamespace(name=name, url=url)
-
-    monkeypatch.setattr(cluster, "spawn", spawn)
-    p = argparse.ArgumentParser()
-    cluster.add_up_args(p)
-    args = p.parse_args(["/m/tiny", "--store", "--both", "1"])
+    argv = ["/m/tiny", "--store", "--both", "1"]
+    args, spawned = spawned_by_up(monkeypatch, argv, store="127.0.0.1:50051")
     assert args.store
-    cluster.start_cluster(args, "/m/tiny", "secret", store="127.0.0.1:50051")
     engines = [cmd for name, cmd in spawned.items() if name != "router"]
     assert len(engines) == 3
     for cmd in engines:

@@ -7,14 +7,13 @@ import argparse
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from ember.server.api_server import engine_config_from_args
 from ember.server.args import add_serve_args
 from ember.spec.config import SpeculativeConfig
-from tests.servers import free_port
+from tests.servers import free_port, spawned_by_up
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -82,20 +81,8 @@ def test_serve_exits_with_one_line_before_loading(tiny_model_dir) -> None:
 
 
 def test_up_hands_the_flags_to_every_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    import ember.cluster as cluster
-
-    spawned: dict[str, list[str]] = {}
-
-    def spawn(name: str, url: str, args: list[str], env: object = None) -> SimpleNamespace:
-        spawned[name] = list(args)
-        return SimpleNamespace(name=name, url=url)
-
-    monkeypatch.setattr(cluster, "spawn", spawn)
-    p = argparse.ArgumentParser()
-    cluster.add_up_args(p)
     extra = "--speculative suffix --num-speculative-tokens 6"
-    args = p.parse_args(["/m/tiny", "--both", "1", "--engine-args", extra])
-    cluster.start_cluster(args, "/m/tiny", "secret")
+    _, spawned = spawned_by_up(monkeypatch, ["/m/tiny", "--both", "1", "--engine-args", extra])
     engines = {name: cmd for name, cmd in spawned.items() if name != "router"}
     assert set(engines) == {"prefill-0", "decode-0", "both-0"}
     serve = argparse.ArgumentParser()
