@@ -115,6 +115,18 @@ class _EngineCollector(Collector):
                 "Decode role: KV reads that failed, so the prompt was prefilled locally.",
                 s.remote_kv_failures,
             ),
+            # Speculative decoding, vLLM's `spec_decode_*` counters (zero while it is off).
+            (
+                "ember:spec_decode_num_drafts",
+                "Verifications of a request that carried at least one draft token.",
+                s.spec_drafts,
+            ),
+            ("ember:spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_draft_tokens),
+            (
+                "ember:spec_decode_num_accepted_tokens",
+                "Draft tokens accepted by verification.",
+                s.spec_accepted_tokens,
+            ),
         ):
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric([self.model], value)
@@ -154,25 +166,8 @@ class _EngineCollector(Collector):
             yield c
 
     def _spec_metrics(self, s: SchedulerStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        """Speculative decoding, vLLM's `spec_decode_*` counters (zero while it is off), and the
-        mean accepted length since start once a draft has been verified."""
-        labels = ["model_name"]
-        for name, doc, value in (
-            (
-                "ember:spec_decode_num_drafts",
-                "Verifications of a request that carried at least one draft token.",
-                s.spec_drafts,
-            ),
-            ("ember:spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_draft_tokens),
-            (
-                "ember:spec_decode_num_accepted_tokens",
-                "Draft tokens accepted by verification.",
-                s.spec_accepted_tokens,
-            ),
-        ):
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric([self.model], value)
-            yield c
+        """Speculative decoding beyond the plain counters (in `collect`): acceptance per draft
+        position, and the mean accepted length since start once a draft has been verified."""
         c = CounterMetricFamily(
             "ember:spec_decode_num_accepted_tokens_per_pos",
             "Drafts whose token at this position (0-based) was accepted.",
@@ -186,7 +181,7 @@ class _EngineCollector(Collector):
             g = GaugeMetricFamily(
                 "ember:spec_decode_mean_accepted_length",
                 "Tokens a verification step yields per draft, since start: 1 + accepted / drafts.",
-                labels=labels,
+                labels=["model_name"],
             )
             g.add_metric([self.model], 1.0 + s.spec_accepted_tokens / s.spec_drafts)
             yield g
