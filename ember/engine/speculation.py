@@ -127,8 +127,6 @@ class Speculator:
         req.spec_accepted_tokens += accepted
         for i in range(accepted):
             self.accepted_per_pos[i] += 1
-        if self.host is not None:
-            self.host.observe(req.request_id, len(drafts), accepted)
 
     def record_step(
         self, so: SchedulerOutput, accepted: list[list[int]], launched_at: float

@@ -10,9 +10,8 @@ class HostProposer(ABC):
     """Drafts the next tokens of running requests from their token ids (n-gram, suffix).
 
     The engine calls `add_request` when a request arrives, `propose` before each step the
-    request speculates in (with all of its tokens so far: prompt then output), `observe` after
-    a step with how many of the drafts were accepted, and `finish` once when it ends (its output
-    may then feed later requests of the same `scope`).
+    request speculates in (with all of its tokens so far: prompt then output), and `finish` once
+    when it ends (its output may then feed later requests of the same `scope`).
 
     `scope` is the request's tenant (its cache salt; None is the shared default): a proposer may
     draft from earlier requests' tokens only within the same scope, so that one tenant's answers
@@ -25,9 +24,6 @@ class HostProposer(ABC):
     @abstractmethod
     def propose(self, request_id: str, tokens: Sequence[int], max_tokens: int) -> list[int]:
         """Up to `max_tokens` draft tokens to follow `tokens` (possibly none)."""
-
-    def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:  # noqa: B027
-        """How the last drafts fared (adaptive draft lengths); nothing by default."""
 
     @abstractmethod
     def finish(self, request_id: str, output: Sequence[int]) -> None: ...
