@@ -109,10 +109,8 @@ class EngineCore:
         if on_gpu and config.num_kv_blocks is None:
             num_blocks = size_kv_cache(self.runner, r, config, total - free0, total)
             if self.runner.drafter is not None:  # its one layer of KV shares the budget
-                layer = self.runner.drafter.model.config.layer
-                draft_bytes = 2 * config.block_size * layer.num_key_value_heads * layer.head_dim
-                draft_bytes *= torch.tensor([], dtype=r.dtype).element_size()
-                num_blocks = num_blocks * r.kv_block_bytes // (r.kv_block_bytes + draft_bytes)
+                per_block = r.kv_block_bytes + self.runner.drafter.kv_block_bytes
+                num_blocks = num_blocks * r.kv_block_bytes // per_block
         self.num_kv_blocks = num_blocks
         self.runner.allocate_kv_cache(num_blocks)
         if self.runner.drafter is not None:

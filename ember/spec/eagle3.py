@@ -15,6 +15,7 @@ carries `embed_tokens.weight`. config.json is read and checked in ember/spec/eag
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -255,9 +256,18 @@ class Eagle3Drafter:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One layer's KV over the same block ids as the target's cache (so the same count)."""
+        self.kv_cache = torch.zeros(
+            (num_blocks, *self._block_shape()), dtype=self.dtype, device=self.device
+        )
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of the head's KV per block: the engine sizes its pool for both caches."""
+        return math.prod(self._block_shape()) * torch.tensor([], dtype=self.dtype).element_size()
+
+    def _block_shape(self) -> tuple[int, ...]:
         cfg = self.model.config.layer
-        shape = (num_blocks, 1, 2, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return (1, 2, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
 
     @torch.inference_mode()
     def propose(self, rows: list[DraftRow], k: int) -> list[list[int]]:

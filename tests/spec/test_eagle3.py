@@ -484,3 +484,10 @@ def test_train_script_writes_a_loadable_head(
     tokens, aux = _sequence(target, 5, seed=6)
     drafts = drafter.propose([DraftRow([0, 1, 2], 0, tokens, aux)], k=2)
     assert len(drafts[0]) == 2 and all(0 <= d < target.config.vocab_size for d in drafts[0])
+
+
+def test_kv_block_bytes_is_what_a_block_of_its_cache_takes(
+    head_dir: Path, target: torch.nn.Module
+) -> None:
+    d = make_drafter(head_dir, target, num_blocks=5)
+    assert d.kv_block_bytes * 5 == d.kv_cache.numel() * d.kv_cache.element_size()
