@@ -214,17 +214,22 @@ class ModelRunner:
         timing = self._timing_events() if self.gpu_timing else None
         if timing is not None:
             timing[0].record()
+        # Where each request's tokens end in the step's flat layout (a graph's rows are that
+        # layout too), and the positions whose logits sample: a sampling request's last one, or
+        # with k drafts its last k + 1 (every verified position samples).
+        ends = list(itertools.accumulate(so.num_scheduled_tokens[i] for i in order))
+        drafts = [spec[order[j]] for j in rows]
+        if not any(drafts):
+            drafts = []
+        sample_ends = [ends[j] for j in rows]
+        sample_at = verify_rows(sample_ends, drafts) if drafts else [e - 1 for e in sample_ends]
         scores = None
-        drafts: list[list[int]] = []
         if graph_bs is not None:
             logits = self.graphs.replay(so, order, graph_bs, self._prev_rows)
-            drafts = [spec[order[j]] for j in rows] if num_rows > n else []
-            if len(rows) == n:  # a slice; an index (below) costs a copy to the device
+            if len(sample_at) == num_rows:  # every row samples: a slice, no index to copy over
                 logits = logits[:num_rows]
             else:  # a one-token prompt chunk that does not end its prompt samples nothing
-                starts = list(itertools.accumulate((len(spec[i]) + 1 for i in order), initial=0))
-                keep = [r for j in rows for r in range(starts[j], starts[j + 1])]
-                logits = logits[self._tensor(keep, torch.int64)]
+                logits = logits[self._tensor(sample_at, torch.int64)]
         else:
             ids, positions, md = self.prepare(so, order)
             hidden = self.model(ids, positions, ForwardContext(md, self.kv_cache, self.backend))
@@ -233,15 +238,9 @@ class ModelRunner:
                 self._prev_rows = {}
                 step = PendingStep(n, [], [], None, prompt=prompt, prompt_scores=scores)
                 step.launched_at = launched_at
-                self._keep_aux(step, so, order)
+                self._keep_aux(step, so, order, ends)
                 return self._queued(step)
-            ends = [md.query_start_loc_cpu[j + 1] for j in rows]
-            drafts = [so.spec_token_ids[order[j]] for j in rows] if so.spec_token_ids else []
-            if any(drafts):  # every verified position samples: k + 1 rows for k drafts
-                last = self._tensor(verify_rows(ends, drafts), torch.int64)
-            else:
-                drafts, last = [], self._tensor([e - 1 for e in ends], torch.int64)
-            logits = self.model.compute_logits(hidden[last])
+            logits = self.model.compute_logits(hidden[self._tensor(sample_at, torch.int64)])
         if timing is not None:
             timing[1].record()
         reqs = [so.requests[order[j]] for j in rows]
@@ -266,19 +265,20 @@ class ModelRunner:
             launched_at=launched_at,
             drafts=drafts,
         )
-        self._keep_aux(step, so, order)
+        self._keep_aux(step, so, order, ends)
         return self._queued(step)
 
-    def _keep_aux(self, step: PendingStep, so: SchedulerOutput, order: list[int]) -> None:
-        """With a draft head: the step's aux hidden states, for `draft` once tokens are known."""
+    def _keep_aux(
+        self, step: PendingStep, so: SchedulerOutput, order: list[int], ends: list[int]
+    ) -> None:
+        """With a draft head: the step's aux hidden states, for `draft` once tokens are known,
+        and where each request's positions start among them."""
         if self.drafter is None:
             return
         step.so, step.aux = so, self.model.model.aux_hidden
         step.flat = [0] * len(so.requests)
-        at = 0
-        for i in order:
-            step.flat[i] = at
-            at += so.num_scheduled_tokens[i]
+        for i, end in zip(order, ends, strict=True):
+            step.flat[i] = end - so.num_scheduled_tokens[i]
 
     def _queued(self, step: PendingStep) -> PendingStep:
         """Mark the end of a step's device work, which its host copies wait for."""
