@@ -30,6 +30,8 @@ HOST_TIER_RAM_SHARE = 0.2
 KV per 10 GiB, while weights loading, pinned staging and the OS keep the rest. Pinning it takes
 time (25 GiB took 17 s on an H100 machine with 128 GiB of RAM): it grows in the background, one
 chunk at a time, usable from the first (ember/kv/tiers/host_memory.py)."""
+MIN_DEFAULT_HOST_BYTES = 1 * GiB
+"""Less than this left of the process's default host-tier budget: the default tier is off."""
 STAGING_BYTES = (64 << 20, 4 * GiB)
 STAGING_SEQUENCES = 2
 """With disk or store on and no host share, a small host tier still stages their loads and writes:
@@ -75,9 +77,6 @@ def host_tier_bytes(config: EngineConfig, device: torch.device) -> int:
         log.info("KV host tier off: this process's other engines hold its default budget")
         return 0
     return left
-
-
-MIN_DEFAULT_HOST_BYTES = 1 * GiB
 
 
 def _claim_default(config: EngineConfig, host: HostTier, nbytes: int) -> None:
