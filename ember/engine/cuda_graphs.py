@@ -32,15 +32,18 @@ def cuda_graph_sizes(max_batch: int) -> list[int]:
 VERIFY_GRAPH_STEP = 64
 MAX_VERIFY_ROWS = 512
 """With speculation a verify batch is k + 1 decode rows a request: graphs past the decode sizes,
-every 64 rows up to this many (a handful more graphs, not one per 8 rows)."""
+every 8 rows up to 64 (a small batch's verification pads little: one request verifying 8 drafts is
+9 rows, not a 64-row graph), then every 64 rows up to this many."""
 
 
 def graph_sizes(max_batch: int, max_rows: int = 0) -> list[int]:
-    """The decode sizes, then (speculation) every VERIFY_GRAPH_STEP rows up to
-    min(max_rows, MAX_VERIFY_ROWS)."""
+    """The decode sizes, then (speculation) every 8 rows up to 64 and every VERIFY_GRAPH_STEP rows
+    up to min(max_rows, MAX_VERIFY_ROWS)."""
     sizes = cuda_graph_sizes(max_batch)
     top = min(max_rows, MAX_VERIFY_ROWS)
     if top > sizes[-1]:
+        fine = range((sizes[-1] // 8 + 1) * 8, min(top, VERIFY_GRAPH_STEP) + 1, 8)
+        sizes += list(fine)
         start = (sizes[-1] // VERIFY_GRAPH_STEP + 1) * VERIFY_GRAPH_STEP
         sizes += list(range(start, top + 1, VERIFY_GRAPH_STEP))
         if sizes[-1] != top:

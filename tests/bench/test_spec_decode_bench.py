@@ -112,9 +112,9 @@ def load_bench_module() -> ModuleType:
     return module
 
 
-def test_a_mismatch_is_located_and_scored(tiny_model_dir) -> None:
-    """The failure record names where a speculative output parts from the baseline and the
-    baseline's top-2 logprob gap there (a near tie or not)."""
+def test_a_mismatch_is_located_scored_and_told_from_a_tie(tiny_model_dir) -> None:
+    """Each differing request's record names where it parts from the baseline and the baseline's
+    top-2 logprob gap there; only the baseline's runner-up within TIE_GAP is a bf16 near tie."""
     from ember.entrypoints.llm import LLM
     from ember.sampling_params import SamplingParams
 
@@ -124,9 +124,22 @@ def test_a_mismatch_is_located_and_scored(tiny_model_dir) -> None:
     params = [SamplingParams(temperature=0.0, max_tokens=6)] * 2
     ref, _, errors = sd.generate(llm.engine, prompts, params, "ref")
     assert errors == 0 and [len(t) for t in ref] == [6, 6]
-    assert sd.first_mismatch(llm.engine, prompts, ref, ref) is None
-    got = [ref[0], ref[1][:3] + [(ref[1][3] + 1) % 100] + ref[1][4:]]
-    m = sd.first_mismatch(llm.engine, prompts, ref, got)
-    assert m["request"] == 1 and m["position"] == 3 and m["lengths"] == [6, 6]
-    assert m["baseline_token"] == ref[1][3] and m["spec_token"] == got[1][3]
-    assert m["baseline_top2_gap"] >= 0
+    assert sd.mismatches(llm.engine, prompts, ref, ref) == []
+    # The baseline's two best tokens at request 1's fourth position.
+    scored = (
+        llm.generate(
+            [{"prompt_token_ids": prompts[1] + ref[1][:3]}],
+            SamplingParams(temperature=0.0, max_tokens=1, logprobs=2),
+        )[0]
+        .outputs[0]
+        .logprobs[0]
+    )
+    top = sorted(scored, key=lambda t: -scored[t].logprob)[:2]
+    gap = scored[top[0]].logprob - scored[top[1]].logprob
+    outsider = next(t for t in range(100) if t not in top)
+    for token, near in ((outsider, False), (top[1], gap <= sd.TIE_GAP)):
+        got = [ref[0], ref[1][:3] + [token] + ref[1][4:]]
+        (m,) = sd.mismatches(llm.engine, prompts, ref, got)
+        assert m["request"] == 1 and m["position"] == 3 and m["lengths"] == [6, 6]
+        assert m["baseline_token"] == ref[1][3] == top[0] and m["spec_token"] == token
+        assert m["baseline_top2_gap"] == pytest.approx(gap) and m["near_tie"] is near

@@ -396,7 +396,10 @@ def test_verify_batches_get_graphs_past_the_decode_sizes() -> None:
     assert graph_sizes(64) == cuda_graph_sizes(64)
     assert graph_sizes(64, 320) == cuda_graph_sizes(64) + [128, 192, 256, 320]
     assert graph_sizes(256, 1280) == cuda_graph_sizes(256) + [320, 384, 448, 512]
-    assert graph_sizes(8, 20) == cuda_graph_sizes(8) + [20]
+    assert graph_sizes(8, 20) == cuda_graph_sizes(8) + [16, 20]
+    # One request verifying 8 drafts (9 rows) pads to 16, not to a 64-row graph.
+    assert graph_sizes(8, 72) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72]
+    assert graph_sizes(4, 130) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 128, 130]
 
 
 def test_abort_while_verifying_frees_every_block(llama: Path) -> None:

@@ -1,0 +1,107 @@
+"""Where an engine step's host time goes, for benchmarks/spec_decode.py: the engine core's phases
+timed by wrapping its objects' methods on one engine instance (nothing in `ember` changes).
+
+A speculating request's step is not overlapped with the next one's host work (its drafts come
+from its tokens), so each of these phases adds to the step's period; in a plain async decode they
+run while the GPU works. `wait` is the time the host blocked on the GPU (the runner's own
+`sync_wait_s`); the rest of a step's period is host work. `to_replay` is the host's time from a
+step's tokens to the next graph launch, summed where a graph follows a collected step (in a
+synchronous step it is the host's share of the critical path; the sampler's launches after the
+replay run while the GPU works)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ember.engine.llm_engine import LLMEngine
+
+PHASES = ("plan_propose", "schedule", "launch", "finish", "update", "record", "output")
+
+
+class PhaseTimer:
+    """Seconds per phase since the last `reset`, and the runner's sync wait over the same span."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        core = engine.core
+        self.runner = core.runner
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self._wait0 = self.runner.sync_wait_s
+        self._wrap(core.scheduler, "schedule", "schedule")
+        self._wrap(core.scheduler, "update_from_output", "update")
+        self._wrap(core.runner, "launch", "launch")
+        self._wrap(core.runner, "finish", "finish")
+        self._wrap(engine.processor, "process", "output")
+        # The host's time from one step's tokens (the end of `finish`) to the next graph launch
+        # (the start of a graph replay): what a synchronous step adds to the GPU's time.
+        self._finished_at: float | None = None
+        self.seconds["to_replay"] = 0.0
+        self._mark_finish()
+        if core.runner.graphs.graphs:
+            self._mark_replay(core.runner.graphs)
+        if core.spec is not None:
+            self._wrap(core.spec, "plan", "plan_propose")
+            self._wrap(core.spec, "propose", "plan_propose")
+            self._wrap(core.spec, "record_step", "record")
+
+    def _wrap(self, obj: Any, method: str, phase: str) -> None:
+        inner: Callable[..., Any] = getattr(obj, method)
+        seconds = self.seconds
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                seconds[phase] += time.perf_counter() - t0
+
+        setattr(obj, method, timed)
+
+    def _mark_finish(self) -> None:
+        inner = self.runner.finish
+
+        def finish(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self._finished_at = time.perf_counter()
+
+        self.runner.finish = finish
+
+    def _mark_replay(self, graphs: Any) -> None:
+        inner = graphs.replay
+
+        def replay(*args: Any, **kwargs: Any) -> Any:
+            if self._finished_at is not None:
+                self.seconds["to_replay"] += time.perf_counter() - self._finished_at
+                self._finished_at = None
+            return inner(*args, **kwargs)
+
+        graphs.replay = replay
+
+    def reset(self) -> None:
+        for k in self.seconds:
+            self.seconds[k] = 0.0
+        self._finished_at = None
+        self._wait0 = self.runner.sync_wait_s
+
+    def take(self) -> dict[str, float]:
+        """Seconds per phase since the last take (finish without its wait) and the wait."""
+        wait = self.runner.sync_wait_s - self._wait0
+        out = dict(self.seconds)
+        out["finish"] = max(out["finish"] - wait, 0.0)
+        out["wait"] = wait
+        self.reset()
+        return out
+
+
+def per_step_ms(seconds: dict[str, float], steps: int, wall_s: float) -> dict[str, float]:
+    """Milliseconds per engine step: each phase, the wait, the host's share (the period less the
+    wait) and the period."""
+    if not steps:
+        return {}
+    out = {k: round(1e3 * v / steps, 4) for k, v in seconds.items()}
+    out["period"] = round(1e3 * wall_s / steps, 4)
+    out["host"] = round(out["period"] - out.get("wait", 0.0), 4)
+    return out
