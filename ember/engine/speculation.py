@@ -87,6 +87,7 @@ class Speculator:
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.k
         self._last_step_end = 0.0  # perf_counter() at the last collected step
+        self._began = 0.0  # perf_counter() when the engine's current step began (plan)
 
     def add_request(self, req: Request) -> None:
         if self.host is not None:
@@ -98,6 +99,7 @@ class Speculator:
 
     def plan(self, running: list[Request]) -> None:
         """Decide who speculates in the next step (before the engine decides whether to wait)."""
+        self._began = time.perf_counter()
         on = self._enabled(len(running))
         for r in running:
             r.speculates = on and r.sampling_params.speculative
@@ -131,10 +133,13 @@ class Speculator:
     def record_step(
         self, so: SchedulerOutput, accepted: list[list[int]], launched_at: float
     ) -> None:
-        """Count a collected step's drafts, and feed its period (from its launch or the previous
-        step's end, whichever is later: idle time is no step's) to the cost model."""
+        """Count a collected step's drafts, and feed its period to the cost model: from the
+        previous step's end, or from the start of the engine step that launched it if that came
+        later (idle time is no step's). A step collected before the next is scheduled (a
+        verification) thus counts the host's planning, proposing and scheduling before its launch,
+        which it does not overlap; an async step's period is end to end."""
         now = time.perf_counter()
-        period = now - max(launched_at, self._last_step_end)
+        period = now - max(min(launched_at, self._began), self._last_step_end)
         self._last_step_end = now
         tokens = verified = 0
         for i, req in enumerate(so.requests):

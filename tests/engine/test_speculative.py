@@ -162,6 +162,44 @@ def test_step_costs_decide_by_measured_times() -> None:
     assert costs.bucket(33) == costs.bucket(64) == 64 and costs.bucket(1) == 1
 
 
+def test_a_verify_steps_period_counts_the_host_work_before_its_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A verification is collected before the next step is planned, so the host's planning,
+    proposing and scheduling before its launch are part of its period (they were once left out,
+    which made verification look cheaper than it was); time with no step running is not."""
+    import types
+
+    from ember.engine import speculation
+
+    clock = [0.0]
+    monkeypatch.setattr(speculation.time, "perf_counter", lambda: clock[0])
+    spec = speculation.Speculator(SpeculativeConfig("ngram", 2), measure=True)
+    assert spec.costs is not None
+    req = types.SimpleNamespace(spec_draft_tokens=0, spec_accepted_tokens=0)
+
+    def step(drafts: list[int]) -> types.SimpleNamespace:
+        return types.SimpleNamespace(
+            requests=[req], spec_token_ids=[drafts], num_scheduled_tokens=[1 + len(drafts)]
+        )
+
+    clock[0] = 5.0  # idle until the first step: not counted
+    spec.plan([])
+    clock[0] = 5.001  # plan, propose, schedule: 1 ms, then the launch
+    launched = clock[0]
+    clock[0] = 5.003  # collected 2 ms later
+    spec.record_step(step([]), [[]], launched)
+    assert spec.costs.decode_s[1] == pytest.approx(0.003)
+    clock[0] = 5.0035  # the next (verify) step begins
+    spec.plan([])
+    clock[0] = 5.0045
+    launched = clock[0]
+    clock[0] = 5.0075
+    spec.record_step(step([7, 8]), [[7]], launched)
+    assert spec.costs.verify_s[1] == pytest.approx(0.004)
+    assert spec.costs.tokens[1] == pytest.approx(2.0)
+
+
 def test_wrong_drafts_change_nothing_and_leak_nothing(llama: Path) -> None:
     """Drafts that are always wrong: every one rejected, output the same, every block back."""
     ps = prompts(4, seed=2)
