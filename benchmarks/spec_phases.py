@@ -18,6 +18,9 @@ from typing import Any
 from ember.engine.llm_engine import LLMEngine
 
 PHASES = ("plan_propose", "schedule", "launch", "finish", "update", "record", "output")
+IN_LAUNCH = ("staged_wait", "graph_launch", "sample")
+"""Parts of `launch`: waiting for the graph inputs' staging buffer, the CUDA graph's replay call
+alone, and the sampler's host work and launches."""
 
 
 class PhaseTimer:
@@ -33,6 +36,14 @@ class PhaseTimer:
         self._wrap(core.runner, "launch", "launch")
         self._wrap(core.runner, "finish", "finish")
         self._wrap(engine.processor, "process", "output")
+        for k in IN_LAUNCH:
+            self.seconds[k] = 0.0
+        self._wrap(core.runner, "_sample", "sample")
+        graphs = core.runner.graphs
+        for g in graphs.graphs.values():
+            g.graph = _TimedGraph(g.graph, self.seconds)
+        if graphs.graphs:
+            graphs._staged = _TimedEvent(graphs._staged, self.seconds)
         # The host's time from one step's tokens (the end of `finish`) to the next graph launch
         # (the start of a graph replay): what a synchronous step adds to the GPU's time.
         self._finished_at: float | None = None
@@ -94,6 +105,33 @@ class PhaseTimer:
         out["wait"] = wait
         self.reset()
         return out
+
+
+class _TimedGraph:
+    """A CUDA graph whose replay call is timed (the host's time in cudaGraphLaunch)."""
+
+    def __init__(self, graph: Any, seconds: dict[str, float]) -> None:
+        self.graph, self.seconds = graph, seconds
+
+    def replay(self) -> None:
+        t0 = time.perf_counter()
+        self.graph.replay()
+        self.seconds["graph_launch"] += time.perf_counter() - t0
+
+
+class _TimedEvent:
+    """The staging buffer's CUDA event, its synchronize timed."""
+
+    def __init__(self, event: Any, seconds: dict[str, float]) -> None:
+        self.event, self.seconds = event, seconds
+
+    def record(self) -> None:
+        self.event.record()
+
+    def synchronize(self) -> None:
+        t0 = time.perf_counter()
+        self.event.synchronize()
+        self.seconds["staged_wait"] += time.perf_counter() - t0
 
 
 def per_step_ms(seconds: dict[str, float], steps: int, wall_s: float) -> dict[str, float]:

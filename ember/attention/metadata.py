@@ -28,6 +28,11 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     num_decodes: int = 0
     """The first `num_decodes` sequences have one query token each (the decode kernel's rows)."""
+    decode_groups: torch.Tensor | None = None
+    """[num_decodes] int: decode rows taken in groups (a verification's k + 1 positions of one
+    request, consecutive rows over the same blocks): the rows each row leads, 0 for a led row
+    (`ember.kernels.decode_attention`). None: every row on its own."""
+    max_decode_group: int = 1
 
     @property
     def num_seqs(self) -> int:

@@ -35,6 +35,7 @@ class TritonAttentionBackend(AttentionBackend):
         write_kv(kv_cache, k, v, metadata.slot_mapping)
         out = torch.empty_like(q)
         nd = metadata.num_decodes
+        groups = metadata.decode_groups
         if nd:
             decode_attention(
                 q[:nd],
@@ -44,6 +45,8 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 out=out[:nd],
                 max_seq_len=metadata.max_seq_len,
+                row_groups=None if groups is None else groups[:nd],
+                max_group=metadata.max_decode_group,
             )
         if nd < metadata.num_seqs and self._all_fresh(metadata, nd):
             self._flash_fresh(q, k, v, out, metadata, nd, scale)

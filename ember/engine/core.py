@@ -176,7 +176,9 @@ class EngineCore:
             with paused:
                 batch = min(config.max_cuda_graph_batch, config.max_num_seqs)
                 k = config.speculative.num_speculative_tokens if config.speculative else 0
-                self.runner.capture_cuda_graphs(batch, r.max_model_len, batch * (k + 1) if k else 0)
+                self.runner.capture_cuda_graphs(
+                    batch, r.max_model_len, batch * (k + 1) if k else 0, max_group=k + 1
+                )
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
             num_blocks,

@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from ember.attention.metadata import AttentionMetadata, ForwardContext
@@ -67,6 +68,54 @@ def feed_row(prev_rows: dict[str, int], request_id: str) -> int:
     return row
 
 
+def fill_rows(
+    rows: np.ndarray,
+    tables: np.ndarray,
+    so: SchedulerOutput,
+    order: list[int],
+    prev_rows: dict[str, int],
+    bs: int,
+) -> int:
+    """Write the decode batch `order` of `so` into a graph's staging buffers: rows [6, size]
+    (input id, position, slot, context length, feed row of async scheduling or -1, row group) and
+    block tables [size, W]; returns the rows used. A verification of k drafts takes k + 1 rows."""
+    j = 0
+    for i in order:
+        req, blocks = so.requests[i], so.block_ids[i]
+        p = so.num_computed_tokens[i]
+        drafts = so.spec_token_ids[i] if so.spec_token_ids else []
+        if p < req.num_tokens:
+            rows[0, j] = req.all_token_ids[p]
+            rows[4, j] = -1
+        else:  # the token is the one the previous step sampled for this request
+            rows[0, j] = 0
+            rows[4, j] = feed_row(prev_rows, req.request_id)
+        # A verification of k drafts is k + 1 decode rows over the same blocks, row r at
+        # position p + r seeing the positions up to its own (the step writes all of their KV
+        # before any attention reads it): a verify batch replays the decode graphs, its first
+        # row leading the request's rows (the decode kernel's row group).
+        table = np.asarray(blocks, dtype=np.int32)  # once a request, not once a row
+        k = len(drafts)
+        if k:
+            span = slice(j, j + k + 1)
+            pos = np.arange(p, p + k + 1)
+            rows[0, j + 1 : j + k + 1] = drafts
+            rows[4, j + 1 : j + k + 1] = -1
+            rows[1, span] = pos
+            rows[2, span] = table[pos // bs].astype(np.int64) * bs + pos % bs
+            rows[3, span] = pos + 1
+            rows[5, span] = 0
+            tables[span, : len(blocks)] = table
+        else:
+            rows[1, j] = p
+            rows[2, j] = blocks[p // bs] * bs + p % bs
+            rows[3, j] = p + 1
+            tables[j, : len(blocks)] = table
+        rows[5, j] = k + 1
+        j += k + 1
+    return j
+
+
 @dataclass(slots=True)
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -94,6 +143,7 @@ class DecodeGraphs:
         self.device = device
         self.graphs: dict[int, _Graph] = {}
         self.sizes: list[int] = []
+        self.max_group = 1
 
     def size_for(self, n: int) -> int | None:
         """The captured batch size a decode batch of `n` pads up to; None if there is none."""
@@ -104,23 +154,33 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(
-        self, kv_cache: torch.Tensor, max_batch: int, max_model_len: int, max_rows: int = 0
+        self,
+        kv_cache: torch.Tensor,
+        max_batch: int,
+        max_model_len: int,
+        max_rows: int = 0,
+        max_group: int = 1,
     ) -> None:
         """Graphs for decode batches up to `max_batch` and, with speculation, verify batches up
-        to `max_rows` rows (see `graph_sizes`)."""
+        to `max_rows` rows (see `graph_sizes`) whose requests take up to `max_group` rows each:
+        the decode attention then reads a request's context once for all its rows."""
         self.sizes = graph_sizes(max_batch, max_rows)
+        self.max_group = max_group
         max_batch = self.sizes[-1]
         max_blocks = -(-max_model_len // self.block_size)
         dev = self.device
         # One static buffer for the per-row inputs and one for the block tables, each filled from
         # a pinned twin by a single copy per step.
-        self._rows = torch.zeros(5, max_batch, dtype=torch.int64, device=dev)
+        self._rows = torch.zeros(6, max_batch, dtype=torch.int64, device=dev)
         self._rows[2].fill_(-1)
         self._rows[3].fill_(1)
         self._rows[4].fill_(-1)
-        self._ids, self._pos, self._slots, self._lens, self._src = self._rows.unbind(0)
+        self._rows[5].fill_(1)
+        self._ids, self._pos, self._slots, self._lens, self._src, self._groups = self._rows.unbind(
+            0
+        )
         self._tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=dev)
-        self._h_rows = torch.zeros(5, max_batch, dtype=torch.int64, pin_memory=True)
+        self._h_rows = torch.zeros(6, max_batch, dtype=torch.int64, pin_memory=True)
         self._h_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=True)
         self._staged = torch.cuda.Event()
         self._staged.record()
@@ -156,6 +216,8 @@ class DecodeGraphs:
             query_start_loc_cpu=list(range(size + 1)),
             seq_lens_cpu=[1] * size,
             num_decodes=size,
+            decode_groups=self._groups[:size] if self.max_group > 1 else None,
+            max_decode_group=self.max_group,
         )
 
     def replay(
@@ -168,37 +230,14 @@ class DecodeGraphs:
         self._staged.synchronize()
         rows = self._h_rows.numpy()
         tables = self._h_tables.numpy()
-        bs = self.block_size
-        j = 0
-        for i in order:
-            req, blocks = so.requests[i], so.block_ids[i]
-            p = so.num_computed_tokens[i]
-            drafts = so.spec_token_ids[i] if so.spec_token_ids else []
-            if p < req.num_tokens:
-                rows[0, j] = req.all_token_ids[p]
-                rows[4, j] = -1
-            else:  # the token is the one the previous step sampled for this request
-                rows[0, j] = 0
-                rows[4, j] = feed_row(prev_rows, req.request_id)
-            # A verification of k drafts is k + 1 decode rows over the same blocks, row r at
-            # position p + r seeing the positions up to its own (the step writes all of their KV
-            # before any attention reads it): a verify batch replays the decode graphs.
-            for r in range(len(drafts) + 1):
-                if r:
-                    rows[0, j] = drafts[r - 1]
-                    rows[4, j] = -1
-                rows[1, j] = p + r
-                rows[2, j] = blocks[(p + r) // bs] * bs + (p + r) % bs
-                rows[3, j] = p + r + 1
-                tables[j, : len(blocks)] = blocks
-                j += 1
-        n = j
+        n = fill_rows(rows, tables, so, order, prev_rows, self.block_size)
         # Padding rows write nowhere (slot -1) and attend to one harmless slot.
         rows[0, n:size] = 0
         rows[1, n:size] = 0
         rows[2, n:size] = -1
         rows[3, n:size] = 1
         rows[4, n:size] = -1
+        rows[5, n:size] = 1
         tables[n:size, 0] = 0
         self._rows.copy_(self._h_rows, non_blocking=True)
         self._tables[:size].copy_(self._h_tables[:size], non_blocking=True)

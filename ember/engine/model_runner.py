@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from ember.engine.request import Request
     from ember.engine.scheduler import SchedulerOutput
     from ember.models.config import ModelConfig
+    from ember.sampling_params import SamplingParams
     from ember.spec.eagle3 import Eagle3Drafter
 
 log = logging.getLogger(__name__)
@@ -375,11 +376,17 @@ class ModelRunner:
         if any(r.matcher is not None for r in reqs):
             apply_grammar_masks(logits, [r.matcher for r in reqs], drafts)
         rows = [(r, d[:i]) for r, d in zip(reqs, drafts, strict=True) for i in range(len(d) + 1)]
+        if all(_plain_greedy(r, len(seen)) for r, seen in rows):
+            # The common agent case (greedy, nothing to penalise, block or report): an argmax,
+            # without the per-row parameter tensors a sampling batch copies to the device.
+            return SamplerOutput(logits.argmax(-1), None, None, None)
+        penalised = any(_penalised(r.sampling_params) for r in reqs)
         batch = SamplingBatch.build(
             params=[r.sampling_params for r, _ in rows],
             prompt_ids=[r.prompt_token_ids for r, _ in rows],
             output_ids=[
-                r.output_token_ids + seen if seen else r.output_token_ids for r, seen in rows
+                r.output_token_ids + seen if seen and penalised else r.output_token_ids
+                for r, seen in rows
             ],
             generators=[r.generator for r, _ in rows],
             blocked=[_blocked_tokens(r, len(seen)) for r, seen in rows],
@@ -405,12 +412,19 @@ class ModelRunner:
 
     # -- CUDA graphs -----------------------------------------------------------------------------
 
-    def capture_cuda_graphs(self, max_batch: int, max_model_len: int, max_rows: int = 0) -> None:
+    def capture_cuda_graphs(
+        self, max_batch: int, max_model_len: int, max_rows: int = 0, max_group: int = 1
+    ) -> None:
         """Capture one decode graph per batch size; replays pad a batch up to the next size.
-        `max_rows`: verify batches (speculation) of up to that many rows get graphs too."""
+        `max_rows`: verify batches (speculation) of up to that many rows, `max_group` (k + 1) a
+        request, get graphs too."""
         if self._cuda:
             self.graphs.capture(
-                self.kv_cache, min(max_batch, len(self.prev_tokens)), max_model_len, max_rows
+                self.kv_cache,
+                min(max_batch, len(self.prev_tokens)),
+                max_model_len,
+                max_rows,
+                max_group,
             )
 
     # -- memory ----------------------------------------------------------------------------------
@@ -464,6 +478,25 @@ class ModelRunner:
 def _entries(ids: list[int], logprobs: list[float], rank: int, want: int) -> TokenLogprobs:
     """One position's (token id, logprob, rank): its token first, then `want` alternatives."""
     return [(ids[0], logprobs[0], rank)] + [(ids[k], logprobs[k], k) for k in range(1, want + 1)]
+
+
+def _penalised(params: SamplingParams) -> bool:
+    return (
+        params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+    )
+
+
+def _plain_greedy(req: Request, num_drafts_before: int) -> bool:
+    """A row whose sample is the argmax of its logits (the grammar's mask already applied)."""
+    p = req.sampling_params
+    return (
+        p.greedy
+        and p.logprobs is None
+        and not _penalised(p)
+        and not _blocked_tokens(req, num_drafts_before)
+    )
 
 
 def _blocked_tokens(req: Request, num_drafts_before: int = 0) -> list[int]:

@@ -64,6 +64,7 @@ def _decode_split_kernel(
     kv_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    groups_ptr,  # [B] rows in the group a row leads (0: led by an earlier row); unused if QMAX == 1
     out_ptr,  # [B, Hq, S, D] fp32 partials, or the final [B, Hq, D] output when S == 1
     lse_ptr,  # [B, Hq, S] fp32 (log2 domain); unused when WRITE_LSE is False
     qk_scale,  # softmax scale * log2(e): the kernel works in exp2
@@ -81,6 +82,7 @@ def _decode_split_kernel(
     stride_lb,
     stride_lh,
     GROUP: tl.constexpr,
+    QMAX: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -93,20 +95,27 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    seq_len = tl.load(seq_lens_ptr + b)
+    # The program's query rows: row b and, with row groups (a verification's k + 1 positions of
+    # one request), the rows it leads; each tile row is one (row, query head) pair, so a group
+    # reads its shared context once. Row r of a group sees keys below its own seq_len.
+    num_rows = 1 if QMAX == 1 else tl.load(groups_ptr + b)
+    i = tl.arange(0, BLOCK_G)
+    r = i // GROUP
+    heads = kv_head * GROUP + i % GROUP
+    d = tl.arange(0, BLOCK_D)
+    g_mask = (r < num_rows) & (i < QMAX * GROUP)
+    d_mask = d < HEAD_DIM
+    row_lens = tl.load(seq_lens_ptr + b + r, mask=g_mask, other=0)
+    seq_len = tl.max(row_lens, 0)  # the group's longest context (0 for a led row's program)
     # Each sequence cuts its own context into num_splits tile-aligned pieces, so a long context
     # gets short pieces; for a short one the trailing splits are empty and write only lse = -inf.
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    g_mask = g < GROUP
-    d_mask = d < HEAD_DIM
-    heads = kv_head * GROUP + g
+    q_rows = (b + r).to(tl.int64) * stride_qb
     q = tl.load(
-        q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+        q_ptr + q_rows[:, None] + heads[:, None] * stride_qh + d[None, :],
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
@@ -129,11 +138,13 @@ def _decode_split_kernel(
         v = tl.load(ptrs + stride_cache_kv, mask=mask, other=0.0).to(q.dtype)
 
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        # Every tile holds at least one unmasked key, so m_new is finite and alpha is never NaN.
+        qk = tl.where(n_mask[None, :] & (pos[None, :] < row_lens[:, None]), qk, float("-inf"))
+        # A group's shorter rows (and padding rows) may have no key in a tile: m_safe keeps
+        # their exponents at exp2(-inf) = 0 rather than NaN.
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -142,11 +153,13 @@ def _decode_split_kernel(
     # it weight 0, and a sequence with no context at all (a padding row) gets zeros, not NaN.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
-    o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
+    o_rows = (b + r).to(tl.int64) * stride_ob
+    o_ptrs = out_ptr + o_rows[:, None] + heads[:, None] * stride_oh + split * stride_os + d[None, :]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
     if WRITE_LSE:
         lse = m_i + tl.log2(l_safe)
-        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
+        l_rows = (b + r).to(tl.int64) * stride_lb
+        tl.store(lse_ptr + l_rows + heads * stride_lh + split, lse, mask=g_mask)
 
 
 @triton.jit
@@ -199,6 +212,8 @@ def decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
+    row_groups: torch.Tensor | None = None,
+    max_group: int = 1,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its whole paged context.
 
@@ -207,6 +222,12 @@ def decode_attention(
     CUDA-graph safe: nothing here reads device memory on the host. num_splits defaults to
     choose_num_splits(), sized by max_seq_len (a host-side upper bound; W * block_size if None).
     Any num_splits gives the same result, so a graph captured with one stays correct.
+
+    Row groups (speculative verification: a request's k + 1 positions as consecutive rows over the
+    same blocks, seq_lens rising by one): row_groups[b] is the number of rows row b leads (1 for a
+    plain decode row, k + 1 for a verification's first row, 0 for the rows it leads), at most
+    `max_group`. A group's program reads the shared context once for all its rows instead of once
+    a row. Led rows must have their leader's block table. The result equals the ungrouped one.
     """
     _check_inputs(q, kv_cache, seq_lens, block_tables)
     batch, num_heads, head_dim = q.shape
@@ -221,14 +242,22 @@ def decode_attention(
         if max_seq_len is None:
             max_seq_len = block_tables.shape[1] * block_size
         num_sms = _num_sms(q.device.index or 0) if q.is_cuda else 132
-        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, num_sms)
+        # With groups of up to max_group rows, at least batch / max_group programs have work.
+        programs = triton.cdiv(batch, max(max_group, 1)) if row_groups is not None else batch
+        num_splits = choose_num_splits(programs, num_kv_heads, max_seq_len, num_sms)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
     group = num_heads // num_kv_heads
+    qmax = 1 if row_groups is None else max_group
+    if qmax < 1:
+        raise ValueError(f"max_group must be >= 1, got {max_group}")
+    if row_groups is not None and row_groups.shape != (batch,):
+        raise ValueError(f"row_groups {tuple(row_groups.shape)} must be [{batch}]")
     block_d = max(16, triton.next_power_of_2(head_dim))
     # tl.dot needs M >= 16; the padded query rows cost MMA work only, and decode is memory-bound.
-    block_g = max(16, triton.next_power_of_2(group))
+    # A tile row is one (row of the group, query head) pair.
+    block_g = max(16, triton.next_power_of_2(group * qmax))
     if num_splits == 1:
         target, lse = out, out  # lse is unused: WRITE_LSE is off
         target_strides = (out.stride(0), out.stride(1), 0)
@@ -245,6 +274,7 @@ def decode_attention(
         kv_cache,
         seq_lens,
         block_tables,
+        seq_lens if row_groups is None else row_groups,
         target,
         lse,
         scale * _LOG2E,
@@ -259,6 +289,7 @@ def decode_attention(
         *target_strides,
         *lse_strides,
         GROUP=group,
+        QMAX=qmax,
         HEAD_DIM=head_dim,
         BLOCK_G=block_g,
         BLOCK_D=block_d,

@@ -206,3 +206,128 @@ def test_decode_llama3_8b(
         None,
         1e-2,
     )
+
+
+def _check_groups(
+    make_paged_batch,
+    attention_reference,
+    assert_rel_close,
+    shapes: list[tuple[int, int]],
+    heads: tuple[int, int, int],
+    max_group: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int,
+    num_splits: int | None,
+    tol: float,
+) -> None:
+    """Each (cached, new) sequence's new tokens as a group of decode rows (seq_lens rising by one,
+    the sequence's block table on every row), against causal attention over the same cache."""
+    num_heads, num_kv_heads, head_dim = heads
+    batch = make_paged_batch(shapes, *heads, 16, dtype, device, seed)
+    md = batch.metadata
+    lens, tables, groups = [], [], []
+    for i, (cached, new) in enumerate(shapes):
+        lens += [cached + j + 1 for j in range(new)]
+        tables += [md.block_tables[i]] * new
+        groups += [new] + [0] * (new - 1)
+    scale = head_dim**-0.5
+    got = decode_attention(
+        batch.q,
+        batch.kv_cache,
+        torch.tensor(lens, dtype=torch.int32, device=device),
+        torch.stack(tables),
+        scale,
+        num_splits=num_splits,
+        max_seq_len=md.max_seq_len,
+        row_groups=torch.tensor(groups, dtype=torch.int32, device=device),
+        max_group=max_group,
+    )
+    want = attention_reference(batch, scale)
+    assert_rel_close(got, want, tol)
+    # The same rows one by one (no groups) agree too.
+    alone = decode_attention(
+        batch.q,
+        batch.kv_cache,
+        torch.tensor(lens, dtype=torch.int32, device=device),
+        torch.stack(tables),
+        scale,
+        num_splits=num_splits,
+        max_seq_len=md.max_seq_len,
+    )
+    assert_rel_close(alone, want, tol)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize(
+    "heads", [(3, 1, 16), (4, 2, 32), (8, 1, 64)], ids=["gqa3-d16", "gqa2-d32", "gqa8-d64"]
+)
+@pytest.mark.parametrize(
+    "shapes,max_group,num_splits",
+    [
+        # Verifications of 4 drafts beside plain decodes (groups of 1) and a short one.
+        ([(40, 5), (0, 1), (300, 5), (7, 3)], 5, 4),
+        # One long context, 8 drafts; a group straddling a tile and a split boundary.
+        ([(123, 9)], 9, None),
+        ([(60, 4), (1, 2)], 5, 1),  # one split: stage 1 writes the output
+    ],
+    ids=["mixed-split4", "one-auto", "few-split1"],
+)
+def test_decode_row_groups_match_causal_attention(
+    make_paged_batch,
+    attention_reference,
+    assert_rel_close,
+    seed,
+    heads,
+    shapes,
+    max_group,
+    num_splits,
+    device,
+) -> None:
+    _check_groups(
+        make_paged_batch,
+        attention_reference,
+        assert_rel_close,
+        shapes,
+        heads,
+        max_group,
+        torch.float32,
+        device,
+        seed,
+        num_splits,
+        1e-5,
+    )
+
+
+def test_decode_row_groups_reject_bad_shapes(device: str) -> None:
+    cache = torch.zeros(4, 2, 16, 1, 16, device=device)
+    q = torch.zeros(2, 2, 16, device=device)
+    lens = torch.ones(2, dtype=torch.int32, device=device)
+    tables = torch.zeros(2, 1, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="row_groups"):
+        decode_attention(q, cache, lens, tables, 1.0, row_groups=lens[:1], max_group=2)
+    with pytest.raises(ValueError, match="max_group"):
+        decode_attention(q, cache, lens, tables, 1.0, row_groups=lens, max_group=0)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128)], ids=["smollm2", "llama8b"])
+def test_decode_row_groups_half_precision(
+    make_paged_batch, attention_reference, assert_rel_close, seed, dtype, heads
+) -> None:
+    _check_groups(
+        make_paged_batch,
+        attention_reference,
+        assert_rel_close,
+        [(3000, 5), (0, 1), (700, 5), (2047, 9), (15, 1)],
+        heads,
+        9,
+        dtype,
+        "cuda",
+        seed,
+        None,
+        1e-2,
+    )
