@@ -18,9 +18,10 @@ from typing import Any
 from ember.engine.llm_engine import LLMEngine
 
 PHASES = ("plan_propose", "schedule", "launch", "finish", "update", "record", "output")
-IN_LAUNCH = ("staged_wait", "graph_launch", "sample")
-"""Parts of `launch`: waiting for the graph inputs' staging buffer, the CUDA graph's replay call
-alone, and the sampler's host work and launches."""
+IN_LAUNCH = ("graph_replay", "staged_wait", "graph_launch", "sample")
+"""Parts of `launch`: the decode graphs' replay (filling and copying the inputs, waiting for the
+staging buffer, launching the graph), of which the wait and the CUDA graph's launch call alone,
+and the sampler's host work and launches."""
 
 
 class PhaseTimer:
@@ -40,6 +41,8 @@ class PhaseTimer:
             self.seconds[k] = 0.0
         self._wrap(core.runner, "_sample", "sample")
         graphs = core.runner.graphs
+        if graphs.graphs:
+            self._wrap(graphs, "replay", "graph_replay")
         for g in graphs.graphs.values():
             g.graph = _TimedGraph(g.graph, self.seconds)
         if graphs.graphs:
