@@ -52,6 +52,9 @@ class SchedulerOutput:
     scores_prompts: bool = False
     """Some unfinished request asked for prompt logprobs: the model runner looks for rows to score
     (without it, a step costs no per-request look)."""
+    speculating: bool = False
+    """Some request of the step speculates (`Request.speculates`): the step is collected before
+    the next is scheduled, drafts or not (the speculation cost model's mode of the step)."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -214,6 +217,7 @@ class Scheduler(KVLoads):
             budget -= num_new
         out.block_ids = [self.kv.block_ids(r.request_id) for r in out.requests]
         out.scores_prompts = self.num_prompt_scorers > 0
+        out.speculating = any(r.speculates for r in out.requests)
         return out
 
     def _allocate(
