@@ -277,7 +277,9 @@ def run_sets(args: argparse.Namespace, out: dict[str, Any], save: Callable[[], N
     model = resolve_model(args.model) if args.model else str(get_model("smollm2"))
     tok = Tokenizer.from_dir(model)
     limits = QUICK_MAX_TOKENS if args.quick else MAX_TOKENS
-    sets, info = prompt_sets(tok, max(args.batch_sizes), args.sets.split(","), args.quick)
+    # At least MIN_REQUESTS prompts: batch 1 runs that many different requests, not one 8 times.
+    n = max(*args.batch_sizes, 1 if args.quick else MIN_REQUESTS)
+    sets, info = prompt_sets(tok, n, args.sets.split(","), args.quick)
     longest = max(len(p) + limits[s] for s, ps in sets.items() for p in ps)
     top = max(args.batch_sizes)
     max_len = longest + 64  # room for a draft's lookahead past max_tokens
