@@ -86,6 +86,8 @@ class Request:
     speculates: bool = False
     """The engine speculates for this request now: its drafts are made from its known tokens, so
     its steps are not scheduled ahead of their tokens (see `needs_known_tokens`)."""
+    speculated: bool = False
+    """The engine speculated for this request at some step (its proposer state was used)."""
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

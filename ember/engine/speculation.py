@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from ember.spec.config import SpeculativeConfig
+from ember.spec.config import DEFAULT_MAX_BATCH, SpeculativeConfig
 
 if TYPE_CHECKING:
     from ember.engine.request import Request
@@ -42,7 +42,10 @@ class StepCosts:
 
     def __init__(self) -> None:
         self.rate: dict[int, dict[bool, float]] = {}
-        """bucket -> {speculating: tokens per second}"""
+        """bucket -> {speculating: tokens per second}: the ratio of the mean tokens to the mean
+        period of the counted steps (not a mean of per-step rates, which short lucky
+        verifications would pull up)."""
+        self._means: dict[tuple[int, bool], tuple[float, float]] = {}
         self._steps: dict[int, int] = {}
         self._last: dict[int, bool] = {}
 
@@ -57,9 +60,15 @@ class StepCosts:
         self._last[b] = speculating
         if transition or seconds <= 0:
             return
-        rates = self.rate.setdefault(b, {})
-        old, new = rates.get(speculating), tokens / seconds
-        rates[speculating] = new if old is None else old + self.EMA * (new - old)
+        key = (b, speculating)
+        old = self._means.get(key)
+        if old is None:
+            tok, sec = float(tokens), seconds
+        else:
+            tok = old[0] + self.EMA * (tokens - old[0])
+            sec = old[1] + self.EMA * (seconds - old[1])
+        self._means[key] = (tok, sec)
+        self.rate.setdefault(b, {})[speculating] = tok / sec
 
     def worth_it(self, batch: int) -> bool:
         """Whether the next step at this batch size speculates."""
@@ -100,8 +109,11 @@ class Speculator:
             self.host.add_request(req.request_id, req.prompt_token_ids, req.cache_salt)
 
     def finish(self, req: Request) -> None:
+        """The proposer forgets the request; its output joins the proposer's shared state (the
+        suffix method's tenant cache) only if the engine speculated for it: a busy server with
+        speculation off spends no host time on proposer bookkeeping."""
         if self.host is not None:
-            self.host.finish(req.request_id, req.output_token_ids)
+            self.host.finish(req.request_id, req.output_token_ids if req.speculated else [])
 
     def plan(self, running: list[Request]) -> None:
         """Decide who speculates in the next step (before the engine decides whether to wait)."""
@@ -110,7 +122,9 @@ class Speculator:
         on = self._enabled(len(running))
         for r in running:
             r.speculates = on and r.sampling_params.speculative
-            if not r.speculates:
+            if r.speculates:
+                r.speculated = True
+            else:
                 r.spec_token_ids = []
 
     def propose(self, running: list[Request]) -> None:
@@ -172,4 +186,6 @@ class Speculator:
     def _enabled(self, batch: int) -> bool:
         if self.config.max_batch is not None:
             return batch <= self.config.max_batch
-        return self.costs is None or self.costs.worth_it(batch)
+        if self.costs is None:  # the CPU: always
+            return True
+        return batch <= DEFAULT_MAX_BATCH and self.costs.worth_it(batch)

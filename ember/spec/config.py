@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 METHODS = ("ngram", "suffix", "eagle3")
+DEFAULT_MAX_BATCH = 16
+"""Without `max_batch`, a GPU engine speculates only while this many requests run or fewer. On
+an H200 (SmolLM2, K = 4, docs/performance.md) no cell at batch 32 or 64 gained (0.33-1.01x),
+while at batch 8 code edits did (1.2-1.3x) and chat did not (0.8-0.9x): past 16 the cost model
+is not trusted with the server's throughput; `--speculative-max-batch` sets another bound (and
+then the bound alone decides)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -18,8 +24,9 @@ class SpeculativeConfig:
     """eagle3: the draft checkpoint's directory (config.json + safetensors)."""
     max_batch: int | None = None
     """Running requests above which the engine stops speculating (verification would cost more
-    than it saves); None: on a GPU the engine decides from the step times it measures while it
-    serves (`ember.engine.speculation.StepCosts`); on the CPU it always speculates."""
+    than it saves); None: on a GPU up to `DEFAULT_MAX_BATCH` running requests the engine decides
+    from the output rates it measures while it serves (`ember.engine.speculation.StepCosts`),
+    above it never speculates; on the CPU it always speculates."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

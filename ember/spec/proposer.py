@@ -11,7 +11,10 @@ class HostProposer(ABC):
 
     The engine calls `add_request` when a request arrives, `propose` before each step the
     request speculates in (with all of its tokens so far: prompt then output), and `finish` once
-    when it ends (its output may then feed later requests of the same `scope`).
+    when it ends (its output may then feed later requests of the same `scope`; the engine passes
+    an empty output for a request it never speculated for). `add_request` should be cheap: a
+    busy server may never speculate for the request, so work on its prompt belongs in the first
+    `propose`.
 
     `scope` is the request's tenant (its cache salt; None is the shared default): a proposer may
     draft from earlier requests' tokens only within the same scope, so that one tenant's answers

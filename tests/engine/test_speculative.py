@@ -150,6 +150,58 @@ def test_speculation_turned_on_and_off_between_async_steps(
     assert_pool_whole(llm)
 
 
+def _simulated_costs(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch, plain_s: float, verify_s: float
+) -> list[bool]:
+    """The engine's cost model as on a GPU, on a clock that advances by a plain or a verify
+    step's time at each collected step; returns whether each collected step speculated."""
+    from ember.engine import speculation
+
+    clock = [100.0]
+    monkeypatch.setattr(speculation.time, "perf_counter", lambda: clock[0])
+    spec = llm.engine.core.spec
+    spec.costs = StepCosts()
+    modes: list[bool] = []
+    record = spec.record_step
+
+    def timed(so, accepted, launched_at):  # type: ignore[no-untyped-def]
+        clock[0] += verify_s if any(so.spec_token_ids or []) else plain_s
+        modes.append(so.speculating)
+        return record(so, accepted, launched_at)
+
+    monkeypatch.setattr(spec, "record_step", timed)
+    return modes
+
+
+@pytest.mark.parametrize("batch", [16, 1])
+def test_the_cost_model_speculates_where_it_pays(
+    llama: Path, monkeypatch: pytest.MonkeyPatch, batch: int
+) -> None:
+    """Batch 16 with drafts that are always wrong and verify steps 2.5x a plain one: the engine
+    decodes plainly but for its learning and probe windows. Batch 1 with right drafts and verify
+    steps 1.25x: it speculates but for those windows."""
+    ps = prompts(batch, seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    base = LLM(str(llama), dtype="float32", async_scheduling=True)
+    want = run(base, ps, [params] * batch)
+    reference = {tuple(p): w[0] for p, w in zip(ps, want, strict=True)}
+    if batch > 1:
+        drafts = {p: [(t + 7) % 3000 for t in ref] for p, ref in reference.items()}
+        llm = speculating(llama, Oracle(drafts), async_scheduling=True, max_num_seqs=batch)
+        modes = _simulated_costs(llm, monkeypatch, plain_s=0.002, verify_s=0.005)
+    else:
+        llm = speculating(llama, Oracle(reference), async_scheduling=True)
+        modes = _simulated_costs(llm, monkeypatch, plain_s=0.0012, verify_s=0.0015)
+    assert_same(run(llm, ps, [params] * batch), want)
+    decode = modes[-100:]  # the decode steps (the first are prefills)
+    w = StepCosts.WINDOW
+    if batch > 1:
+        assert decode.count(True) <= 2 * w + 1, decode
+    else:
+        assert decode.count(False) <= 2 * w + 1, decode
+    assert_pool_whole(llm)
+
+
 def test_step_costs_decide_by_measured_rates() -> None:
     costs = StepCosts()
     w, probe = StepCosts.WINDOW, StepCosts.PROBE_EVERY
@@ -168,6 +220,24 @@ def test_step_costs_decide_by_measured_rates() -> None:
     for verified, seconds, tokens in [(False, 0.0012, 1)] * w + [(True, 0.0015, 3)] * w:
         costs.observe(1, verified, seconds, tokens)
     assert costs.worth_it(1) and costs.bucket(33) == costs.bucket(64) == 64
+
+
+def test_a_gpu_engine_speculates_only_up_to_the_default_batch_bound() -> None:
+    """Past DEFAULT_MAX_BATCH running requests a GPU engine never speculates (no cost-model
+    probe either); an explicit max_batch alone decides; the CPU always speculates."""
+    from ember.engine.speculation import Speculator
+    from ember.spec.config import DEFAULT_MAX_BATCH
+
+    gpu = Speculator(SpeculativeConfig("ngram", 4), measure=True)
+    assert gpu.costs is not None
+    assert not gpu._enabled(DEFAULT_MAX_BATCH + 1)
+    assert gpu.costs._steps == {}  # the cost model was not asked
+    gpu._enabled(DEFAULT_MAX_BATCH)
+    assert gpu.costs._steps == {StepCosts.bucket(DEFAULT_MAX_BATCH): 1}
+    bound = Speculator(SpeculativeConfig("ngram", 4, max_batch=64), measure=True)
+    assert bound.costs is None and bound._enabled(64) and not bound._enabled(65)
+    cpu = Speculator(SpeculativeConfig("ngram", 4), measure=False)
+    assert cpu._enabled(1000)
 
 
 def test_a_step_transition_is_not_counted() -> None:

@@ -101,3 +101,45 @@ def test_smollm2_suffix_drafts_from_the_tenants_earlier_answer(smollm2: Path) ->
     other, accepted_b, drafts_b = run("tenant-b")
     assert other == first
     assert drafts_b == 0 or accepted_b / drafts_b < accepted / drafts
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_a_request_never_speculated_for_costs_its_proposer_nothing(
+    tiny_model_dir, method: str
+) -> None:
+    """A busy engine turns speculation off: the proposer then neither indexes the request's
+    prompt (that waits for the first propose) nor keeps its output for the tenant's later
+    requests (the suffix method's cache); a request that does speculate gets both."""
+    llm = LLM(
+        str(tiny_model_dir("llama")),
+        dtype="float32",
+        speculative=SpeculativeConfig(method, num_speculative_tokens=3),
+    )
+    spec = llm.engine.core.spec
+    assert spec is not None and spec.host is not None
+    host = spec.host
+    spec._enabled = lambda batch: False  # type: ignore[method-assign]  # as under load
+    indexed: list[str] = []
+    propose = host.propose
+
+    def counted(request_id, tokens, max_tokens):  # type: ignore[no-untyped-def]
+        indexed.append(request_id)
+        return propose(request_id, tokens, max_tokens)
+
+    host.propose = counted  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(5, 60))}
+    llm.generate([prompt], params)
+    assert indexed == [] and llm.engine.core.stats().spec_drafts == 0
+    if method == "suffix":
+        assert host.cached_outputs(None) == 0
+    # Requests added but never proposed for hold no index of their prompts.
+    host.add_request("idle", list(range(3000)), None)
+    state = host._requests["idle"]
+    held = state.tokens if method == "ngram" else state.tree.tokens(0)
+    assert held == []
+    spec._enabled = lambda batch: True  # type: ignore[method-assign]
+    llm.generate([prompt], params)
+    assert indexed  # the prompt was indexed at the first propose
+    if method == "suffix":
+        assert host.cached_outputs(None) == 1
