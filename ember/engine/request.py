@@ -88,6 +88,10 @@ class Request:
     its steps are not scheduled ahead of their tokens (see `needs_known_tokens`)."""
     speculated: bool = False
     """The engine speculated for this request at some step (its proposer state was used)."""
+    spec_misses: int = 0
+    """Host proposals in a row that gave no draft or none that stood."""
+    spec_backoff: int = 0
+    """Steps this request sits out of speculation (they run async) after its misses."""
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

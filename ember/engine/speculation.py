@@ -89,6 +89,9 @@ class StepCosts:
 
 
 class Speculator:
+    MAX_BACKOFF = 16
+    """The most steps a request sits out of speculation after host proposals that missed."""
+
     def __init__(self, config: SpeculativeConfig, measure: bool) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
@@ -121,8 +124,12 @@ class Speculator:
             self._last_step_end = None
         on = self._enabled(len(running))
         for r in running:
-            r.speculates = on and r.sampling_params.speculative
-            if r.speculates:
+            wants = on and r.sampling_params.speculative
+            if wants and r.spec_backoff > 0:  # sits this step out: it may run async
+                r.spec_backoff -= 1
+                wants = False
+            r.speculates = wants
+            if wants:
                 r.speculated = True
             else:
                 r.spec_token_ids = []
@@ -139,6 +146,8 @@ class Speculator:
                 and r.num_computed_tokens == r.num_tokens - 1
             ):
                 r.spec_token_ids = self.host.propose(r.request_id, r.all_token_ids, self.k)
+                if not r.spec_token_ids:
+                    self._missed(r)
 
     def record(self, req: Request, drafts: list[int], accepted: int) -> None:
         if not drafts:
@@ -150,6 +159,19 @@ class Speculator:
         req.spec_accepted_tokens += accepted
         for i in range(accepted):
             self.accepted_per_pos[i] += 1
+        if self.host is not None:
+            if accepted:
+                req.spec_misses = 0
+            else:
+                self._missed(req)
+
+    def _missed(self, req: Request) -> None:
+        """A host proposal that gave nothing (no draft, or none stood): the request sits out
+        the next 1, 2, 4 .. MAX_BACKOFF steps while it keeps missing. Its steps then run async
+        (a speculating step waits for the previous one's tokens), so text the proposer cannot
+        predict (free prose) decodes at the plain rate, and one hit brings speculation back."""
+        req.spec_misses += 1
+        req.spec_backoff = min(1 << (req.spec_misses - 1), self.MAX_BACKOFF)
 
     def record_step(
         self, so: SchedulerOutput, accepted: list[list[int]], launched_at: float

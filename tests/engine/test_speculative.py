@@ -297,6 +297,42 @@ def test_a_steps_period_runs_from_the_last_steps_end(monkeypatch: pytest.MonkeyP
     assert spec.num_accepted_tokens == 1 and req.spec_accepted_tokens == 1
 
 
+class Silent(Oracle):
+    """The oracle's drafts, but none for a request's first `quiet` output tokens."""
+
+    def __init__(self, reference: dict[tuple[int, ...], list[int]], quiet: int) -> None:
+        super().__init__(reference)
+        self.quiet = quiet
+
+    def propose(self, request_id: str, tokens: Sequence[int], max_tokens: int) -> list[int]:
+        if len(tokens) - len(self.prompts[request_id]) < self.quiet:
+            self.calls += 1
+            return []
+        return super().propose(request_id, tokens, max_tokens)
+
+
+@pytest.mark.parametrize("quiet", [1000, 40])
+def test_a_request_whose_proposals_miss_sits_out_and_comes_back(llama: Path, quiet: int) -> None:
+    """While its proposals give nothing, a request sits out 1, 2, 4 .. 16 steps between tries
+    (those steps run async: no wait for tokens); a draft that stands brings it back at once.
+    Output is the same either way."""
+    ps = prompts(2, seed=12)
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    base = LLM(str(llama), dtype="float32", async_scheduling=True)
+    want = run(base, ps, [params] * 2)
+    reference = {tuple(p): w[0] for p, w in zip(ps, want, strict=True)}
+    oracle = Silent(reference, quiet)
+    llm = speculating(llama, oracle, async_scheduling=True)
+    assert_same(run(llm, ps, [params] * 2), want)
+    stats = llm.engine.core.stats()
+    if quiet > 100:  # never a draft: tries at outputs 1, 2, 4, 7, 12, 21, 38, 55, 72, 89
+        assert stats.spec_drafts == 0 and oracle.calls <= 2 * 11
+    else:  # silent for 40 tokens, then right: back within 16 steps, then 4 drafts + 1 a step
+        assert stats.spec_drafts > 0 and stats.spec_accepted_tokens == 4 * stats.spec_drafts
+        assert stats.spec_drafts >= 2 * ((100 - quiet - 16) // 5 - 1)
+    assert_pool_whole(llm)
+
+
 def test_wrong_drafts_change_nothing_and_leak_nothing(llama: Path) -> None:
     """Drafts that are always wrong: every one rejected, output the same, every block back."""
     ps = prompts(4, seed=2)
