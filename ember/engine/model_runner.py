@@ -21,8 +21,8 @@ from ember.attention.backend import AttentionBackend
 from ember.attention.metadata import AttentionMetadata, ForwardContext
 from ember.engine.cuda_graphs import DecodeGraphs, feed_input_ids, feed_row
 from ember.engine.prompt_logprobs import PromptScoring, plan_prompt_scoring
-from ember.engine.sampler import Sampler, SamplerOutput, SamplingBatch, score_tokens
-from ember.engine.structured_output import apply_grammar_masks
+from ember.engine.sampler import Sampler, SamplerOutput, score_tokens
+from ember.engine.sampling_rows import sample_rows
 from ember.spec.eagle3_step import draft_after_step
 from ember.spec.verify import last_rows, num_accepted, verify_rows
 
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from ember.engine.request import Request
     from ember.engine.scheduler import SchedulerOutput
     from ember.models.config import ModelConfig
-    from ember.sampling_params import SamplingParams
     from ember.spec.eagle3 import Eagle3Drafter
 
 log = logging.getLogger(__name__)
@@ -371,29 +370,7 @@ class ModelRunner:
         as if drafts[:i] had been sampled already (penalties, min_tokens and the grammar see
         them), and the drafts are accepted while each equals its row's sample
         (`ember.spec.verify`)."""
-        if not drafts:
-            drafts = [[] for _ in reqs]
-        if any(r.matcher is not None for r in reqs):
-            apply_grammar_masks(logits, [r.matcher for r in reqs], drafts)
-        rows = [(r, d[:i]) for r, d in zip(reqs, drafts, strict=True) for i in range(len(d) + 1)]
-        if all(_plain_greedy(r, len(seen)) for r, seen in rows):
-            # The common agent case (greedy, nothing to penalise, block or report): an argmax,
-            # without the per-row parameter tensors a sampling batch copies to the device.
-            return SamplerOutput(logits.argmax(-1), None, None, None)
-        penalised = any(_penalised(r.sampling_params) for r in reqs)
-        batch = SamplingBatch.build(
-            params=[r.sampling_params for r, _ in rows],
-            prompt_ids=[r.prompt_token_ids for r, _ in rows],
-            output_ids=[
-                r.output_token_ids + seen if seen and penalised else r.output_token_ids
-                for r, seen in rows
-            ],
-            generators=[r.generator for r, _ in rows],
-            blocked=[_blocked_tokens(r, len(seen)) for r, seen in rows],
-            vocab_size=logits.shape[-1],
-            device=self.device,
-        )
-        return self.sampler(logits, batch)
+        return sample_rows(self.sampler, logits, reqs, drafts, self.device)
 
     def _to_host(self, t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else self._copy_to_host(t)
@@ -478,34 +455,3 @@ class ModelRunner:
 def _entries(ids: list[int], logprobs: list[float], rank: int, want: int) -> TokenLogprobs:
     """One position's (token id, logprob, rank): its token first, then `want` alternatives."""
     return [(ids[0], logprobs[0], rank)] + [(ids[k], logprobs[k], k) for k in range(1, want + 1)]
-
-
-def _penalised(params: SamplingParams) -> bool:
-    return (
-        params.repetition_penalty != 1.0
-        or params.presence_penalty != 0.0
-        or params.frequency_penalty != 0.0
-    )
-
-
-def _plain_greedy(req: Request, num_drafts_before: int) -> bool:
-    """A row whose sample is the argmax of its logits (the grammar's mask already applied)."""
-    p = req.sampling_params
-    return (
-        p.greedy
-        and p.logprobs is None
-        and not _penalised(p)
-        and not _blocked_tokens(req, num_drafts_before)
-    )
-
-
-def _blocked_tokens(req: Request, num_drafts_before: int = 0) -> list[int]:
-    """EOS and stop ids may not be sampled before `min_tokens` outputs."""
-    params = req.sampling_params
-    # Outputs before the one this row samples: its own placeholder is already counted, and a
-    # verification row comes after the drafts before it.
-    before = req.num_output_tokens + req.num_output_placeholders - 1 + num_drafts_before
-    if before >= params.min_tokens:
-        return []
-    eos = () if params.ignore_eos else req.eos_token_ids
-    return sorted(set(eos) | set(params.stop_token_ids or ()))
