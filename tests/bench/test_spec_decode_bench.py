@@ -125,21 +125,26 @@ def test_a_mismatch_is_located_scored_and_told_from_a_tie(tiny_model_dir) -> Non
     ref, _, errors = sd.generate(llm.engine, prompts, params, "ref")
     assert errors == 0 and [len(t) for t in ref] == [6, 6]
     assert sd.mismatches(llm.engine, prompts, ref, ref) == []
-    # The baseline's two best tokens at request 1's fourth position.
+    # The baseline's best tokens at request 1's fourth position.
     scored = (
         llm.generate(
             [{"prompt_token_ids": prompts[1] + ref[1][:3]}],
-            SamplingParams(temperature=0.0, max_tokens=1, logprobs=2),
+            SamplingParams(temperature=0.0, max_tokens=1, logprobs=sd.SCORED),
         )[0]
         .outputs[0]
         .logprobs[0]
     )
-    top = sorted(scored, key=lambda t: -scored[t].logprob)[:2]
-    gap = scored[top[0]].logprob - scored[top[1]].logprob
-    outsider = next(t for t in range(100) if t not in top)
-    for token, near in ((outsider, False), (top[1], gap <= sd.TIE_GAP)):
+    top = sorted(scored, key=lambda t: -scored[t].logprob)
+    best = scored[top[0]].logprob
+    gap = best - scored[top[1]].logprob
+    outsider = next(t for t in range(100) if t not in scored)
+    cases = [(top[1], gap <= sd.TIE_GAP + 1e-6, gap)]
+    if best - scored[top[-1]].logprob > sd.TIE_GAP:  # an unscored token is no near tie
+        cases.append((outsider, False, None))
+    for token, near, behind in cases:
         got = [ref[0], ref[1][:3] + [token] + ref[1][4:]]
         (m,) = sd.mismatches(llm.engine, prompts, ref, got)
         assert m["request"] == 1 and m["position"] == 3 and m["lengths"] == [6, 6]
         assert m["baseline_token"] == ref[1][3] == top[0] and m["spec_token"] == token
+        assert m["spec_token_behind_best"] == (None if behind is None else pytest.approx(behind))
         assert m["baseline_top2_gap"] == pytest.approx(gap) and m["near_tie"] is near
