@@ -154,7 +154,8 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="K",
-        help="the most draft tokens verified per request and step, 1 to 16 (default: 4)",
+        help="the most draft tokens verified per request and step, 1 to 16 (default: 8 for "
+        "ngram and suffix, 4 for eagle3)",
     )
     p.add_argument(
         "--draft-model",
@@ -195,9 +196,11 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig 
         if not Path(args.draft_model).is_dir():
             raise ValueError(f"--draft-model {args.draft_model!r} is not a directory")
     k = args.num_speculative_tokens
+    if k is not None and not 1 <= k <= 16:  # 0 would mean the method's default to the config
+        raise ValueError(f"num_speculative_tokens must be in [1, 16], got {k}")
     return SpeculativeConfig(
         method=method,
-        num_speculative_tokens=4 if k is None else k,
+        num_speculative_tokens=0 if k is None else k,
         draft_model=args.draft_model,
         max_batch=args.speculative_max_batch,
     )

@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 METHODS = ("ngram", "suffix", "eagle3")
+DEFAULT_K = {"ngram": 8, "suffix": 8, "eagle3": 4}
+"""K when none is given. Host proposers: 8, since on an H200 (SmolLM2, docs/performance.md) K = 8
+beat K = 4 in every greedy cell at batch 1 and 8 (code edits 2.80x against 2.31x, tool calls
+1.78x against 1.56x at batch 1): their drafts either copy a run whole or stop. EAGLE-3: 4, as its
+K draft steps each cost a forward of the head and its acceptance falls with the position."""
 DEFAULT_MAX_BATCH = 16
 """Without `max_batch`, a GPU engine speculates only while this many requests run or fewer. On
 an H200 (SmolLM2, K = 4, docs/performance.md) no cell at batch 32 or 64 gained (0.33-1.01x),
@@ -18,8 +23,9 @@ class SpeculativeConfig:
     method: str
     """ "ngram" (prompt lookup), "suffix" (suffix trees over the request and its tenant's recent
     answers) or "eagle3" (a draft head over the target's hidden states)."""
-    num_speculative_tokens: int = 4
-    """K: the most draft tokens verified per request and step."""
+    num_speculative_tokens: int = 0
+    """K: the most draft tokens verified per request and step, 1 to 16; 0 (the default): the
+    method's (`DEFAULT_K`)."""
     draft_model: str | None = None
     """eagle3: the draft checkpoint's directory (config.json + safetensors)."""
     max_batch: int | None = None
@@ -33,6 +39,8 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative method must be one of {', '.join(METHODS)}, got {self.method!r}"
             )
+        if self.num_speculative_tokens == 0:  # frozen: set once, here
+            object.__setattr__(self, "num_speculative_tokens", DEFAULT_K[self.method])
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(
                 f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}"

@@ -28,7 +28,7 @@ def test_off_without_the_flag() -> None:
 
 def test_flags_become_the_speculative_config(tmp_path: Path) -> None:
     cfg = engine_config_from_args(parse("--speculative", "ngram"))
-    assert cfg.speculative == SpeculativeConfig("ngram", 4, None, None)
+    assert cfg.speculative == SpeculativeConfig("ngram", 8, None, None)  # the method's default
     cfg = engine_config_from_args(
         parse("--speculative", "suffix", "--num-speculative-tokens", "7",
               "--speculative-max-batch", "16")
