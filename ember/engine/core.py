@@ -32,7 +32,7 @@ from ember.engine.prompt_logprobs import add_prompt_logprobs, take_prompt_logpro
 from ember.engine.request import Request, RequestStatus
 from ember.engine.sampler import SamplingBatch, make_generator
 from ember.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from ember.engine.speculation import Speculator
+from ember.engine.speculation import Speculator, verify_graph_rows
 from ember.engine.structured_output import GrammarCompiler
 from ember.kv.kv_cache_manager import KVCacheManager
 from ember.models.config import ModelConfig
@@ -175,10 +175,10 @@ class EngineCore:
             paused = self.tiers.growth_paused() if self.tiers else contextlib.nullcontext()
             with paused:
                 batch = min(config.max_cuda_graph_batch, config.max_num_seqs)
-                k = config.speculative.num_speculative_tokens if config.speculative else 0
-                self.runner.capture_cuda_graphs(
-                    batch, r.max_model_len, batch * (k + 1) if k else 0, max_group=k + 1
-                )
+                spec = config.speculative
+                k = spec.num_speculative_tokens if spec else 0
+                rows = verify_graph_rows(spec, batch) if spec else 0
+                self.runner.capture_cuda_graphs(batch, r.max_model_len, rows, max_group=k + 1)
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
             num_blocks,

@@ -21,6 +21,14 @@ if TYPE_CHECKING:
     from ember.spec.proposer import HostProposer
 
 
+def verify_graph_rows(config: SpeculativeConfig, max_graph_batch: int) -> int:
+    """The most rows a verify batch can have on a GPU: (k + 1) a request, for no more requests
+    than the graphs' batch or the bound past which the engine never speculates (its
+    `max_batch`, else DEFAULT_MAX_BATCH). Verify graphs past the decode sizes stop there."""
+    bound = config.max_batch if config.max_batch is not None else DEFAULT_MAX_BATCH
+    return min(max_graph_batch, bound) * (config.num_speculative_tokens + 1)
+
+
 class StepCosts:
     """Output tokens per second with and without speculation, by batch size (powers of two),
     each measured over windows of consecutive steps: speculation holds at a size while its rate

@@ -240,6 +240,20 @@ def test_a_gpu_engine_speculates_only_up_to_the_default_batch_bound() -> None:
     assert cpu._enabled(1000)
 
 
+def test_verify_graphs_stop_where_speculation_does() -> None:
+    """No graph for a verify batch the engine can never run: at most (k + 1) rows for each of
+    DEFAULT_MAX_BATCH requests (or max_batch's), and no more requests than the graphs' batch."""
+    from ember.engine.cuda_graphs import graph_sizes
+    from ember.engine.speculation import verify_graph_rows
+    from ember.spec.config import DEFAULT_MAX_BATCH
+
+    assert verify_graph_rows(SpeculativeConfig("ngram"), 256) == DEFAULT_MAX_BATCH * 9
+    assert graph_sizes(256, verify_graph_rows(SpeculativeConfig("ngram"), 256))[-1] == 256
+    assert verify_graph_rows(SpeculativeConfig("ngram", 4, max_batch=64), 256) == 64 * 5
+    assert verify_graph_rows(SpeculativeConfig("suffix", 4, max_batch=64), 8) == 8 * 5
+    assert verify_graph_rows(SpeculativeConfig("ngram", 4, max_batch=0), 256) == 0
+
+
 def test_a_step_transition_is_not_counted() -> None:
     """A mode's first step after the other (a plain step with no async overlap yet) is no
     sample of its rate."""
