@@ -6,10 +6,11 @@ from dataclasses import dataclass
 
 METHODS = ("ngram", "suffix", "eagle3")
 DEFAULT_K = {"ngram": 8, "suffix": 8, "eagle3": 4}
-"""K when none is given. Host proposers: 8, since on an H200 (SmolLM2, docs/performance.md) K = 8
-beat K = 4 in every greedy cell at batch 1 and 8 (code edits 2.80x against 2.31x, tool calls
-1.78x against 1.56x at batch 1): their drafts either copy a run whole or stop. EAGLE-3: 4, as its
-K draft steps each cost a forward of the head and its acceptance falls with the position."""
+"""K when none is given. Host proposers: 8, since on an H200 (SmolLM2, docs/performance.md) ngram
+with K = 8 beat K = 4 in every greedy cell at batch 1 and 8 (code edits 2.80x against 2.31x, tool
+calls 1.78x against 1.56x at batch 1), and suffix did at batch 1 (3.38x against 2.64x on code) and
+was within 2% at batch 8: their drafts either copy a run whole or stop. EAGLE-3: 4, as its K draft
+steps each cost a forward of the head and its acceptance falls with the position."""
 DEFAULT_MAX_BATCH = 16
 """Without `max_batch`, a GPU engine speculates only while this many requests run or fewer. On
 an H200 (SmolLM2, K = 4, docs/performance.md) no cell at batch 32 or 64 gained (0.33-1.01x),
