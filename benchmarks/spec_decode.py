@@ -413,7 +413,13 @@ def main() -> None:
     ap.add_argument("--sets", default="agentic,code,chat")
     ap.add_argument("--settings", default=",".join(SETTINGS), help="greedy, sampled or both")
     ap.add_argument("--proposers", default="ngram,suffix", help="name or name:K, comma-separated")
-    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=0,
+        help="K of a proposer given without :K (default 0: the engine's, 8 for ngram and "
+        "suffix, 4 for eagle3)",
+    )
     ap.add_argument("--draft-model", help="an EAGLE-3 draft checkpoint: adds the eagle3 proposer")
     ap.add_argument(
         "--spec-max-batch", type=int, help="SpeculativeConfig.max_batch (default: the engine's)"
