@@ -13,10 +13,10 @@ was within 2% at batch 8: their drafts either copy a run whole or stop. EAGLE-3:
 steps each cost a forward of the head and its acceptance falls with the position."""
 DEFAULT_MAX_BATCH = 16
 """Without `max_batch`, a GPU engine speculates only while this many requests run or fewer. On
-an H200 (SmolLM2, K = 4, docs/performance.md) no cell at batch 32 or 64 gained more than 1% (0.33-1.01x),
-while at batch 8 code edits did (1.2-1.3x) and chat did not (0.8-0.9x): past 16 the cost model
-is not trusted with the server's throughput; `--speculative-max-batch` sets another bound (and
-then the bound alone decides)."""
+an H200 (SmolLM2, K = 4, docs/performance.md) no cell at batch 32 or 64 gained more than 1%
+(0.33-1.01x), while at batch 8 code edits did (1.2-1.3x) and chat did not (0.8-0.9x): past 16
+the cost model is not trusted with the server's throughput; `--speculative-max-batch` sets
+another bound (and then the bound alone decides)."""
 
 
 @dataclass(slots=True, frozen=True)
