@@ -223,7 +223,7 @@ def _check_groups(
 ) -> None:
     """Each (cached, new) sequence's new tokens as a group of decode rows (seq_lens rising by one,
     the sequence's block table on every row), against causal attention over the same cache."""
-    num_heads, num_kv_heads, head_dim = heads
+    head_dim = heads[2]
     batch = make_paged_batch(shapes, *heads, 16, dtype, device, seed)
     md = batch.metadata
     lens, tables, groups = [], [], []
@@ -232,30 +232,21 @@ def _check_groups(
         tables += [md.block_tables[i]] * new
         groups += [new] + [0] * (new - 1)
     scale = head_dim**-0.5
-    got = decode_attention(
-        batch.q,
-        batch.kv_cache,
-        torch.tensor(lens, dtype=torch.int32, device=device),
-        torch.stack(tables),
-        scale,
-        num_splits=num_splits,
-        max_seq_len=md.max_seq_len,
-        row_groups=torch.tensor(groups, dtype=torch.int32, device=device),
-        max_group=max_group,
-    )
     want = attention_reference(batch, scale)
-    assert_rel_close(got, want, tol)
-    # The same rows one by one (no groups) agree too.
-    alone = decode_attention(
-        batch.q,
-        batch.kv_cache,
-        torch.tensor(lens, dtype=torch.int32, device=device),
-        torch.stack(tables),
-        scale,
-        num_splits=num_splits,
-        max_seq_len=md.max_seq_len,
-    )
-    assert_rel_close(alone, want, tol)
+    row_groups = torch.tensor(groups, dtype=torch.int32, device=device)
+    # Grouped, then the same rows one by one (no groups): both agree with the reference.
+    for grouping in ({"row_groups": row_groups, "max_group": max_group}, {}):
+        got = decode_attention(
+            batch.q,
+            batch.kv_cache,
+            torch.tensor(lens, dtype=torch.int32, device=device),
+            torch.stack(tables),
+            scale,
+            num_splits=num_splits,
+            max_seq_len=md.max_seq_len,
+            **grouping,
+        )
+        assert_rel_close(got, want, tol)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
