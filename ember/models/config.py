@@ -21,6 +21,14 @@ _DTYPES = {
 }
 
 
+def read_config_json(directory: str | Path, what: str) -> dict[str, Any]:
+    """`directory`/config.json, parsed; FileNotFoundError naming `what` the directory is."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in {what} {str(directory)!r}")
+    return json.loads(path.read_text())
+
+
 def parse_dtype(
     value: str | torch.dtype | None, default: torch.dtype = torch.float32
 ) -> torch.dtype:
@@ -67,10 +75,7 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no config.json in model directory {str(model_dir)!r}")
-        return cls.from_dict(json.loads(path.read_text()))
+        return cls.from_dict(read_config_json(model_dir, "model directory"))
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:

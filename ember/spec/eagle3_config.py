@@ -4,12 +4,11 @@ malformed checkpoint or a head trained for another target."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ember.models.config import ModelConfig
+from ember.models.config import ModelConfig, read_config_json
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
@@ -35,10 +34,7 @@ class Eagle3Config:
 
     @classmethod
     def from_dir(cls, draft_dir: str | Path) -> Eagle3Config:
-        path = Path(draft_dir) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no config.json in EAGLE-3 draft directory {str(draft_dir)!r}")
-        return cls.from_dict(json.loads(path.read_text()))
+        return cls.from_dict(read_config_json(draft_dir, "EAGLE-3 draft directory"))
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> Eagle3Config:
