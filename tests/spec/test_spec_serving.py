@@ -25,15 +25,19 @@ def llama(tiny_model_dir) -> Path:
     return tiny_model_dir("llama")
 
 
-def completion(url: str, prompt: list[int]) -> list[int]:
-    body = {
+def greedy_body(prompt: list[int]) -> dict:
+    """A greedy completion of 24 tokens of `prompt` (token ids) on the tiny model."""
+    return {
         "model": "tiny",
         "prompt": prompt,
         "max_tokens": 24,
         "temperature": 0,
         "ignore_eos": True,
-        "logprobs": 0,
     }
+
+
+def completion(url: str, prompt: list[int]) -> list[int]:
+    body = {**greedy_body(prompt), "logprobs": 0}
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["logprobs"]["tokens"]
@@ -99,13 +103,7 @@ def test_usage_reports_accepted_and_rejected_draft_tokens(llama: Path) -> None:
     did not (OpenAI's predicted-output fields), streamed or not; a request that opts out, or a
     server without speculation, reports none."""
     prompt = [11, 12, 13, 14, 15] * 8
-    body = {
-        "model": "tiny",
-        "prompt": prompt,
-        "max_tokens": 24,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
+    body = greedy_body(prompt)
     server = start_server(llama, *ENGINE, "--speculative", "suffix")
     try:
 
