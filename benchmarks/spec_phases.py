@@ -30,69 +30,59 @@ class PhaseTimer:
     def __init__(self, engine: LLMEngine) -> None:
         core = engine.core
         self.runner = core.runner
-        self.seconds = dict.fromkeys(PHASES, 0.0)
+        # to_replay: the host's time from one step's tokens (the end of `finish`) to the next
+        # graph launch (the start of a graph replay): what a synchronous step adds to the GPU's.
+        self.seconds = dict.fromkeys((*PHASES, *IN_LAUNCH, "to_replay"), 0.0)
         self._wait0 = self.runner.sync_wait_s
+        self._finished_at: float | None = None
         self._wrap(core.scheduler, "schedule", "schedule")
         self._wrap(core.scheduler, "update_from_output", "update")
         self._wrap(core.runner, "launch", "launch")
-        self._wrap(core.runner, "finish", "finish")
+        self._wrap(core.runner, "finish", "finish", after=self._mark_finished)
         self._wrap(engine.processor, "process", "output")
-        for k in IN_LAUNCH:
-            self.seconds[k] = 0.0
         self._wrap(core.runner, "_sample", "sample")
         graphs = core.runner.graphs
         if graphs.graphs:
-            self._wrap(graphs, "replay", "graph_replay")
-        for g in graphs.graphs.values():
-            g.graph = _TimedGraph(g.graph, self.seconds)
-        if graphs.graphs:
+            self._wrap(graphs, "replay", "graph_replay", before=self._count_to_replay)
+            for g in graphs.graphs.values():
+                g.graph = _TimedGraph(g.graph, self.seconds)
             graphs._staged = _TimedEvent(graphs._staged, self.seconds)
-        # The host's time from one step's tokens (the end of `finish`) to the next graph launch
-        # (the start of a graph replay): what a synchronous step adds to the GPU's time.
-        self._finished_at: float | None = None
-        self.seconds["to_replay"] = 0.0
-        self._mark_finish()
-        if core.runner.graphs.graphs:
-            self._mark_replay(core.runner.graphs)
         if core.spec is not None:
             self._wrap(core.spec, "plan", "plan_propose")
             self._wrap(core.spec, "propose", "plan_propose")
             self._wrap(core.spec, "record_step", "record")
 
-    def _wrap(self, obj: Any, method: str, phase: str) -> None:
+    def _wrap(
+        self,
+        obj: Any,
+        method: str,
+        phase: str,
+        before: Callable[[], None] | None = None,
+        after: Callable[[], None] | None = None,
+    ) -> None:
         inner: Callable[..., Any] = getattr(obj, method)
         seconds = self.seconds
 
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if before is not None:
+                before()
             t0 = time.perf_counter()
             try:
                 return inner(*args, **kwargs)
             finally:
                 seconds[phase] += time.perf_counter() - t0
+                if after is not None:
+                    after()
 
         setattr(obj, method, timed)
 
-    def _mark_finish(self) -> None:
-        inner = self.runner.finish
+    def _mark_finished(self) -> None:
+        self._finished_at = time.perf_counter()
 
-        def finish(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self._finished_at = time.perf_counter()
-
-        self.runner.finish = finish
-
-    def _mark_replay(self, graphs: Any) -> None:
-        inner = graphs.replay
-
-        def replay(*args: Any, **kwargs: Any) -> Any:
-            if self._finished_at is not None:
-                self.seconds["to_replay"] += time.perf_counter() - self._finished_at
-                self._finished_at = None
-            return inner(*args, **kwargs)
-
-        graphs.replay = replay
+    def _count_to_replay(self) -> None:
+        if self._finished_at is not None:
+            self.seconds["to_replay"] += time.perf_counter() - self._finished_at
+            self._finished_at = None
 
     def reset(self) -> None:
         for k in self.seconds:
