@@ -49,11 +49,8 @@ class StepCosts:
     EMA = 0.25
 
     def __init__(self) -> None:
-        self.rate: dict[int, dict[bool, float]] = {}
-        """bucket -> {speculating: tokens per second}: the ratio of the mean tokens to the mean
-        period of the counted steps (not a mean of per-step rates, which short lucky
-        verifications would pull up)."""
         self._means: dict[tuple[int, bool], tuple[float, float]] = {}
+        """(bucket, speculating) -> mean tokens and mean period of the counted steps."""
         self._steps: dict[int, int] = {}
         self._last: dict[int, bool] = {}
 
@@ -76,7 +73,20 @@ class StepCosts:
             tok = old[0] + self.EMA * (tokens - old[0])
             sec = old[1] + self.EMA * (seconds - old[1])
         self._means[key] = (tok, sec)
-        self.rate.setdefault(b, {})[speculating] = tok / sec
+
+    @property
+    def rate(self) -> dict[int, dict[bool, float]]:
+        """bucket -> {speculating: tokens per second}: the ratio of the mean tokens to the mean
+        period of the counted steps (not a mean of per-step rates, which short lucky
+        verifications would pull up)."""
+        out: dict[int, dict[bool, float]] = {}
+        for (b, mode), (tok, sec) in self._means.items():
+            out.setdefault(b, {})[mode] = tok / sec
+        return out
+
+    def _rate(self, b: int, speculating: bool) -> float | None:
+        means = self._means.get((b, speculating))
+        return None if means is None else means[0] / means[1]
 
     def worth_it(self, batch: int) -> bool:
         """Whether the next step at this batch size speculates."""
@@ -86,8 +96,7 @@ class StepCosts:
         w = self.WINDOW
         if n < 2 * w:
             return n >= w  # learn plain decoding first, then speculation
-        rates = self.rate.get(b, {})
-        plain, spec = rates.get(False), rates.get(True)
+        plain, spec = self._rate(b, False), self._rate(b, True)
         if plain is None or spec is None:  # a window with no counted step: measure what lacks
             return plain is not None
         decision = spec > plain
