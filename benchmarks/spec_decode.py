@@ -209,8 +209,8 @@ def mismatches(
             for out in base.step(final_only=True):
                 lp = out.outputs[0].logprobs
         scored = {t: v.logprob for t, v in lp[0].items()} if lp else {}
-        best = max(scored.values(), default=None)
         top = sorted(scored.values(), reverse=True)
+        best = top[0] if top else None
         gap = top[0] - top[1] if len(top) > 1 else None
         spec_token = b[j] if j < len(b) else None
         behind = None if best is None or spec_token not in scored else best - scored[spec_token]
