@@ -366,10 +366,8 @@ class ModelRunner:
     def _sample(
         self, logits: torch.Tensor, reqs: list[Request], drafts: list[list[int]]
     ) -> SamplerOutput:
-        """One sampling row per request, or with drafts k + 1 rows per request: row i samples
-        as if drafts[:i] had been sampled already (penalties, min_tokens and the grammar see
-        them), and the drafts are accepted while each equals its row's sample
-        (`ember.spec.verify`)."""
+        """The step's sampling rows (`ember.engine.sampling_rows`); a method, so that a profile
+        can time it on one runner."""
         return sample_rows(self.sampler, logits, reqs, drafts, self.device)
 
     def _to_host(self, t: torch.Tensor | None) -> torch.Tensor | None:
