@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import random
 import socket
 import subprocess
 import time
@@ -22,10 +23,23 @@ SECRET = "test-cluster-secret"
 """The cluster secret every test engine and router shares (internal routes need it)."""
 
 
+_PORTS = random.Random()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below the kernel's ephemeral range (32768 and up on Linux): servers
+    started together take their ports a moment after picking them, and a port from the ephemeral
+    range could meanwhile go to another process's outgoing or auto-bound socket (a PD test's
+    server once found its port taken by its sibling's transfer engine)."""
+    for _ in range(200):
+        port = _PORTS.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32767")
 
 
 @dataclass

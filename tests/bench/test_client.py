@@ -6,7 +6,6 @@ sleeps are exact and the check does not depend on how loaded the machine is."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import numpy as np
 import orjson
@@ -17,6 +16,7 @@ from ember.bench.metrics import summarize
 from ember.bench.records import PlannedRequest
 from ember.bench.runner import RunLimits, run_open_loop
 from tests.bench import virtual_time
+from tests.servers import free_port
 
 TTFT_MS = [100, 120, 140, 160, 180, 200, 220, 240]
 GAPS_MS = [30, 50, 70]  # inter-chunk gaps, cycled
@@ -68,12 +68,6 @@ def fake_app(seen: list[dict]) -> web.Application:
     app.router.add_post("/v1/broken", broken)
     app.router.add_post("/v1/hang", hang)
     return app
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def bench(  # noqa: ANN201
