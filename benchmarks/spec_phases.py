@@ -35,16 +35,17 @@ class PhaseTimer:
         self.seconds = dict.fromkeys((*PHASES, *IN_LAUNCH, "to_replay"), 0.0)
         self._wait0 = self.runner.sync_wait_s
         self._finished_at: float | None = None
+        self.counts = dict.fromkeys(("launches", "replays"), 0)
         self._wrap(core.scheduler, "schedule", "schedule")
         self._wrap(core.scheduler, "update_from_output", "update")
-        self._wrap(core.runner, "launch", "launch")
+        self._wrap(core.runner, "launch", "launch", before=self._count_launch)
         self._wrap(core.runner, "finish", "finish", after=self._mark_finished)
         self._wrap(engine.processor, "process", "output")
         self._wrap(core.runner, "_sample", "sample")
         graphs = core.runner.graphs
         if graphs.graphs:
             self._wrap(graphs, "replay", "graph_replay", before=self._count_to_replay)
-            for g in graphs.graphs.values():
+            for g in [*graphs.graphs.values(), *graphs.verify_graphs.values()]:
                 g.graph = _TimedGraph(g.graph, self.seconds)
             graphs._staged = _TimedEvent(graphs._staged, self.seconds)
         if core.spec is not None:
@@ -79,7 +80,11 @@ class PhaseTimer:
     def _mark_finished(self) -> None:
         self._finished_at = time.perf_counter()
 
+    def _count_launch(self) -> None:
+        self.counts["launches"] += 1
+
     def _count_to_replay(self) -> None:
+        self.counts["replays"] += 1
         if self._finished_at is not None:
             self.seconds["to_replay"] += time.perf_counter() - self._finished_at
             self._finished_at = None
@@ -87,15 +92,18 @@ class PhaseTimer:
     def reset(self) -> None:
         for k in self.seconds:
             self.seconds[k] = 0.0
+        self.counts = dict.fromkeys(("launches", "replays"), 0)
         self._finished_at = None
         self._wait0 = self.runner.sync_wait_s
 
     def take(self) -> dict[str, float]:
-        """Seconds per phase since the last take (finish without its wait) and the wait."""
+        """Seconds per phase since the last take (finish without its wait), the wait, and the
+        steps launched without a CUDA graph (`eager`: prefill chunks, shapes with no graph)."""
         wait = self.runner.sync_wait_s - self._wait0
         out = dict(self.seconds)
         out["finish"] = max(out["finish"] - wait, 0.0)
         out["wait"] = wait
+        out["eager"] = self.counts["launches"] - self.counts["replays"]
         self.reset()
         return out
 
@@ -129,10 +137,11 @@ class _TimedEvent:
 
 def per_step_ms(seconds: dict[str, float], steps: int, wall_s: float) -> dict[str, float]:
     """Milliseconds per engine step: each phase, the wait, the host's share (the period less the
-    wait) and the period."""
+    wait) and the period; and the count of eager steps."""
     if not steps:
         return {}
-    out = {k: round(1e3 * v / steps, 4) for k, v in seconds.items()}
+    out = {k: round(1e3 * v / steps, 4) for k, v in seconds.items() if k != "eager"}
+    out["eager_steps"] = seconds.get("eager", 0)
     out["period"] = round(1e3 * wall_s / steps, 4)
     out["host"] = round(out["period"] - out.get("wait", 0.0), 4)
     return out

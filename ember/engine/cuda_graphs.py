@@ -1,5 +1,8 @@
 """CUDA graphs for decode steps: one graph per batch size, replayed on static input buffers that a
-step fills with two host-to-device copies, so a decode step costs one launch instead of hundreds."""
+step fills with two host-to-device copies, so a decode step costs one launch instead of hundreds.
+With speculation, verify steps (k + 1 rows a request, read as one row group by the decode
+attention) get graphs of their own: a plain decode step of a speculating engine replays the same
+graphs as an engine without speculation (same kernels, same numerics, same speed)."""
 
 from __future__ import annotations
 
@@ -50,6 +53,11 @@ def graph_sizes(max_batch: int, max_rows: int = 0) -> list[int]:
         if sizes[-1] != top:
             sizes.append(top)
     return sizes
+
+
+def verify_graph_sizes(max_batch: int, max_rows: int) -> list[int]:
+    """The verify graphs' sizes: as `graph_sizes`, up to `max_rows` (none without speculation)."""
+    return graph_sizes(min(max_batch, max_rows), max_rows) if max_rows > 0 else []
 
 
 def feed_input_ids(ids: torch.Tensor, src: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
@@ -143,11 +151,14 @@ class DecodeGraphs:
         self.device = device
         self.graphs: dict[int, _Graph] = {}
         self.sizes: list[int] = []
+        self.verify_graphs: dict[int, _Graph] = {}
+        self.verify_sizes: list[int] = []
         self.max_group = 1
 
-    def size_for(self, n: int) -> int | None:
-        """The captured batch size a decode batch of `n` pads up to; None if there is none."""
-        for size in self.sizes:
+    def size_for(self, n: int, verifying: bool = False) -> int | None:
+        """The captured size a decode batch (or a verify batch) of `n` rows pads up to; None if
+        there is none."""
+        for size in self.verify_sizes if verifying else self.sizes:
             if size >= n:
                 return size
         return None
@@ -162,11 +173,12 @@ class DecodeGraphs:
         max_group: int = 1,
     ) -> None:
         """Graphs for decode batches up to `max_batch` and, with speculation, verify batches up
-        to `max_rows` rows (see `graph_sizes`) whose requests take up to `max_group` rows each:
-        the decode attention then reads a request's context once for all its rows."""
-        self.sizes = graph_sizes(max_batch, max_rows)
+        to `max_rows` rows (`verify_graph_sizes`) whose requests take up to `max_group` rows
+        each: their decode attention reads a request's context once for all its rows."""
+        self.sizes = cuda_graph_sizes(max_batch)
+        self.verify_sizes = verify_graph_sizes(max_batch, max_rows) if max_group > 1 else []
         self.max_group = max_group
-        max_batch = self.sizes[-1]
+        max_batch = max(self.sizes[-1], *self.verify_sizes)
         max_blocks = -(-max_model_len // self.block_size)
         dev = self.device
         # One static buffer for the per-row inputs and one for the block tables, each filled from
@@ -187,25 +199,35 @@ class DecodeGraphs:
         self._qsl = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self._max_len = max_model_len
         pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
-            ctx = ForwardContext(self._metadata(size), kv_cache, self.backend)
-            for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
-                self._forward(size, ctx)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(size, ctx)
-            self.graphs[size] = _Graph(graph, logits, getattr(self.model.model, "aux_hidden", None))
+        for grouped, sizes, graphs in (
+            (True, self.verify_sizes, self.verify_graphs),
+            (False, self.sizes, self.graphs),
+        ):
+            for size in reversed(sizes):
+                graphs[size] = self._capture(size, grouped, kv_cache, pool)
         torch.cuda.synchronize()
         log.info(
-            "captured %d CUDA graphs for decode batches up to %d rows", len(self.graphs), max_batch
+            "captured %d CUDA graphs for decode batches up to %d rows and %d for verify batches",
+            len(self.graphs),
+            self.sizes[-1],
+            len(self.verify_graphs),
         )
+
+    def _capture(self, size: int, grouped: bool, kv_cache: torch.Tensor, pool: object) -> _Graph:
+        ctx = ForwardContext(self._metadata(size, grouped), kv_cache, self.backend)
+        for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
+            self._forward(size, ctx)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = self._forward(size, ctx)
+        return _Graph(graph, logits, getattr(self.model.model, "aux_hidden", None))
 
     def _forward(self, size: int, ctx: ForwardContext) -> torch.Tensor:
         ids = feed_input_ids(self._ids[:size], self._src[:size], self.prev_tokens)
         return self.model.compute_logits(self.model(ids, self._pos[:size], ctx))
 
-    def _metadata(self, size: int) -> AttentionMetadata:
+    def _metadata(self, size: int, grouped: bool) -> AttentionMetadata:
         return AttentionMetadata(
             query_start_loc=self._qsl[: size + 1],
             seq_lens=self._lens[:size],
@@ -216,15 +238,21 @@ class DecodeGraphs:
             query_start_loc_cpu=list(range(size + 1)),
             seq_lens_cpu=[1] * size,
             num_decodes=size,
-            decode_groups=self._groups[:size] if self.max_group > 1 else None,
-            max_decode_group=self.max_group,
+            decode_groups=self._groups[:size] if grouped else None,
+            max_decode_group=self.max_group if grouped else 1,
         )
 
     def replay(
-        self, so: SchedulerOutput, order: list[int], size: int, prev_rows: dict[str, int]
+        self,
+        so: SchedulerOutput,
+        order: list[int],
+        size: int,
+        prev_rows: dict[str, int],
+        verifying: bool = False,
     ) -> torch.Tensor:
         """Run the decode batch `order` of `so` (its verifications as one row per position)
-        padded to `size`; returns the graph's logits, one row per position."""
+        padded to `size` on a decode graph (on a verify graph if `verifying`); returns the graph's
+        logits, one row per position."""
         # The pinned staging buffers are reused every step: wait until their last copy is done
         # (normally long done: it was queued before the previous step's graph).
         self._staged.synchronize()
@@ -242,7 +270,7 @@ class DecodeGraphs:
         self._rows.copy_(self._h_rows, non_blocking=True)
         self._tables[:size].copy_(self._h_tables[:size], non_blocking=True)
         self._staged.record()
-        g = self.graphs[size]
+        g = (self.verify_graphs if verifying else self.graphs)[size]
         g.graph.replay()
         if g.aux is not None:
             self.model.model.aux_hidden = g.aux

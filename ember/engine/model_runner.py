@@ -210,7 +210,10 @@ class ModelRunner:
             k == 1 + len(d) for k, d in zip(so.num_scheduled_tokens, spec, strict=True)
         )
         num_rows = so.total_num_scheduled_tokens
-        graph_bs = self.graphs.size_for(num_rows) if all_decode and self.graphs.graphs else None
+        verifying = any(spec)
+        graph_bs = (
+            self.graphs.size_for(num_rows, verifying) if all_decode and self.graphs.graphs else None
+        )
         timing = self._timing_events() if self.gpu_timing else None
         if timing is not None:
             timing[0].record()
@@ -225,7 +228,7 @@ class ModelRunner:
         sample_at = verify_rows(sample_ends, drafts) if drafts else [e - 1 for e in sample_ends]
         scores = None
         if graph_bs is not None:
-            logits = self.graphs.replay(so, order, graph_bs, self._prev_rows)
+            logits = self.graphs.replay(so, order, graph_bs, self._prev_rows, verifying)
             if len(sample_at) == num_rows:  # every row samples: a slice, no index to copy over
                 logits = logits[:num_rows]
             else:  # a one-token prompt chunk that does not end its prompt samples nothing

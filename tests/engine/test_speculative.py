@@ -243,12 +243,12 @@ def test_a_gpu_engine_speculates_only_up_to_the_default_batch_bound() -> None:
 def test_verify_graphs_stop_where_speculation_does() -> None:
     """No graph for a verify batch the engine can never run: at most (k + 1) rows for each of
     DEFAULT_MAX_BATCH requests (or max_batch's), and no more requests than the graphs' batch."""
-    from ember.engine.cuda_graphs import graph_sizes
+    from ember.engine.cuda_graphs import verify_graph_sizes
     from ember.engine.speculation import verify_graph_rows
     from ember.spec.config import DEFAULT_MAX_BATCH
 
     assert verify_graph_rows(SpeculativeConfig("ngram"), 256) == DEFAULT_MAX_BATCH * 9
-    assert graph_sizes(256, verify_graph_rows(SpeculativeConfig("ngram"), 256))[-1] == 256
+    assert verify_graph_sizes(256, verify_graph_rows(SpeculativeConfig("ngram"), 256))[-1] == 144
     assert verify_graph_rows(SpeculativeConfig("ngram", 4, max_batch=64), 256) == 64 * 5
     assert verify_graph_rows(SpeculativeConfig("suffix", 4, max_batch=64), 8) == 8 * 5
     assert verify_graph_rows(SpeculativeConfig("ngram", 4, max_batch=0), 256) == 0
@@ -573,6 +573,30 @@ def test_greedy_equals_no_speculation_on_the_gpu(llama: Path, eager: bool) -> No
     assert_pool_whole(llm)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_plain_steps_of_a_speculating_engine_are_a_plain_engines(llama: Path) -> None:
+    """In bfloat16 on the GPU, a speculating engine above its batch bound (it never drafts) gives
+    the tokens and logprobs of an engine without speculation, greedy and sampled: its decode
+    steps replay the same graphs."""
+    kw = dict(device="cuda", dtype="bfloat16", num_kv_blocks=512, kv_host_gb=0)
+    ps = prompts(6, seed=4)
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=1)
+    params = [
+        greedy
+        if i % 2
+        else SamplingParams(temperature=0.9, top_p=0.9, max_tokens=40, ignore_eos=True, seed=i)
+        for i in range(6)
+    ]
+    want = run(LLM(str(llama), **kw), ps, params)
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=4, max_batch=2)
+    llm = LLM(str(llama), speculative=spec, **kw)
+    got = run(llm, ps, params)
+    assert llm.engine.core.stats().spec_drafts == 0
+    assert [g[:3] for g in got] == [w[:3] for w in want]
+    assert [g[3] for g in got] == [w[3] for w in want]
+
+
 def test_verify_batches_get_graphs_past_the_decode_sizes() -> None:
     """A verify batch is k + 1 rows a request: a few graphs every 64 rows past the decode sizes
     (on an H200, 64 requests x 5 rows ran eagerly at 18-46 ms a step against 2.8 ms)."""
@@ -585,6 +609,19 @@ def test_verify_batches_get_graphs_past_the_decode_sizes() -> None:
     # One request verifying 8 drafts (9 rows) pads to 16, not to a 64-row graph.
     assert graph_sizes(8, 72) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72]
     assert graph_sizes(4, 130) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 128, 130]
+
+
+def test_verify_batches_have_graphs_of_their_own() -> None:
+    """Verify graphs (row groups in the decode attention) go up to the rows a verify batch can
+    have; plain decode steps keep the graphs an engine without speculation has (the grouped kernel
+    with its splits chosen for groups made a speculating engine's plain steps at batch 64 slower
+    and numerically different: 55 of 64 greedy answers parted on an H100)."""
+    from ember.engine.cuda_graphs import cuda_graph_sizes, verify_graph_sizes
+
+    assert verify_graph_sizes(256, 0) == []
+    assert verify_graph_sizes(256, 144) == cuda_graph_sizes(144)
+    assert verify_graph_sizes(8, 72) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72]
+    assert verify_graph_sizes(64, 320) == cuda_graph_sizes(64) + [128, 192, 256, 320]
 
 
 def test_abort_while_verifying_frees_every_block(llama: Path) -> None:
@@ -626,10 +663,11 @@ def test_graph_rows_are_matched_to_their_requests(llama: Path) -> None:
     class Graphs:
         graphs = {8: None}
 
-        def size_for(self, n: int) -> int:
+        def size_for(self, n: int, verifying: bool = False) -> int:
             return 8
 
-        def replay(self, so, order, size, prev_rows):  # type: ignore[no-untyped-def]
+        def replay(self, so, order, size, prev_rows, verifying=False):  # type: ignore[no-untyped-def]
+            assert verifying  # a verification is in the batch: the verify graphs replay
             return torch.nn.functional.one_hot(torch.arange(size) + 100, vocab).float()
 
     runner.graphs = Graphs()
