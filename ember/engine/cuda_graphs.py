@@ -178,7 +178,7 @@ class DecodeGraphs:
         self.sizes = cuda_graph_sizes(max_batch)
         self.verify_sizes = verify_graph_sizes(max_batch, max_rows) if max_group > 1 else []
         self.max_group = max_group
-        max_batch = max(self.sizes[-1], *self.verify_sizes)
+        max_batch = max([self.sizes[-1], *self.verify_sizes])
         max_blocks = -(-max_model_len // self.block_size)
         dev = self.device
         # One static buffer for the per-row inputs and one for the block tables, each filled from
