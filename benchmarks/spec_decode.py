@@ -35,7 +35,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -129,57 +129,77 @@ def add_counts(total: dict[str, Any], before: dict | None, after: dict | None) -
     total["accepted_per_pos"] = [at(pos, i) + at(a, i) - at(b, i) for i in range(n)]
 
 
+@dataclass
+class _Tally:
+    """One proposer's timed runs in a cell, added up over its rounds."""
+
+    tokens: list[list[int]] = field(default_factory=list)
+    wall: float = 0.0
+    errors: int = 0
+    counts: dict[str, Any] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)
+
+
 def measure(
-    engine: LLMEngine,
+    llms: dict[str, LLM],
+    timers: dict[str, PhaseTimer],
     prompts: list[list[int]],
     batch: int,
     setting: str,
     max_tokens: int,
     cell: str,
-    compile_salt: str | None,
+    compile_cell: str | None,
     quick: bool,
-    timer: PhaseTimer,
-) -> dict[str, Any]:
-    """Rounds of `batch` requests, each timed after warm-ups: on a GPU, the same requests under
-    `compile_salt` (a scope of their own) so that Triton compiles this round's shapes (a prefill
-    over a cached prefix, decodes, verification) before the clock runs, not in the first
-    engine to meet them; then one token under this round's salt, which puts the prompts in the
-    prefix cache and shows the proposers no part of an answer."""
+) -> list[dict[str, Any]]:
+    """Rounds of `batch` requests, each timed after warm-ups, one row per proposer. The proposers
+    take turns round by round, each round starting with the next one, so a drift of the host's
+    speed spreads over all of them. Warm-ups on a GPU: the same requests under a compile salt (a
+    scope of their own) so that Triton compiles this round's shapes (a prefill over a cached
+    prefix, decodes, verification) before the clock runs, not in the first engine to meet them;
+    then one token under this round's salt, which puts the prompts in the prefix cache and shows
+    the proposers no part of an answer."""
     rounds = 1 if quick else max(-(-MIN_REQUESTS // batch), MIN_ROUNDS)
     base = SamplingParams(max_tokens=max_tokens, **SETTINGS[setting])
-    tokens: list[list[int]] = []
-    wall, counts, errors = 0.0, {}, 0
-    phases: dict[str, float] = {}
+    names = list(llms)
+    tally = {name: _Tally() for name in names}
     for r in range(rounds):
         chunk = [prompts[(r * batch + i) % len(prompts)] for i in range(batch)]
         seeded = setting != "greedy"
         params = [replace(base, seed=r * batch + i) if seeded else base for i in range(batch)]
-        salt = f"{cell}/r{r}"
-        if compile_salt is not None:  # the timed run's shapes: a cached prefix, then decodes
-            generate(engine, chunk, [replace(p, max_tokens=1) for p in params], compile_salt)
-            warm = [replace(p, max_tokens=min(16, max_tokens)) for p in params]
-            generate(engine, chunk, warm, compile_salt)
-        generate(engine, chunk, [replace(p, max_tokens=1) for p in params], salt)
-        before = spec_counters(engine)
-        timer.reset()
-        out, w, failed = generate(engine, chunk, params, salt)
-        for k, v in timer.take().items():
-            phases[k] = phases.get(k, 0.0) + v
-        add_counts(counts, before, spec_counters(engine))
-        tokens, wall, errors = tokens + out, wall + w, errors + failed
-    n_out, drafts = sum(len(t) for t in tokens), counts["drafts"]
+        one = [replace(p, max_tokens=1) for p in params]
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            engine, t, timer = llms[name].engine, tally[name], timers[name]
+            salt = f"{cell}/{name}/r{r}"
+            if compile_cell is not None:  # the timed run's shapes: a cached prefix, then decodes
+                compile_salt = f"{compile_cell}/{name}"
+                generate(engine, chunk, one, compile_salt)
+                warm = [replace(p, max_tokens=min(16, max_tokens)) for p in params]
+                generate(engine, chunk, warm, compile_salt)
+            generate(engine, chunk, one, salt)
+            before = spec_counters(engine)
+            timer.reset()
+            out, w, failed = generate(engine, chunk, params, salt)
+            for k, v in timer.take().items():
+                t.phases[k] = t.phases.get(k, 0.0) + v
+            add_counts(t.counts, before, spec_counters(engine))
+            t.tokens, t.wall, t.errors = t.tokens + out, t.wall + w, t.errors + failed
+    return [summary(tally[name], rounds) | {"proposer": name} for name in names]
+
+
+def summary(t: _Tally, rounds: int) -> dict[str, Any]:
+    n_out, drafts = sum(len(x) for x in t.tokens), t.counts["drafts"]
     return {
-        "requests": len(tokens),
-        "errored_requests": errors,
+        "requests": len(t.tokens),
+        "errored_requests": t.errors,
         "rounds": rounds,
         "output_tokens": n_out,
-        "wall_s": wall,
-        "tok_s": n_out / wall,
-        **counts,
-        "mean_accepted_len": 1 + counts["accepted_tokens"] / drafts if drafts else None,
-        "mean_draft_len": counts["draft_tokens"] / drafts if drafts else None,
-        "step_ms": per_step_ms(phases, counts["steps"] or 0, wall),
-        "tokens": tokens,
+        "wall_s": t.wall,
+        "tok_s": n_out / t.wall,
+        **t.counts,
+        "mean_accepted_len": 1 + t.counts["accepted_tokens"] / drafts if drafts else None,
+        "mean_draft_len": t.counts["draft_tokens"] / drafts if drafts else None,
+        "step_ms": per_step_ms(t.phases, t.counts["steps"] or 0, t.wall),
+        "tokens": t.tokens,
     }
 
 
@@ -315,19 +335,18 @@ def run_sets(args: argparse.Namespace, out: dict[str, Any], save: Callable[[], N
             for setting in args.settings.split(","):
                 cell = f"{set_name}/b{batch}/{setting}"
                 rows = [
-                    measure(
-                        llm.engine,
+                    r | {"set": set_name, "batch": batch, "setting": setting}
+                    for r in measure(
+                        llms,
+                        timers,
                         prompts,
                         batch,
                         setting,
                         limits[set_name],
-                        f"{cell}/{name}",
-                        f"{set_name}/b{batch}/{name}/compile" if args.device == "cuda" else None,
+                        cell,
+                        f"{set_name}/b{batch}/compile" if args.device == "cuda" else None,
                         args.quick,
-                        timers[name],
                     )
-                    | {"set": set_name, "batch": batch, "setting": setting, "proposer": name}
-                    for name, llm in llms.items()
                 ]
                 compare(rows, llms["none"].engine, prompts)
                 rows[0]["answers"] = answer_shape(tok, set_name, rows[0]["tokens"])

@@ -108,6 +108,7 @@ def load_bench_module() -> ModuleType:
     spec = importlib.util.spec_from_file_location("spec_decode_bench", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up by name
     spec.loader.exec_module(module)
     return module
 
