@@ -11,6 +11,7 @@ output rates it measures, `StepCosts`) and async scheduling resumes.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 from ember.spec.config import DEFAULT_MAX_BATCH, SpeculativeConfig
@@ -31,76 +32,104 @@ def verify_graph_rows(config: SpeculativeConfig, max_graph_batch: int) -> int:
 
 class StepCosts:
     """Output tokens per second with and without speculation, by batch size (powers of two),
-    each measured over windows of consecutive steps: speculation holds at a size while its rate
-    beats plain decoding's.
+    each over the last SAMPLES counted steps of its mode: speculation holds at a size while its
+    rate beats plain decoding's.
 
     Rates, not step times: what a verification gains (tokens per request per step, over the
     requests that drafted and those that did not) and what it costs (a longer GPU step, the lost
-    async overlap, the host's proposing) are both in its tokens per second. A size's first WINDOW
-    steps decode plainly, the next WINDOW speculate; from then on the faster mode holds, except
-    for a window of the other mode every PROBE_EVERY steps (a decision never sticks on an old
-    measurement). A window's first step is a transition (a plain step after a verification has
-    no async overlap yet) and is not counted. On an H200 at batch 64, SmolLM2 made 41 tokens a
-    step in 2.8 ms plainly and 61 a step in 6.6 ms speculating: 14.4k against 9.3k tokens/s,
-    which an earlier model comparing step times with per-draft acceptance got the wrong way."""
+    async overlap, the host's proposing) are both in its tokens per second. A size's first
+    WINDOW steps decode plainly; then it speculates until MIN_SPEC steps of speculation are
+    counted; from then on the faster mode holds, except for a window of the other mode every
+    PROBE_EVERY steps (a decision never sticks on an old measurement). A window's first step is
+    a transition (a plain step after a verification has no async overlap yet) and is not
+    counted. On an H200 at batch 64, SmolLM2 made 41 tokens a step in 2.8 ms plainly and 61 a
+    step in 6.6 ms speculating: 14.4k against 9.3k tokens/s, which an earlier model comparing
+    step times with per-draft acceptance got the wrong way.
+
+    Many samples, not a few: how many drafts stand varies along an answer (an agent's tool call
+    starts where no draft fits, then quotes its prompt). Deciding on the 3 counted steps of a
+    window, and re-deciding on a probe's 3 every 64 steps, turned speculation off for most of
+    each answer at batch 1 (on an H100 the same run gave 2.20x one time and 1.54x the next). A
+    period OUTLIER times off its mode's mean (a host hiccup; the step an async pipeline hands
+    over at once when it drains, ~0 s) is no sample unless the next one is off too: a drained
+    plain step at each switch to speculation had pulled plain's mean period down."""
 
     PROBE_EVERY = 64
     WINDOW = 4
-    EMA = 0.25
+    MIN_SPEC = 12
+    SAMPLES = 32
+    OUTLIER = 4.0
 
     def __init__(self) -> None:
-        self._means: dict[tuple[int, bool], tuple[float, float]] = {}
-        """(bucket, speculating) -> mean tokens and mean period of the counted steps."""
+        self._samples: dict[tuple[int, bool], deque[tuple[int, float]]] = {}
+        """(bucket, speculating) -> the last SAMPLES counted steps' tokens and periods."""
+        self._sums: dict[tuple[int, bool], list[float]] = {}
+        """(bucket, speculating) -> [tokens, seconds] summed over those samples."""
         self._steps: dict[int, int] = {}
         self._last: dict[int, bool] = {}
+        self._off: set[tuple[int, bool]] = set()
+        """Modes whose last period was an outlier."""
 
     @staticmethod
     def bucket(batch: int) -> int:
         return 1 << max(batch - 1, 0).bit_length()
 
-    def observe(self, batch: int, speculating: bool, seconds: float, tokens: int) -> None:
-        """One all-decode step's period and output tokens; a mode's first step is not counted."""
+    def observe(
+        self, batch: int, speculating: bool, seconds: float, tokens: int, counted: bool = True
+    ) -> None:
+        """One all-decode step's period and output tokens; a mode's first step is not counted,
+        nor one with `counted` False (it only sets the mode the next step follows)."""
         b = self.bucket(batch)
         transition = self._last.get(b) is not speculating
         self._last[b] = speculating
-        if transition or seconds <= 0:
+        if transition or not counted or seconds <= 0:
             return
         key = (b, speculating)
-        old = self._means.get(key)
-        if old is None:
-            tok, sec = float(tokens), seconds
-        else:
-            tok = old[0] + self.EMA * (tokens - old[0])
-            sec = old[1] + self.EMA * (seconds - old[1])
-        self._means[key] = (tok, sec)
+        samples = self._samples.setdefault(key, deque())
+        sums = self._sums.setdefault(key, [0.0, 0.0])
+        if samples:
+            mean = sums[1] / len(samples)
+            if not mean / self.OUTLIER <= seconds <= mean * self.OUTLIER and key not in self._off:
+                self._off.add(key)
+                return
+        self._off.discard(key)
+        samples.append((tokens, seconds))
+        sums[0] += tokens
+        sums[1] += seconds
+        if len(samples) > self.SAMPLES:
+            old_tokens, old_seconds = samples.popleft()
+            sums[0] -= old_tokens
+            sums[1] -= old_seconds
 
     @property
     def rate(self) -> dict[int, dict[bool, float]]:
-        """bucket -> {speculating: tokens per second}: the ratio of the mean tokens to the mean
-        period of the counted steps (not a mean of per-step rates, which short lucky
-        verifications would pull up)."""
+        """bucket -> {speculating: tokens per second}: the sum of the samples' tokens over the
+        sum of their periods (not a mean of per-step rates, which short lucky verifications
+        would pull up)."""
         out: dict[int, dict[bool, float]] = {}
-        for (b, mode), (tok, sec) in self._means.items():
-            out.setdefault(b, {})[mode] = tok / sec
+        for (b, mode), (tok, sec) in self._sums.items():
+            if sec > 0:
+                out.setdefault(b, {})[mode] = tok / sec
         return out
 
     def _rate(self, b: int, speculating: bool) -> float | None:
-        means = self._means.get((b, speculating))
-        return None if means is None else means[0] / means[1]
+        sums = self._sums.get((b, speculating))
+        return None if sums is None or sums[1] <= 0 else sums[0] / sums[1]
 
     def worth_it(self, batch: int) -> bool:
         """Whether the next step at this batch size speculates."""
         b = self.bucket(batch)
         n = self._steps.get(b, 0)
         self._steps[b] = n + 1
-        w = self.WINDOW
-        if n < 2 * w:
-            return n >= w  # learn plain decoding first, then speculation
+        if n < self.WINDOW:
+            return False  # learn plain decoding first
         plain, spec = self._rate(b, False), self._rate(b, True)
-        if plain is None or spec is None:  # a window with no counted step: measure what lacks
-            return plain is not None
+        if plain is None:
+            return False
+        if spec is None or len(self._samples[(b, True)]) < self.MIN_SPEC:
+            return True  # then speculation, on enough steps to tell
         decision = spec > plain
-        if (n - 2 * w) % self.PROBE_EVERY >= self.PROBE_EVERY - w:
+        if n % self.PROBE_EVERY >= self.PROBE_EVERY - self.WINDOW:
             return not decision
         return decision
 
@@ -211,7 +240,12 @@ class Speculator:
             n == 1 + len(so.spec_token_ids[i] if so.spec_token_ids else [])
             for i, n in enumerate(so.num_scheduled_tokens)
         ):  # decodes and verifications only: a prefill chunk's time is no decode rate's
-            self.costs.observe(len(so.requests), so.speculating, period, tokens)
+            # A speculating step with no draft at all (every proposal came back empty) verified
+            # nothing: no sample of what verification costs or gains (the requests' backoff
+            # keeps such steps rare), but the next step follows a synchronous one.
+            verified = any(so.spec_token_ids) if so.spec_token_ids else False
+            counted = verified or not so.speculating
+            self.costs.observe(len(so.requests), so.speculating, period, tokens, counted)
 
     def stats(self) -> dict[str, int | list[int]]:
         """The counters, as SchedulerStats' fields."""
