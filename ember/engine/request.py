@@ -92,6 +92,9 @@ class Request:
     """Host proposals in a row that gave no draft or none that stood."""
     spec_backoff: int = 0
     """Steps this request sits out of speculation (they run async) after its misses."""
+    spec_stale: bool = False
+    """EAGLE-3: a step ran this request past the batch bound without growing the draft head's
+    KV (a busy engine pays nothing for the head), so the request drafts no more."""
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

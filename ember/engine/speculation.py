@@ -169,8 +169,12 @@ class Speculator:
         if not running:  # idle: the next step's period starts at its launch
             self._last_step_end = None
         on = self._enabled(len(running))
+        # EAGLE-3's head grows its KV after every step of a speculative request, speculating or
+        # not; past the bound (where no step speculates) it does not, and those requests stop.
+        stale = self.config.method == "eagle3" and self._past_bound(len(running))
         for r in running:
-            wants = on and r.sampling_params.speculative
+            r.spec_stale = r.spec_stale or stale
+            wants = on and r.sampling_params.speculative and not r.spec_stale
             if wants and r.spec_backoff > 0:  # sits this step out: it may run async
                 r.spec_backoff -= 1
                 wants = False
@@ -256,9 +260,16 @@ class Speculator:
             "spec_accepted_per_pos": list(self.accepted_per_pos),
         }
 
-    def _enabled(self, batch: int) -> bool:
+    def _past_bound(self, batch: int) -> bool:
+        """More requests run than the engine ever speculates for (`max_batch`, or on a GPU
+        DEFAULT_MAX_BATCH); the CPU has no bound unless given."""
         if self.config.max_batch is not None:
-            return batch <= self.config.max_batch
-        if self.costs is None:  # the CPU: always
+            return batch > self.config.max_batch
+        return self.costs is not None and batch > DEFAULT_MAX_BATCH
+
+    def _enabled(self, batch: int) -> bool:
+        if self._past_bound(batch):
+            return False
+        if self.config.max_batch is not None or self.costs is None:  # the bound alone decides
             return True
-        return batch <= DEFAULT_MAX_BATCH and self.costs.worth_it(batch)
+        return self.costs.worth_it(batch)

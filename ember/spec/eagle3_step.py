@@ -33,7 +33,7 @@ def draft_after_step(
     chain: list[tuple[int, DraftRow]] = []
     extend: list[DraftRow] = []
     for i, req in enumerate(so.requests):
-        if not req.sampling_params.speculative:
+        if not req.sampling_params.speculative or req.spec_stale:
             continue
         start, n = so.num_computed_tokens[i], so.num_scheduled_tokens[i]
         rejected = len(so.spec_token_ids[i]) - len(accepted[i]) if so.spec_token_ids else 0

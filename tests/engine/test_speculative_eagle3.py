@@ -100,3 +100,31 @@ def test_engine_drafts_are_the_heads_chain(llama: Path, head: Path, monkeypatch)
         # Row p: token t_{p+1} with the target's state at p, for p < known - 1.
         want = reference_drafts(weights, target, tokens[1:known], aux[: known - 1], K)
         assert drafts == want, (known, drafts, want)
+
+
+def test_past_the_batch_bound_the_head_costs_nothing(llama: Path, head: Path) -> None:
+    """Above `max_batch` running requests no step speculates, and EAGLE-3's head does not grow
+    its KV either (it would on every step of a busy engine): those requests are marked stale
+    and draft no more; the output is the target's. Requests that run alone later do draft."""
+    spec = SpeculativeConfig("eagle3", num_speculative_tokens=K, draft_model=str(head), max_batch=1)
+    llm = LLM(str(llama), dtype="float32", speculative=spec)
+    drafter = llm.engine.core.runner.drafter
+    calls: list[int] = []
+    propose = drafter.propose
+
+    def counted(rows, k):  # type: ignore[no-untyped-def]
+        calls.append(len(rows))
+        return propose(rows, k)
+
+    drafter.propose = counted
+    ps = prompts(3, seed=13)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = [
+        o.outputs[0].token_ids for o in LLM(str(llama), dtype="float32").generate(ps, [params] * 3)
+    ]
+    got = [o.outputs[0].token_ids for o in llm.generate(ps, [params] * 3)]
+    assert got == want
+    assert llm.engine.core.stats().spec_drafts == 0
+    assert len(calls) <= 1  # at most the prefill's, before the batch was seen past the bound
+    alone = llm.generate(ps[:1], params)[0].outputs[0].token_ids
+    assert alone == want[0] and llm.engine.core.stats().spec_drafts > 0
