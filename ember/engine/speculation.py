@@ -173,7 +173,8 @@ class Speculator:
         # not; past the bound (where no step speculates) it does not, and those requests stop.
         stale = self.config.method == "eagle3" and self._past_bound(len(running))
         for r in running:
-            r.spec_stale = r.spec_stale or stale
+            if stale:
+                r.spec_stale = True
             wants = on and r.sampling_params.speculative and not r.spec_stale
             if wants and r.spec_backoff > 0:  # sits this step out: it may run async
                 r.spec_backoff -= 1
