@@ -80,7 +80,8 @@ def step_fn(
 ) -> Any:
     """One forward step of `q` new tokens per request over CONTEXT cached ones (blocks scattered
     in the pool), with logits for every new token; `fc` first, as an EAGLE-3 draft runs it."""
-    from ember.attention.metadata import AttentionMetadata, ForwardContext
+    from ember.attention.context import ForwardContext
+    from ember.attention.metadata import AttentionMetadata
     from ember.engine.model_runner import kv_cache_shape
 
     model, mc = model_cfg

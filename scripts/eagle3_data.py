@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ember.attention.metadata import AttentionMetadata, ForwardContext
+from ember.attention.context import ForwardContext
+from ember.attention.metadata import AttentionMetadata
 from ember.attention.torch_backend import TorchAttentionBackend
 from ember.engine.model_runner import kv_cache_shape
 from ember.entrypoints.llm import LLM

@@ -7,12 +7,8 @@ its KV context after this step is seq_lens[i] tokens long, laid in the blocks of
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from ember.attention.backend import AttentionBackend
 
 
 @dataclass(slots=True)
@@ -41,12 +37,3 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.query_start_loc_cpu[-1]
-
-
-@dataclass(slots=True)
-class ForwardContext:
-    """Handed down through the model on each forward pass (explicitly, never as a global)."""
-
-    metadata: AttentionMetadata
-    kv_cache: torch.Tensor  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-    backend: AttentionBackend

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ember.attention.metadata import AttentionMetadata, ForwardContext
+from ember.attention.context import ForwardContext
+from ember.attention.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from torch import nn

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ember.attention.backend import AttentionBackend
-from ember.attention.metadata import AttentionMetadata, ForwardContext
+from ember.attention.context import ForwardContext
+from ember.attention.metadata import AttentionMetadata
 from ember.engine.cuda_graphs import DecodeGraphs, feed_input_ids, feed_row
 from ember.engine.prompt_logprobs import PromptScoring, plan_prompt_scoring
 from ember.engine.sampler import Sampler, SamplerOutput, score_tokens

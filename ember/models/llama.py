@@ -10,7 +10,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ember.attention.metadata import ForwardContext
+from ember.attention.context import ForwardContext
 from ember.models.config import ModelConfig
 from ember.models.layers.activation import gated_activation
 from ember.models.layers.linear import StackedLinear

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from ember.attention.backend import AttentionBackend
-from ember.attention.metadata import AttentionMetadata, ForwardContext
+from ember.attention.context import ForwardContext
+from ember.attention.metadata import AttentionMetadata
 from ember.models.config import ModelConfig
 from ember.models.layers.linear import StackedLinear
 from ember.models.layers.norm import RMSNorm

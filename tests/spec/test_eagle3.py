@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from ember.attention.metadata import AttentionMetadata, ForwardContext
+from ember.attention.context import ForwardContext
+from ember.attention.metadata import AttentionMetadata
 from ember.attention.torch_backend import TorchAttentionBackend
 from ember.engine.model_runner import kv_cache_shape
 from ember.models.loader import load_model
