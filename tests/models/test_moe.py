@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from ember.models.layers.moe import FusedMoE
@@ -17,3 +18,65 @@ def test_dense_graph_safe_path_equals_the_routed_loop() -> None:
         w, e = torch.topk(probs, 2)
         dense = m._dense(x, w / w.sum(-1, keepdim=True), e)
         torch.testing.assert_close(dense, routed, atol=1e-4, rtol=1e-4)
+
+
+def _sorted(weights: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's (expert, weight) pairs in expert order (top-k order is not part of a route)."""
+    order = experts.argsort(dim=-1)
+    return experts.gather(1, order), weights.gather(1, order)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize(
+    ("experts", "groups", "kept", "top_k"), [(16, 4, 2, 4), (8, 1, 1, 2), (12, 3, 3, 6)]
+)
+def test_grouped_topk_routes_as_deepseek_v3(
+    experts: int, groups: int, kept: int, top_k: int, renormalize: bool
+) -> None:
+    """Against transformers' DeepseekV3TopkRouter on random inputs and a random correction bias:
+    the same experts for every token and the same weights (sigmoid scores, groups ranked by their
+    two best biased scores, renormalized or not, times routed_scaling_factor)."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from ember.models.layers.moe import grouped_topk
+
+    cfg = DeepseekV3Config(
+        hidden_size=32,
+        n_routed_experts=experts,
+        n_group=groups,
+        topk_group=kept,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=renormalize,
+        routed_scaling_factor=2.5,
+    )
+    router = DeepseekV3TopkRouter(cfg)
+    g = torch.Generator().manual_seed(experts + top_k)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+        router.e_score_correction_bias.copy_(torch.randn(experts, generator=g))
+    x = torch.randn(64, 32, generator=g)
+    logits, want_w, want_e = router(x)
+    got_w, got_e = grouped_topk(
+        logits, router.e_score_correction_bias, top_k, groups, kept, renormalize, 2.5
+    )
+    want_e, want_w = _sorted(want_w, want_e)
+    got_e, got_w = _sorted(got_w, got_e)
+    assert torch.equal(got_e, want_e)
+    torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-6)
+
+
+def test_grouped_topk_keeps_to_the_best_groups_and_refuses_bad_shapes() -> None:
+    """One group holds every high score but the bias lifts another: the route keeps to the groups
+    ranked by biased scores; shapes that cannot hold the top k are refused by name."""
+    from ember.models.layers.moe import grouped_topk
+
+    logits = torch.tensor([[5.0, 4.0, -5.0, -5.0, 0.0, 0.0]])
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 2.0, 2.0])  # group 2 (experts 4, 5) wins on bias
+    w, e = grouped_topk(logits, bias, 2, 3, 1, renormalize=True, scaling=1.0)
+    assert sorted(e[0].tolist()) == [4, 5]
+    torch.testing.assert_close(w.sum(), torch.tensor(1.0))
+    with pytest.raises(ValueError, match="groups"):
+        grouped_topk(logits, bias, 4, 3, 1, renormalize=True, scaling=1.0)
+    with pytest.raises(ValueError, match="groups"):
+        grouped_topk(logits, bias, 2, 4, 1, renormalize=True, scaling=1.0)

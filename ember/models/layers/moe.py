@@ -1,4 +1,5 @@
-"""Mixture-of-experts MLP (Qwen3-MoE routing): softmax router, top-k experts, optional renorm.
+"""Mixture-of-experts MLP: routing (Qwen3-MoE's softmax top-k; DeepSeek-V3's sigmoid scores with a
+correction bias and grouped top-k) and the experts.
 
 Expert weights are stacked, w13 = [E, 2I, H] (gate then up) and w2 = [E, H, I], the layout a fused
 MoE kernel wants; the CPU path loops over the experts that received tokens.
@@ -11,6 +12,52 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.models.layers.activation import gated_activation
+
+
+def softmax_topk(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-MoE routing: the top-k of the softmax over the experts, optionally renormalized to
+    sum to 1. Returns (weights [T, k] float32, experts [T, k])."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def grouped_topk(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    topk_groups: int,
+    renormalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 / Kimi K2 routing: sigmoid scores; the experts are chosen on score + bias
+    (`e_score_correction_bias`, which balances load) within the `topk_groups` groups whose two
+    best biased scores sum highest, and weighted by their unbiased scores (renormalized to sum
+    to 1 if asked), times `scaling` (`routed_scaling_factor`). No host sync and fixed shapes:
+    CUDA-graph safe. Returns (weights [T, k] float32, experts [T, k])."""
+    t, e = router_logits.shape
+    if e % num_groups or not 0 < topk_groups <= num_groups or top_k > topk_groups * e // num_groups:
+        raise ValueError(
+            f"grouped top-k: {e} experts in {num_groups} groups, {topk_groups} groups kept, "
+            f"top {top_k}: the groups must divide the experts and hold the top k"
+        )
+    scores = router_logits.float().sigmoid()
+    biased = scores + correction_bias.float()
+    groups = biased.view(t, num_groups, e // num_groups)
+    group_scores = groups.topk(min(2, e // num_groups), dim=-1).values.sum(dim=-1)
+    kept = group_scores.topk(topk_groups, dim=-1).indices
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+    biased = biased.masked_fill(~mask.repeat_interleave(e // num_groups, dim=1), float("-inf"))
+    experts = biased.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, experts)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, experts
 
 
 class FusedMoE(nn.Module):
@@ -47,10 +94,12 @@ class FusedMoE(nn.Module):
                     param.data[e].copy_(loaded)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, experts = softmax_topk(router_logits, self.top_k, self.renormalize)
+        return self.routed(x, weights, experts)
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The experts' output for tokens already routed: sum over k of weights[t, k] times
+        expert experts[t, k] on x[t]."""
         weights = weights.to(x.dtype)
         if x.is_cuda:
             return self._dense(x, weights, experts)
