@@ -96,8 +96,14 @@ class ModelConfig:
             kind = scaling.get("rope_type", scaling.get("type", "default"))
             if kind == "default":
                 scaling = None
-            elif kind != "llama3":
-                raise ValueError(f"unsupported rope scaling type {kind!r} (supported: llama3)")
+            elif kind not in ("llama3", "yarn"):
+                raise ValueError(
+                    f"unsupported rope scaling type {kind!r} (supported: llama3, yarn)"
+                )
+            needed = ("factor", "original_max_position_embeddings")
+            lacking = [k for k in needed if scaling is not None and k not in scaling]
+            if lacking:
+                raise ValueError(f"rope scaling {kind!r} lacks {', '.join(lacking)}")
         return cls(
             architecture=archs[0],
             model_type=model_type,

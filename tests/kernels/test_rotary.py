@@ -156,3 +156,59 @@ def test_gpu_half_precision(
     dtype: torch.dtype, shape: tuple[int, int, int, int], inplace: bool, case: int
 ) -> None:
     run_case(shape, dtype, inplace, case == 1, "cuda", BASE_SEED + case, min_equal=0.99)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        # DeepSeek-V3's and Kimi K2's rope_scaling (Kimi: factor 32, the same mscales).
+        {
+            "type": "yarn",
+            "factor": 40,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "original_max_position_embeddings": 4096,
+        },
+        {
+            "rope_type": "yarn",
+            "factor": 32,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+        },
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048},
+        {
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "attention_factor": 1.3,
+            "beta_fast": 16,
+            "original_max_position_embeddings": 1024,
+            "truncate": False,
+        },
+    ],
+)
+def test_yarn_matches_transformers(scaling: dict) -> None:
+    """YaRN's inverse frequencies and its cos/sin factor equal transformers' for DeepSeek's and
+    Kimi's settings and the variants (no mscales, an explicit attention_factor, no truncation)."""
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from ember.models.layers.rotary import rope_attention_factor, rope_inv_freq
+
+    cfg = DeepseekV3Config(
+        qk_rope_head_dim=64,
+        rope_theta=10000.0,
+        rope_scaling=dict(scaling),
+        max_position_embeddings=4096 * 40,
+    )
+    want_freq, want_factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    got = rope_inv_freq(64, 10000.0, scaling)
+    torch.testing.assert_close(got, want_freq, rtol=1e-6, atol=0)
+    assert rope_attention_factor(scaling) == pytest.approx(want_factor, rel=1e-9)
+    rope = RotaryEmbedding(64, 64, 10000.0, scaling)
+    pos = torch.arange(64, dtype=torch.float32)
+    emb = torch.outer(pos, want_freq)
+    emb = torch.cat((emb, emb), dim=-1)
+    torch.testing.assert_close(rope.cos_cache, emb.cos() * want_factor, rtol=1e-5, atol=1e-6)

@@ -64,8 +64,12 @@ def test_qwen_flags_and_moe_layers() -> None:
         ({"architectures": []}, "names no architecture"),
         ({"hidden_size": None}, "hidden_size"),
         (
+            {"rope_scaling": {"rope_type": "longrope", "factor": 4}},
+            "unsupported rope scaling type 'longrope'",
+        ),
+        (
             {"rope_scaling": {"rope_type": "yarn", "factor": 4}},
-            "unsupported rope scaling type 'yarn'",
+            "rope scaling 'yarn' lacks original_max_position_embeddings",
         ),
     ],
 )
