@@ -1,4 +1,4 @@
-"""Tiny random Hugging Face checkpoints (llama, qwen2, qwen3, qwen3_moe) for tests.
+"""Tiny random Hugging Face checkpoints (llama, qwen2, qwen3, qwen3_moe, deepseek_v3) for tests.
 
 Each is a complete model directory: config, generation config, safetensors weights and a real
 byte-level BPE tokenizer trained at make time on Python's own standard library sources.
@@ -29,7 +29,7 @@ from tokenizers import (
     trainers,
 )
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 
 HIDDEN_SIZE = 64
 NUM_LAYERS = 2
@@ -42,6 +42,26 @@ NUM_EXPERTS_PER_TOK = 2
 MOE_INTERMEDIATE_SIZE = 32
 MAX_POSITIONS = 2048
 ROPE_THETA = 10000.0
+# DeepSeek-V3 / Kimi K2 (MLA and grouped routing), at the tiny scale: the first layer dense, then
+# MoE layers of 8 routed experts in 4 groups (2 kept, 2 experts a token) and one shared expert.
+DEEPSEEK = {
+    "num_hidden_layers": 3,
+    "first_k_dense_replace": 1,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_routed_experts": NUM_EXPERTS,
+    "n_group": 4,
+    "topk_group": 2,
+    "num_experts_per_tok": NUM_EXPERTS_PER_TOK,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": MOE_INTERMEDIATE_SIZE,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "rope_interleave": True,
+}
 
 # 3,063 merges-and-bytes plus 9 added tokens gives a full vocabulary of 3,072 = 48 * 64, which
 # divides evenly for vocab-parallel tests.
@@ -96,8 +116,9 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
-_TIED = {"llama": False, "qwen2": False, "qwen3": True, "qwen3_moe": False}
+_TIED = {"llama": False, "qwen2": False, "qwen3": True, "qwen3_moe": False, "deepseek_v3": False}
 
 CHAT_TEMPLATE = r"""{%- macro text(content) -%}
     {%- if content is string -%}
@@ -176,8 +197,11 @@ def make_tiny(
     seed: int = 0,
     num_shards: int = 1,
     rope_scaling: dict[str, Any] | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a tiny random checkpoint of `arch` into `out_dir` and return its path."""
+    """Write a tiny random checkpoint of `arch` into `out_dir` and return its path. `overrides`
+    replace config fields before the weights are made (deepseek_v3: `q_lora_rank` None gives a
+    plain q projection, `first_k_dense_replace` the dense layers)."""
     if arch not in ARCHS:
         raise ValueError(f"unknown tiny arch {arch!r}; expected one of {', '.join(ARCHS)}")
     if num_shards < 1:
@@ -187,7 +211,7 @@ def make_tiny(
 
     tokenizer = _tokenizer(arch)
     ids = {content: tokenizer.token_to_id(content) for content, _ in ADDED_TOKENS}
-    config = _config(arch, tokenizer.get_vocab_size(), ids, rope_scaling)
+    config = _config(arch, tokenizer.get_vocab_size(), ids, rope_scaling) | (overrides or {})
     generation = {
         "bos_token_id": ids[BOS_TOKEN],
         "eos_token_id": [ids[EOS_TOKEN], ids["<|endoftext|>"]],
@@ -298,7 +322,10 @@ def _config(
         "torch_dtype": "float32",
         "use_cache": True,
     }
-    if arch == "llama":
+    if arch == "deepseek_v3":
+        config.update(DEEPSEEK, num_key_value_heads=NUM_HEADS, attention_bias=False)
+        config["head_dim"] = DEEPSEEK["qk_rope_head_dim"]  # as transformers writes it
+    elif arch == "llama":
         config.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     else:
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=NUM_LAYERS)
@@ -339,6 +366,9 @@ def _weights(arch: str, config: dict[str, Any], seed: int) -> dict[str, torch.Te
     }
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}"
+        if arch == "deepseek_v3":
+            w.update(_deepseek_layer(p, i, config, linear, norm, gen))
+            continue
         w[f"{p}.input_layernorm.weight"] = norm(hidden)
         w[f"{p}.self_attn.q_proj.weight"] = linear(q_size, hidden)
         w[f"{p}.self_attn.k_proj.weight"] = linear(kv_size, hidden)
@@ -366,6 +396,54 @@ def _weights(arch: str, config: dict[str, Any], seed: int) -> dict[str, torch.Te
     w["model.norm.weight"] = norm(hidden)
     if not config["tie_word_embeddings"]:
         w["lm_head.weight"] = 0.25 * torch.randn(vocab, hidden, generator=gen)
+    return w
+
+
+def _deepseek_layer(
+    p: str,
+    i: int,
+    c: dict[str, Any],
+    linear: Any,
+    norm: Any,
+    gen: torch.Generator,
+) -> dict[str, torch.Tensor]:
+    """One DeepSeek-V3 decoder layer under the checkpoints' names: MLA (q through a LoRA of rank
+    q_lora_rank, or q_proj; the compressed KV and the shared rope key from kv_a_proj_with_mqa, the
+    per-head K and V from kv_b_proj) and a dense MLP or the MoE (router with its correction bias,
+    routed experts one by one, shared experts)."""
+    hidden, heads = c["hidden_size"], c["num_attention_heads"]
+    qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    lora, rope = c["kv_lora_rank"], c["qk_rope_head_dim"]
+    a = f"{p}.self_attn"
+    w = {f"{p}.input_layernorm.weight": norm(hidden)}
+    if c.get("q_lora_rank"):
+        w[f"{a}.q_a_proj.weight"] = linear(c["q_lora_rank"], hidden)
+        w[f"{a}.q_a_layernorm.weight"] = norm(c["q_lora_rank"])
+        w[f"{a}.q_b_proj.weight"] = linear(heads * qk, c["q_lora_rank"])
+    else:
+        w[f"{a}.q_proj.weight"] = linear(heads * qk, hidden)
+    w[f"{a}.kv_a_proj_with_mqa.weight"] = linear(lora + rope, hidden)
+    w[f"{a}.kv_a_layernorm.weight"] = norm(lora)
+    w[f"{a}.kv_b_proj.weight"] = linear(heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), lora)
+    w[f"{a}.o_proj.weight"] = linear(hidden, heads * c["v_head_dim"], gain=0.5)
+    w[f"{p}.post_attention_layernorm.weight"] = norm(hidden)
+    m = f"{p}.mlp"
+    if i < c["first_k_dense_replace"]:
+        w[f"{m}.gate_proj.weight"] = linear(c["intermediate_size"], hidden)
+        w[f"{m}.up_proj.weight"] = linear(c["intermediate_size"], hidden)
+        w[f"{m}.down_proj.weight"] = linear(hidden, c["intermediate_size"], gain=0.5)
+        return w
+    inter, experts = c["moe_intermediate_size"], c["n_routed_experts"]
+    w[f"{m}.gate.weight"] = linear(experts, hidden)
+    w[f"{m}.gate.e_score_correction_bias"] = 0.1 * torch.randn(experts, generator=gen)
+    for e in range(experts):
+        w[f"{m}.experts.{e}.gate_proj.weight"] = linear(inter, hidden)
+        w[f"{m}.experts.{e}.up_proj.weight"] = linear(inter, hidden)
+        w[f"{m}.experts.{e}.down_proj.weight"] = linear(hidden, inter, gain=0.5)
+    shared = inter * c["n_shared_experts"]
+    w[f"{m}.shared_experts.gate_proj.weight"] = linear(shared, hidden)
+    w[f"{m}.shared_experts.up_proj.weight"] = linear(shared, hidden)
+    w[f"{m}.shared_experts.down_proj.weight"] = linear(hidden, shared, gain=0.5)
     return w
 
 
