@@ -2,6 +2,7 @@
 
 KV cache layout, one tensor for the whole model:
     [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]
+(MLA models keep one latent vector a token instead: planes 1, heads 1, ModelConfig.kv_cache_dims)
 Block-major, so one block's KV for every layer is a single contiguous region: moving a block to
 another engine or storage tier is one copy. A layer sees the strided view `kv_cache[:, layer]`.
 """

@@ -102,12 +102,13 @@ class EngineConfig:
         budget = self.max_num_batched_tokens or default_token_budget(self.device, max_len)
         if budget < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {budget}")
+        planes, heads, dim = model_config.kv_cache_dims
         block_bytes = (
             model_config.num_hidden_layers
-            * 2
+            * planes
             * self.block_size
-            * model_config.num_key_value_heads
-            * model_config.head_dim
+            * heads
+            * dim
             * torch.tensor([], dtype=dtype).element_size()
         )
         min_blocks = -(-max_len // self.block_size)

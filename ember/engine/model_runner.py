@@ -87,7 +87,9 @@ class PendingStep:
 
 
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    return (num_blocks, cfg.num_hidden_layers, 2, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    """[num_blocks, layers, planes, block_size, heads, dim]: block-major (`cfg.kv_cache_dims`)."""
+    planes, heads, dim = cfg.kv_cache_dims
+    return (num_blocks, cfg.num_hidden_layers, planes, block_size, heads, dim)
 
 
 class ModelRunner:

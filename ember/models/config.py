@@ -71,7 +71,30 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    # DeepSeek-V3 / Kimi K2: multi-head latent attention (kv_lora_rank > 0) and grouped routing.
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    n_shared_experts: int = 0
+    routed_scaling_factor: float = 1.0
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def uses_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_cache_dims(self) -> tuple[int, int, int]:
+        """(planes, heads, dim) of one token's KV in one layer of the paged cache: K and V of
+        each KV head (2, num_key_value_heads, head_dim), or with MLA one latent vector, the
+        compressed KV and the shared rope key (1, 1, kv_lora_rank + qk_rope_head_dim)."""
+        if self.uses_mla:
+            return 1, 1, self.kv_lora_rank + self.qk_rope_head_dim
+        return 2, self.num_key_value_heads, self.head_dim
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -124,12 +147,16 @@ class ModelConfig:
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             hidden_act=cfg.get("hidden_act", "silu"),
             dtype=parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype")),
-            num_experts=cfg.get("num_experts", 0) or 0,
+            num_experts=cfg.get("num_experts") or cfg.get("n_routed_experts") or 0,
             num_experts_per_tok=cfg.get("num_experts_per_tok", 0) or 0,
             moe_intermediate_size=cfg.get("moe_intermediate_size", 0) or 0,
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
             decoder_sparse_step=cfg.get("decoder_sparse_step", 1) or 1,
-            mlp_only_layers=list(cfg.get("mlp_only_layers") or []),
+            # DeepSeek-V3: the first `first_k_dense_replace` layers are dense.
+            mlp_only_layers=list(
+                cfg.get("mlp_only_layers") or range(cfg.get("first_k_dense_replace") or 0)
+            ),
+            **_deepseek_fields(cfg),
             raw=cfg,
         )
 
@@ -139,3 +166,25 @@ class ModelConfig:
             and layer_idx not in self.mlp_only_layers
             and (layer_idx + 1) % self.decoder_sparse_step == 0
         )
+
+
+def _deepseek_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """MLA and routing fields of a DeepSeek-V3 / Kimi K2 config (none for other models)."""
+    if not cfg.get("kv_lora_rank"):
+        return {}
+    for key in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if not cfg.get(key):
+            raise ValueError(f"an MLA config (kv_lora_rank set) needs {key!r}")
+    if (cfg.get("moe_layer_freq") or 1) != 1:
+        raise ValueError(f"moe_layer_freq {cfg['moe_layer_freq']} is not supported (only 1)")
+    return {
+        "q_lora_rank": cfg.get("q_lora_rank") or None,
+        "kv_lora_rank": cfg["kv_lora_rank"],
+        "qk_nope_head_dim": cfg["qk_nope_head_dim"],
+        "qk_rope_head_dim": cfg["qk_rope_head_dim"],
+        "v_head_dim": cfg["v_head_dim"],
+        "n_group": cfg.get("n_group") or 1,
+        "topk_group": cfg.get("topk_group") or 1,
+        "n_shared_experts": cfg.get("n_shared_experts") or 0,
+        "routed_scaling_factor": float(cfg.get("routed_scaling_factor") or 1.0),
+    }

@@ -86,3 +86,26 @@ def test_dtypes() -> None:
     assert parse_dtype("auto", default=torch.bfloat16) is torch.bfloat16
     with pytest.raises(ValueError, match="unsupported dtype 'int4'"):
         parse_dtype("int4")
+
+
+def test_a_deepseek_v3_config_reads_mla_and_routing(tmp_path) -> None:
+    """The tiny DeepSeek-V3's config: MLA dims, grouped routing, the dense first layer; its paged
+    KV is one latent vector a token (kv_lora_rank + qk_rope_head_dim), not K and V per head."""
+    from ember.models.tiny import make_tiny
+
+    cfg = ModelConfig.from_dir(make_tiny(tmp_path / "ds", "deepseek_v3"))
+    assert cfg.uses_mla and cfg.q_lora_rank == 32 and cfg.kv_lora_rank == 32
+    assert (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (16, 8, 16)
+    assert (cfg.num_experts, cfg.n_group, cfg.topk_group, cfg.n_shared_experts) == (8, 4, 2, 1)
+    assert cfg.routed_scaling_factor == 2.5 and cfg.num_experts_per_tok == 2
+    assert [cfg.is_moe_layer(i) for i in range(3)] == [False, True, True]
+    assert cfg.kv_cache_dims == (1, 1, 40)
+    plain = ModelConfig.from_dir(
+        make_tiny(tmp_path / "q", "deepseek_v3", overrides={"q_lora_rank": None})
+    )
+    assert plain.q_lora_rank is None
+    assert ModelConfig.from_dict(BASE).kv_cache_dims == (2, 4, 16)  # K and V of 4 heads
+    with pytest.raises(ValueError, match="needs 'v_head_dim'"):
+        ModelConfig.from_dict(
+            {**BASE, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8}
+        )

@@ -40,8 +40,11 @@ class BlockLayout:
     block_size: int
     dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
     model: str  # a fingerprint of the model (config and weight files), never a path
+    kv_planes: int = 2  # K and V; 1 for MLA's latent vector (ModelConfig.kv_cache_dims)
 
     def __post_init__(self) -> None:
+        if self.kv_planes not in (1, 2):
+            raise ValueError(f"BlockLayout.kv_planes must be 1 or 2, got {self.kv_planes}")
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"BlockLayout.{name} must be > 0, got {getattr(self, name)}")
@@ -53,23 +56,30 @@ class BlockLayout:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of one block: K and V of every layer."""
-        dims = (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        """Bytes of one block: K and V (or MLA's latent) of every layer."""
+        dims = (self.num_layers, self.kv_planes, self.block_size, self.num_kv_heads, self.head_dim)
         return math.prod(dims) * self.itemsize
 
     def fingerprint(self) -> str:
         """Hex digest of every field; written into disk entries and store keys."""
-        text = "|".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+        # kv_planes joined the fields later: left out at its default, K/V layouts keep the
+        # fingerprints their disk entries and store keys were written under.
+        text = "|".join(
+            f"{f.name}={getattr(self, f.name)}"
+            for f in fields(self)
+            if not (f.name == "kv_planes" and self.kv_planes == 2)
+        )
         return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
     @classmethod
     def from_kv_cache(cls, kv_cache: torch.Tensor, model: str) -> BlockLayout:
-        """The layout of a block-major cache `[num_blocks, layers, 2, block_size, heads, dim]`."""
-        if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
+        """The layout of a block-major cache `[num_blocks, layers, planes, block_size, heads,
+        dim]` (planes: 2 for K and V, 1 for MLA's latent)."""
+        if kv_cache.dim() != 6 or kv_cache.shape[2] not in (1, 2):
             raise ValueError(f"expected a block-major KV cache, got shape {tuple(kv_cache.shape)}")
-        _, layers, _, block_size, heads, dim = kv_cache.shape
+        _, layers, planes, block_size, heads, dim = kv_cache.shape
         dtype = str(kv_cache.dtype).removeprefix("torch.")
-        return cls(layers, heads, dim, block_size, dtype, model)
+        return cls(layers, heads, dim, block_size, dtype, model, planes)
 
 
 @dataclass(slots=True)

@@ -1,10 +1,10 @@
 """Where a KV block's bytes lie, as the (address, length) regions a transport moves.
 
 ember's KV cache is one tensor of shape
-``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``: block-major, so block ``b``
-(its K and V for every layer) is the one contiguous run of ``block_bytes`` bytes starting at
-``base + b * block_bytes``, where ``block_bytes = num_layers * 2 * block_size * num_kv_heads *
-head_dim * element_size``. A transfer of a block list is therefore a list of regions, one per run
+``[num_blocks, num_layers, planes, block_size, num_kv_heads, head_dim]`` (planes: K and V, or
+MLA's one latent vector): block-major, so block ``b`` (its KV for every layer) is the one
+contiguous run of ``block_bytes`` bytes starting at ``base + b * block_bytes``, where
+``block_bytes = num_layers * planes * block_size * num_kv_heads * head_dim * element_size``. A transfer of a block list is therefore a list of regions, one per run
 of consecutive block ids: fewer, larger regions mean fewer requests on the wire.
 """
 
