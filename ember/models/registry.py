@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ember.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ember.models.llama import LlamaForCausalLM
 from ember.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -12,6 +13,7 @@ MODELS: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 

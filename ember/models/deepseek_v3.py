@@ -1,0 +1,167 @@
+"""DeepSeek-V3 / Kimi K2 (`DeepseekV3ForCausalLM`): multi-head latent attention over a paged
+latent cache, and mixture-of-experts layers with sigmoid grouped routing and shared experts after
+`first_k_dense_replace` dense layers.
+
+Attention runs in the latent space (ember/attention/mla.py) for prefill and decode alike, in
+PyTorch: the reference path. A Triton MLA decode kernel and expanded prefill come next; until
+then these models run without CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.attention.context import ForwardContext
+from ember.attention.mla import mla_attention_ref, write_latent
+from ember.models.config import ModelConfig
+from ember.models.layers.moe import FusedMoE, grouped_topk
+from ember.models.layers.norm import RMSNorm
+from ember.models.layers.rotary import RotaryEmbedding, rope_type, yarn_mscale
+from ember.models.llama import MLP, DecoderLayer, DecoderModel
+from ember.models.qwen3_moe import Qwen3MoeForCausalLM
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """Rope dims stored interleaved (x0, y0, x1, y1, ...) into halves (x0, x1, ..., y0, y1, ...),
+    so that the NeoX rotation applies: DeepSeek's checkpoints rotate pairs (`rope_interleave`)."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = h = cfg.num_attention_heads
+        self.nope, self.rope, self.v_dim = (
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+        )
+        self.rank = cfg.kv_lora_rank
+        qk = self.nope + self.rope
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(cfg.hidden_size, h * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, self.rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.rank, h * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(h * self.v_dim, cfg.hidden_size, bias=False)
+        self.interleaved = bool(cfg.raw.get("rope_interleave", True))
+        self.scale = qk**-0.5
+        scaling = cfg.rope_scaling
+        if scaling is not None and rope_type(scaling) == "yarn" and scaling.get("mscale_all_dim"):
+            # YaRN stretches the context; DeepSeek scales the softmax up to match (mscale^2).
+            self.scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
+        self.rotary = rotary
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        t, h = x.shape[0], self.num_heads
+        if hasattr(self, "q_a_proj"):
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q_nope, q_rope = q.view(t, h, -1).split([self.nope, self.rope], dim=-1)
+        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        q_rope, k_rope = q_rope.contiguous(), k_rope.reshape(t, 1, self.rope)
+        if self.interleaved:
+            q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
+        q_rope, k_rope = self.rotary(positions, q_rope, k_rope)
+        cache = ctx.kv_cache[:, self.layer_idx]
+        write_latent(cache, torch.cat([c_kv, k_rope[:, 0]], dim=-1), ctx.metadata.slot_mapping)
+        w = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.rank)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
+        q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)
+        o = mla_attention_ref(q_latent, q_rope, cache, ctx.metadata, self.scale)
+        o = torch.einsum("thl,hvl->thv", o, w_uv)
+        return self.o_proj(o.reshape(t, h * self.v_dim))
+
+
+class Router(nn.Module):
+    """The MoE gate: fp32 logits over the experts, and the correction bias that balances load."""
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.gate = Router(cfg.hidden_size, cfg.num_experts)
+        self.experts = FusedMoE(
+            cfg.num_experts,
+            cfg.num_experts_per_tok,
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            cfg.norm_topk_prob,
+            cfg.hidden_act,
+        )
+        shared = cfg.moe_intermediate_size * cfg.n_shared_experts
+        self.shared_experts = MLP(cfg.hidden_size, shared, cfg.hidden_act) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        weights, experts = grouped_topk(
+            self.gate(x),
+            self.gate.e_score_correction_bias,
+            c.num_experts_per_tok,
+            c.n_group,
+            c.topk_group,
+            c.norm_topk_prob,
+            c.routed_scaling_factor,
+        )
+        out = self.experts.routed(x, weights, experts)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+class DeepseekV3DecoderLayer(DecoderLayer):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        nn.Module.__init__(self)
+        self.self_attn = MLAttention(cfg, layer_idx, rotary)
+        self.mlp = self.make_mlp(cfg, layer_idx)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def make_mlp(self, cfg: ModelConfig, layer_idx: int) -> nn.Module:
+        if cfg.is_moe_layer(layer_idx):
+            return DeepseekMoE(cfg)
+        return MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+
+
+class DeepseekV3Model(DecoderModel):
+    def make_rotary(self, cfg: ModelConfig, max_position: int) -> RotaryEmbedding:
+        return RotaryEmbedding(
+            cfg.qk_rope_head_dim,
+            max(max_position, cfg.max_position_embeddings),
+            cfg.rope_theta,
+            cfg.rope_scaling,
+        )
+
+
+class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
+    layer_cls = DeepseekV3DecoderLayer
+    model_cls = DeepseekV3Model
+    cuda_graphs = False  # the reference attention reads host lists; a graph-safe kernel comes next
+    # Only the MLPs fuse checkpoint matrices; MLA's projections load as they are.
+    stacked_params = (
+        (".gate_up_proj.", ".gate_proj.", "gate"),
+        (".gate_up_proj.", ".up_proj.", "up"),
+    )
+
+    def __init__(self, cfg: ModelConfig, max_position: int = 0) -> None:
+        if not cfg.uses_mla:
+            raise ValueError("DeepseekV3ForCausalLM needs an MLA config (kv_lora_rank > 0)")
+        super().__init__(cfg, max_position)
