@@ -22,6 +22,16 @@ def test_make_tiny_then_generate(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert main(["generate", str(out), "--prompt", "import os", "--max-tokens", "4"]) == 0
 
 
+def test_make_tiny_deepseek_v3_then_generate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The DeepSeek-V3 tiny (MLA, grouped-routing MoE) from the CLI, then served by it."""
+    out = tmp_path / "ds"
+    assert main(["model", "make-tiny", str(out), "--arch", "deepseek_v3"]) == 0
+    assert "wrote tiny deepseek_v3 model" in capsys.readouterr().out
+    assert main(["generate", str(out), "--prompt", "import os", "--max-tokens", "4"]) == 0
+
+
 def test_demo_runs_two_turns_with_a_cache_hit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
