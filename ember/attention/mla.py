@@ -15,6 +15,7 @@ import torch
 
 from ember.attention.metadata import AttentionMetadata
 from ember.attention.torch_backend import query_block_rows
+from ember.kernels.dispatch import use_triton
 
 
 def write_latent(cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -37,14 +38,19 @@ def mla_attention_ref(
     cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    out: torch.Tensor | None = None,
+    first_seq: int = 0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged latent context (fp32 math):
     q_latent [T, H, L] (q_nope already through W_UK), q_rope [T, H, R]; returns the attention
-    output in the latent space, [T, H, L] (the caller applies W_UV)."""
+    output in the latent space, [T, H, L] (the caller applies W_UV). Sequences before
+    `first_seq` are left to the caller (the decode kernel's rows)."""
     num_heads, rank = q_latent.shape[1], q_latent.shape[2]
-    out = torch.empty_like(q_latent)
+    out = torch.empty_like(q_latent) if out is None else out
     qsl = metadata.query_start_loc_cpu
     for i, seq_len in enumerate(metadata.seq_lens_cpu):
+        if i < first_seq:
+            continue
         qs, qe = qsl[i], qsl[i + 1]
         if qe == qs:
             continue
@@ -61,4 +67,40 @@ def mla_attention_ref(
             mask = mask.tril(end - (b1 - b0))
             probs = (scores * scale).masked_fill(~mask, float("-inf")).softmax(dim=-1)
             out[b0:b1] = torch.einsum("hts,sl->thl", probs, c_kv[:end]).to(out.dtype)
+    return out
+
+
+def mla_attention(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent: torch.Tensor,
+    cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write this step's latents [T, L + R] into their slots, then attend: on a GPU the decode
+    rows (the first `num_decodes` sequences) through the Triton kernel and the other rows through
+    the reference; a decode-only step reads nothing on the host (CUDA-graph safe)."""
+    if not use_triton(q_latent):
+        write_latent(cache, latent, metadata.slot_mapping)
+        return mla_attention_ref(q_latent, q_rope, cache, metadata, scale)
+    from ember.kernels.kv_write import write_kv
+    from ember.kernels.mla_decode import mla_decode
+
+    write_kv(cache, latent.unsqueeze(1), None, metadata.slot_mapping)  # slot -1: padding, skipped
+    out = torch.empty_like(q_latent)
+    nd = metadata.num_decodes
+    if nd:
+        mla_decode(
+            q_latent[:nd],
+            q_rope[:nd],
+            cache,
+            metadata.seq_lens[:nd],
+            metadata.block_tables[:nd],
+            scale,
+            out=out[:nd],
+            max_seq_len=metadata.max_seq_len,
+        )
+    if nd < metadata.num_seqs:
+        mla_attention_ref(q_latent, q_rope, cache, metadata, scale, out=out, first_seq=nd)
     return out

@@ -170,7 +170,7 @@ class EngineCore:
             PrefillClock(self.tiers.cost, config.block_size, on_gpu) if self.tiers else None
         )
         self.grammar = GrammarCompiler.for_model(config.model, self.model_config)
-        if on_gpu and not config.enforce_eager and getattr(self.runner.model, "cuda_graphs", True):
+        if on_gpu and not config.enforce_eager:
             # The host tier pins its memory in the background: not while graphs are captured.
             paused = self.tiers.growth_paused() if self.tiers else contextlib.nullcontext()
             with paused:

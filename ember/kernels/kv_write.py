@@ -30,6 +30,7 @@ def _write_kv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    HAS_V: tl.constexpr,
 ):
     # One program per token row: all its heads at once, so each store is a run of whole rows.
     t = tl.program_id(0).to(tl.int64)
@@ -41,7 +42,6 @@ def _write_kv_kernel(
     # Slot -1 marks a padding row (CUDA-graph batches): masked off rather than branched on.
     mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :] & (slot >= 0)
     k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
     dst = (
         kv_ptr
         + block * stride_cache_block
@@ -50,22 +50,28 @@ def _write_kv_kernel(
         + d[None, :]
     )
     tl.store(dst, k.to(kv_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + stride_cache_kv, v.to(kv_ptr.dtype.element_ty), mask=mask)
+    if HAS_V:
+        v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+        tl.store(dst + stride_cache_kv, v.to(kv_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv(
-    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, slot_mapping: torch.Tensor
 ) -> None:
     """Write k[t], v[t] ([T, num_kv_heads, head_dim]) into slot slot_mapping[t]; -1 skips row t.
 
     kv_cache is one layer's view [num_blocks, 2, block_size, num_kv_heads, head_dim]; it may be
     strided across blocks (a slice of the all-layer cache) but its last dim must be contiguous.
+    With v None the cache has one plane ([num_blocks, 1, ...], MLA's latents) and k fills it.
     """
-    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+    planes = 1 if v is None else 2
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != planes:
         raise ValueError(
-            f"kv_cache must be [num_blocks, 2, block_size, H, D], got {kv_cache.shape}"
+            f"kv_cache must be [num_blocks, {planes}, block_size, H, D], got {kv_cache.shape}"
         )
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    if v is None:
+        v = k
     if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != (num_kv_heads, head_dim):
         raise ValueError(
             f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [T, {num_kv_heads}, {head_dim}]"
@@ -98,6 +104,7 @@ def write_kv(
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         PAGE_SIZE=block_size,
+        HAS_V=planes == 2,
         # A row of 8 heads x 128 dims is 1024 elements: 4 warps give each thread 8 (16 bytes).
         num_warps=4 if block_h * block_d >= 1024 else 1,
     )

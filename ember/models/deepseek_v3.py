@@ -2,9 +2,10 @@
 latent cache, and mixture-of-experts layers with sigmoid grouped routing and shared experts after
 `first_k_dense_replace` dense layers.
 
-Attention runs in the latent space (ember/attention/mla.py) for prefill and decode alike, in
-PyTorch: the reference path. A Triton MLA decode kernel and expanded prefill come next; until
-then these models run without CUDA graphs.
+Attention runs in the latent space (ember/attention/mla.py): decode rows on a GPU through the
+Triton MLA decode kernel (ember/kernels/mla_decode.py, CUDA-graph safe), prefill rows and the CPU
+through the PyTorch reference. Expanded prefill (per-head K/V through the fast prefill kernel) and
+the fused MoE kernel come next.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.attention.context import ForwardContext
-from ember.attention.mla import mla_attention_ref, write_latent
+from ember.attention.mla import mla_attention
 from ember.models.config import ModelConfig
 from ember.models.layers.moe import FusedMoE, grouped_topk
 from ember.models.layers.norm import RMSNorm
@@ -74,12 +75,12 @@ class MLAttention(nn.Module):
         if self.interleaved:
             q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
         q_rope, k_rope = self.rotary(positions, q_rope, k_rope)
-        cache = ctx.kv_cache[:, self.layer_idx]
-        write_latent(cache, torch.cat([c_kv, k_rope[:, 0]], dim=-1), ctx.metadata.slot_mapping)
+        latent = torch.cat([c_kv, k_rope[:, 0]], dim=-1)
         w = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
-        q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)
-        o = mla_attention_ref(q_latent, q_rope, cache, ctx.metadata, self.scale)
+        q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk).contiguous()
+        cache = ctx.kv_cache[:, self.layer_idx]
+        o = mla_attention(q_latent, q_rope.contiguous(), latent, cache, ctx.metadata, self.scale)
         o = torch.einsum("thl,hvl->thv", o, w_uv)
         return self.o_proj(o.reshape(t, h * self.v_dim))
 
@@ -154,7 +155,6 @@ class DeepseekV3Model(DecoderModel):
 class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
     layer_cls = DeepseekV3DecoderLayer
     model_cls = DeepseekV3Model
-    cuda_graphs = False  # the reference attention reads host lists; a graph-safe kernel comes next
     # Only the MLPs fuse checkpoint matrices; MLA's projections load as they are.
     stacked_params = (
         (".gate_up_proj.", ".gate_proj.", "gate"),

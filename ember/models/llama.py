@@ -138,8 +138,6 @@ class DecoderModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     layer_cls: type[DecoderLayer] = DecoderLayer
     model_cls: type[DecoderModel] = DecoderModel
-    cuda_graphs = True
-    """Whether decode steps may be captured in CUDA graphs (every kernel graph-safe)."""
     # (our parameter, checkpoint name, shard): checkpoint matrices that land in a fused weight.
     stacked_params: tuple[tuple[str, str, str], ...] = (
         (".qkv_proj.", ".q_proj.", "q"),

@@ -81,3 +81,27 @@ def test_write_kv_rejects_bad_shapes(device: str) -> None:
         write_kv(cache, k, torch.zeros(3, 1, 16, device=device), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="slot_mapping"):
         write_kv(cache, k, k, torch.zeros(2, dtype=torch.long, device=device))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_one_plane_latents_are_written_and_padding_skipped(seed: int) -> None:
+    """MLA's one-plane cache (v None): each kept row's latent lands in its slot of a strided
+    layer view, a -1 slot (a CUDA-graph padding row) writes nothing, nothing else changes."""
+    from ember.attention.mla import write_latent
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(seed)
+    blocks, page, dim, t = 6, 4, 40, 13
+    slots = torch.randperm(blocks * page, generator=g)[:t]
+    slots[torch.rand(t, generator=g) < 0.3] = -1
+    latent = torch.randn(t, dim, generator=g)
+    full = torch.full((blocks, 3, 1, page, 1, dim), float("nan"))  # 3 layers
+    want = full.clone()
+    keep = slots >= 0
+    write_latent(want[:, 1], latent[keep], slots[keep])
+    full = full.to(device)
+    write_kv(full[:, 1], latent.unsqueeze(1).to(device), None, slots.to(device))
+    torch.testing.assert_close(full.cpu(), want, rtol=0, atol=0, equal_nan=True)
+    assert not torch.isnan(want[:, 1]).all()  # some rows were written
+    with pytest.raises(ValueError, match="kv_cache must be"):
+        write_kv(full[:, 1], latent.unsqueeze(1).to(device), latent.unsqueeze(1).to(device), slots)

@@ -14,7 +14,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"]
 
 
 @pytest.fixture(autouse=True)
