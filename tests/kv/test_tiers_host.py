@@ -245,3 +245,36 @@ def test_chunks_hold_whole_rows_and_copies_run_within_a_chunk() -> None:
         host.row(7)
     with pytest.raises(ValueError, match="chunk_bytes"):
         HostTier(odd, 7, pin=False, chunk_bytes=0)
+
+
+def test_pinned_memory_dropped_without_close_is_unpinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine never closed: its host tier's pinned chunks are unregistered when the memory is
+    collected, before their pages can be pinned again (on an H200 the next engine of the process
+    failed with CUDA error 712, "already registered"); close() unpins once, not twice."""
+    import gc
+
+    from ember.kv.tiers import host_memory
+
+    pinned: list[int] = []
+    unpinned: list[int] = []
+
+    def fake_pinned(nbytes: int) -> torch.Tensor:
+        t = torch.zeros(nbytes, dtype=torch.uint8)
+        pinned.append(t.data_ptr())
+        return t
+
+    monkeypatch.setattr(host_memory.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(host_memory.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(host_memory, "_pinned", fake_pinned)
+    monkeypatch.setattr(host_memory, "_host_unregister", lambda t: unpinned.append(t.data_ptr()))
+    mem = host_memory.HostMemory(64, 8, pin=True, chunk_bytes=128, background=False)
+    mem.wait_full()
+    assert len(pinned) == 4 and not unpinned
+    del mem
+    gc.collect()
+    assert sorted(unpinned) == sorted(pinned)
+    closed = host_memory.HostMemory(64, 2, pin=True, chunk_bytes=128, background=False)
+    closed.close()
+    del closed
+    gc.collect()
+    assert len(unpinned) == 5  # the second memory's one chunk, once

@@ -28,6 +28,7 @@ import functools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -72,6 +73,13 @@ def _host_unregister(t: torch.Tensor) -> None:
         lib.cudaHostUnregister(ctypes.c_void_p(t.data_ptr()))
     else:
         torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
+def _unpin_chunks(chunks: list[torch.Tensor], registered: bool) -> None:
+    if registered and chunks:
+        torch.cuda.synchronize()  # no copy may still be using them
+        for chunk in chunks:
+            _host_unregister(chunk)
 
 
 def _pinned(nbytes: int) -> torch.Tensor:
@@ -128,6 +136,11 @@ class HostMemory:
         self._num_rows = 0
         self._closed = False
         self._thread: threading.Thread | None = None
+        # A memory dropped without close() (an engine never closed) must still be unpinned
+        # before its pages go back to the allocator: the next pinning of the same addresses
+        # failed with "already registered" (CUDA error 712) when a second engine started in the
+        # process. The finalizer holds the chunk list, not self, so the chunks live until then.
+        self._unpin = weakref.finalize(self, _unpin_chunks, self.chunks, self._registered)
         self._add_chunk()
         if background is None:
             background = self.pinned
@@ -211,10 +224,7 @@ class HostMemory:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self._registered:
-            torch.cuda.synchronize()  # no copy may still be using them
-            for chunk in self.chunks:
-                _host_unregister(chunk)
+        self._unpin()
 
     def _add_chunk(self) -> None:
         rows = min(self.rows_per_chunk, self.target_rows - self._num_rows)
