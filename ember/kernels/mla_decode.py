@@ -58,6 +58,7 @@ def _mla_split_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    DOT: tl.constexpr,
 ):
     b = tl.program_id(0)
     hb = tl.program_id(1)
@@ -101,13 +102,15 @@ def _mla_split_kernel(
             mask=n_mask[:, None] & r_mask[None, :],
             other=0.0,
         )
-        s = tl.dot(ql, tl.trans(c)) + tl.dot(qr, tl.trans(kr))
+        s = tl.dot(ql, tl.trans(c), input_precision=DOT) + tl.dot(
+            qr, tl.trans(kr), input_precision=DOT
+        )
         s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT)
         m_i = m_new
     # An empty split (a short context among long ones) has l_i == 0: zeros and lse -inf.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -218,6 +221,8 @@ def mla_decode(
         BLOCK_H=block_h,
         BLOCK_N=block_n,
         WRITE_LSE=num_splits > 1,
+        # fp32 stays fp32 (the reference's precision); bf16/fp16 use the tensor cores as they are.
+        DOT="ieee" if q_latent.dtype == torch.float32 else "tf32",
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](

@@ -258,23 +258,19 @@ def test_pinned_memory_dropped_without_close_is_unpinned(monkeypatch: pytest.Mon
     pinned: list[int] = []
     unpinned: list[int] = []
 
-    def fake_pinned(nbytes: int) -> torch.Tensor:
-        t = torch.zeros(nbytes, dtype=torch.uint8)
-        pinned.append(t.data_ptr())
-        return t
-
     monkeypatch.setattr(host_memory.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(host_memory.torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(host_memory, "_pinned", fake_pinned)
+    monkeypatch.setattr(host_memory, "_host_register", lambda t: pinned.append(t.data_ptr()))
     monkeypatch.setattr(host_memory, "_host_unregister", lambda t: unpinned.append(t.data_ptr()))
     mem = host_memory.HostMemory(64, 8, pin=True, chunk_bytes=128, background=False)
     mem.wait_full()
     assert len(pinned) == 4 and not unpinned
     del mem
     gc.collect()
-    assert sorted(unpinned) == sorted(pinned)
+    assert not unpinned  # no CUDA call from a finalizer (it may run inside a graph capture)
     closed = host_memory.HostMemory(64, 2, pin=True, chunk_bytes=128, background=False)
+    assert sorted(unpinned) == sorted(pinned[:4])  # unpinned before the next pinning
     closed.close()
     del closed
     gc.collect()
-    assert len(unpinned) == 5  # the second memory's one chunk, once
+    assert len(unpinned) == 5  # the second memory's one chunk, at close, once

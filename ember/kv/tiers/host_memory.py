@@ -75,14 +75,33 @@ def _host_unregister(t: torch.Tensor) -> None:
         torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
 
-def _unpin_chunks(chunks: list[torch.Tensor], registered: bool) -> None:
-    if registered and chunks:
+_unpin_pending: list[torch.Tensor] = []
+_unpin_lock = threading.Lock()
+
+
+def _release_chunks(chunks: list[torch.Tensor], registered: bool) -> None:
+    """A memory's finalizer: its pinned chunks wait to be unpinned. No CUDA call here: a
+    collection may run inside another engine's CUDA-graph capture, which a synchronize or an
+    unregister would invalidate."""
+    if registered:
+        with _unpin_lock:
+            _unpin_pending.extend(chunks)
+
+
+def _unpin_released() -> None:
+    """Unpin the chunks of memories dropped so far (before new memory is pinned, and at close:
+    the places where no capture runs, see _Growth), then let them go."""
+    with _unpin_lock:
+        chunks = list(_unpin_pending)
+        _unpin_pending.clear()
+    if chunks:
         torch.cuda.synchronize()  # no copy may still be using them
         for chunk in chunks:
             _host_unregister(chunk)
 
 
 def _pinned(nbytes: int) -> torch.Tensor:
+    _unpin_released()  # a dropped memory's pages may come back from the allocator now
     t = torch.empty(nbytes, dtype=torch.uint8)
     t.fill_(0)  # fault the pages in on the CPU, outside the driver
     _host_register(t)
@@ -139,8 +158,8 @@ class HostMemory:
         # A memory dropped without close() (an engine never closed) must still be unpinned
         # before its pages go back to the allocator: the next pinning of the same addresses
         # failed with "already registered" (CUDA error 712) when a second engine started in the
-        # process. The finalizer holds the chunk list, not self, so the chunks live until then.
-        self._unpin = weakref.finalize(self, _unpin_chunks, self.chunks, self._registered)
+        # process. The finalizer holds the chunk list, not self; the chunks live until unpinned.
+        self._release = weakref.finalize(self, _release_chunks, self.chunks, self._registered)
         self._add_chunk()
         if background is None:
             background = self.pinned
@@ -224,7 +243,8 @@ class HostMemory:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self._unpin()
+        self._release()
+        _unpin_released()
 
     def _add_chunk(self) -> None:
         rows = min(self.rows_per_chunk, self.target_rows - self._num_rows)
