@@ -129,12 +129,10 @@ class DeepseekMoE(nn.Module):
 
 
 class DeepseekV3DecoderLayer(DecoderLayer):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
-        nn.Module.__init__(self)
-        self.self_attn = MLAttention(cfg, layer_idx, rotary)
-        self.mlp = self.make_mlp(cfg, layer_idx)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    def make_attention(
+        self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding
+    ) -> nn.Module:
+        return MLAttention(cfg, layer_idx, rotary)
 
     def make_mlp(self, cfg: ModelConfig, layer_idx: int) -> nn.Module:
         if cfg.is_moe_layer(layer_idx):

@@ -68,10 +68,15 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx, rotary)
+        self.self_attn = self.make_attention(cfg, layer_idx, rotary)
         self.mlp = self.make_mlp(cfg, layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def make_attention(
+        self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding
+    ) -> nn.Module:
+        return Attention(cfg, layer_idx, rotary)
 
     def make_mlp(self, cfg: ModelConfig, layer_idx: int) -> nn.Module:
         return MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
