@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels.dispatch import dot_precision
+
 # A split shorter than this spends more on its prologue and partials than it saves in parallelism:
 # at 256 tokens its partials (Hq/Hkv * (D + 1) fp32, written and read) are ~3% of its K/V bytes.
 MIN_TOKENS_PER_SPLIT = 256
@@ -296,28 +298,35 @@ def decode_attention(
         BLOCK_N=_block_n(head_dim),
         PAGE_SIZE=block_size,
         WRITE_LSE=num_splits > 1,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4,
         num_stages=2,
     )
     if num_splits > 1:
-        block_s = triton.next_power_of_2(num_splits)
-        _decode_merge_kernel[(batch, num_heads)](
-            target,
-            lse,
-            out,
-            num_splits,
-            *target.stride()[:3],
-            *lse.stride()[:2],
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            BLOCK_S=block_s,
-            BLOCK_D=block_d,
-            # At most 32 fp32 partials a thread: 64 splits x 128 dims would spill on 2 warps.
-            num_warps=min(8, max(1, block_s * block_d // 1024)),
-        )
+        merge_splits(target, lse, out, block_d)
     return out
+
+
+def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, block_d: int) -> None:
+    """Stage 2: out[b, h] from the splits' normalised partials part [B, H, S, D] (fp32) and
+    their log-sum-exps lse [B, H, S] (base 2; -inf for an empty split)."""
+    batch, num_heads, num_splits, head_dim = part.shape
+    block_s = triton.next_power_of_2(num_splits)
+    _decode_merge_kernel[(batch, num_heads)](
+        part,
+        lse,
+        out,
+        num_splits,
+        *part.stride()[:3],
+        *lse.stride()[:2],
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_S=block_s,
+        BLOCK_D=block_d,
+        # At most 32 fp32 partials a thread: 64 splits x 128 dims would spill on 2 warps.
+        num_warps=min(8, max(1, block_s * block_d // 1024)),
+    )
 
 
 def _check_inputs(

@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.decode_attention import _LOG2E, _decode_merge_kernel, _num_sms, choose_num_splits
+from ember.kernels.decode_attention import _LOG2E, _num_sms, choose_num_splits, merge_splits
+from ember.kernels.dispatch import dot_precision
 
 
 @triton.jit
@@ -58,7 +59,7 @@ def _mla_split_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WRITE_LSE: tl.constexpr,
-    DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     hb = tl.program_id(1)
@@ -102,15 +103,15 @@ def _mla_split_kernel(
             mask=n_mask[:, None] & r_mask[None, :],
             other=0.0,
         )
-        s = tl.dot(ql, tl.trans(c), input_precision=DOT) + tl.dot(
-            qr, tl.trans(kr), input_precision=DOT
+        s = tl.dot(ql, tl.trans(c), input_precision=DOT_PRECISION) + tl.dot(
+            qr, tl.trans(kr), input_precision=DOT_PRECISION
         )
         s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
         m_i = m_new
     # An empty split (a short context among long ones) has l_i == 0: zeros and lse -inf.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -221,25 +222,8 @@ def mla_decode(
         BLOCK_H=block_h,
         BLOCK_N=block_n,
         WRITE_LSE=num_splits > 1,
-        # fp32 stays fp32 (the reference's precision); bf16/fp16 use the tensor cores as they are.
-        DOT="ieee" if q_latent.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=dot_precision(q_latent.dtype),
     )
     if num_splits > 1:
-        _decode_merge_kernel[(batch, num_heads)](
-            part,
-            lse,
-            out,
-            num_splits,
-            part.stride(0),
-            part.stride(1),
-            part.stride(2),
-            lse.stride(0),
-            lse.stride(1),
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=rank,
-            BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_D=triton.next_power_of_2(rank),
-            num_warps=min(8, max(1, triton.next_power_of_2(num_splits) * rank // 1024)),
-        )
+        merge_splits(part, lse, out, triton.next_power_of_2(rank))
     return out

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels.dispatch import dot_precision
+
 _LOG2E = 1.4426950408889634
 
 
@@ -245,7 +247,7 @@ def prefill_attention(
         BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         PAGE_SIZE=block_size,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
     )
