@@ -88,6 +88,11 @@ class ModelConfig:
         return self.kv_lora_rank > 0
 
     @property
+    def rope_dim(self) -> int:
+        """Dimensions rotary embeddings turn: a whole head, or with MLA the rope part only."""
+        return self.qk_rope_head_dim if self.uses_mla else self.head_dim
+
+    @property
     def kv_cache_dims(self) -> tuple[int, int, int]:
         """(planes, heads, dim) of one token's KV in one layer of the paged cache: K and V of
         each KV head (2, num_key_value_heads, head_dim), or with MLA one latent vector, the

@@ -20,7 +20,7 @@ from ember.models.config import ModelConfig
 from ember.models.layers.moe import FusedMoE, grouped_topk
 from ember.models.layers.norm import RMSNorm
 from ember.models.layers.rotary import RotaryEmbedding, rope_type, yarn_mscale
-from ember.models.llama import MLP, DecoderLayer, DecoderModel
+from ember.models.llama import MLP, DecoderLayer
 from ember.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
@@ -140,19 +140,8 @@ class DeepseekV3DecoderLayer(DecoderLayer):
         return MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
 
-class DeepseekV3Model(DecoderModel):
-    def make_rotary(self, cfg: ModelConfig, max_position: int) -> RotaryEmbedding:
-        return RotaryEmbedding(
-            cfg.qk_rope_head_dim,
-            max(max_position, cfg.max_position_embeddings),
-            cfg.rope_theta,
-            cfg.rope_scaling,
-        )
-
-
 class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
     layer_cls = DeepseekV3DecoderLayer
-    model_cls = DeepseekV3Model
     # Only the MLPs fuse checkpoint matrices; MLA's projections load as they are.
     stacked_params = (
         (".gate_up_proj.", ".gate_proj.", "gate"),

@@ -101,7 +101,12 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_cls: type[DecoderLayer], max_position: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = self.make_rotary(cfg, max_position)
+        self.rotary = RotaryEmbedding(
+            cfg.rope_dim,
+            max(max_position, cfg.max_position_embeddings),
+            cfg.rope_theta,
+            cfg.rope_scaling,
+        )
         self.layers = nn.ModuleList(
             layer_cls(cfg, i, self.rotary) for i in range(cfg.num_hidden_layers)
         )
@@ -112,14 +117,6 @@ class DecoderModel(nn.Module):
         num_hidden_layers the last layer's output before the final norm (vLLM's convention)."""
         self.aux_hidden: torch.Tensor | None = None
         """After a forward with `aux_layers` set: those states concatenated, [T, len * hidden]."""
-
-    def make_rotary(self, cfg: ModelConfig, max_position: int) -> RotaryEmbedding:
-        return RotaryEmbedding(
-            cfg.head_dim,
-            max(max_position, cfg.max_position_embeddings),
-            cfg.rope_theta,
-            cfg.rope_scaling,
-        )
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
@@ -142,7 +139,6 @@ class DecoderModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     layer_cls: type[DecoderLayer] = DecoderLayer
-    model_cls: type[DecoderModel] = DecoderModel
     # (our parameter, checkpoint name, shard): checkpoint matrices that land in a fused weight.
     stacked_params: tuple[tuple[str, str, str], ...] = (
         (".qkv_proj.", ".q_proj.", "q"),
@@ -155,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_position: int = 0) -> None:
         super().__init__()
         self.config = cfg
-        self.model = self.model_cls(cfg, self.layer_cls, max_position)
+        self.model = DecoderModel(cfg, self.layer_cls, max_position)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
