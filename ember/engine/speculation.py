@@ -63,8 +63,6 @@ class StepCosts:
     def __init__(self) -> None:
         self._samples: dict[tuple[int, bool], deque[tuple[int, float]]] = {}
         """(bucket, speculating) -> the last SAMPLES counted steps' tokens and periods."""
-        self._sums: dict[tuple[int, bool], list[float]] = {}
-        """(bucket, speculating) -> [tokens, seconds] summed over those samples."""
         self._steps: dict[int, int] = {}
         self._last: dict[int, bool] = {}
         self._off: set[tuple[int, bool]] = set()
@@ -85,21 +83,19 @@ class StepCosts:
         if transition or not counted or seconds <= 0:
             return
         key = (b, speculating)
-        samples = self._samples.setdefault(key, deque())
-        sums = self._sums.setdefault(key, [0.0, 0.0])
+        samples = self._samples.setdefault(key, deque(maxlen=self.SAMPLES))
         if samples:
-            mean = sums[1] / len(samples)
+            mean = self.totals(key)[1] / len(samples)
             if not mean / self.OUTLIER <= seconds <= mean * self.OUTLIER and key not in self._off:
                 self._off.add(key)
                 return
         self._off.discard(key)
         samples.append((tokens, seconds))
-        sums[0] += tokens
-        sums[1] += seconds
-        if len(samples) > self.SAMPLES:
-            old_tokens, old_seconds = samples.popleft()
-            sums[0] -= old_tokens
-            sums[1] -= old_seconds
+
+    def totals(self, key: tuple[int, bool]) -> tuple[int, float]:
+        """Tokens and seconds over the samples of (bucket, speculating)."""
+        samples = self._samples.get(key, ())
+        return sum(t for t, _ in samples), sum(s for _, s in samples)
 
     @property
     def rate(self) -> dict[int, dict[bool, float]]:
@@ -107,14 +103,15 @@ class StepCosts:
         sum of their periods (not a mean of per-step rates, which short lucky verifications
         would pull up)."""
         out: dict[int, dict[bool, float]] = {}
-        for (b, mode), (tok, sec) in self._sums.items():
-            if sec > 0:
-                out.setdefault(b, {})[mode] = tok / sec
+        for b, mode in self._samples:
+            r = self._rate(b, mode)
+            if r is not None:
+                out.setdefault(b, {})[mode] = r
         return out
 
     def _rate(self, b: int, speculating: bool) -> float | None:
-        sums = self._sums.get((b, speculating))
-        return None if sums is None or sums[1] <= 0 else sums[0] / sums[1]
+        tokens, seconds = self.totals((b, speculating))
+        return tokens / seconds if seconds > 0 else None
 
     def worth_it(self, batch: int) -> bool:
         """Whether the next step at this batch size speculates."""

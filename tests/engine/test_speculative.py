@@ -251,7 +251,7 @@ def test_step_costs_want_many_samples_and_skip_outliers() -> None:
     costs.observe(1, True, 0.050, 5)  # a hiccup: no sample
     assert costs.rate[1][True] == pytest.approx((4 + 8 * 5) / (12 * 0.0016))
     costs.observe(1, True, 0.050, 5)  # the second in a row: a sample
-    assert costs._sums[(1, True)][1] == pytest.approx(12 * 0.0016 + 0.050)
+    assert costs.totals((1, True))[1] == pytest.approx(12 * 0.0016 + 0.050)
     for _ in range(StepCosts.SAMPLES):
         costs.observe(1, True, 0.0016, 1)
     assert costs.rate[1][True] == pytest.approx(1 / 0.0016)  # only the last SAMPLES count
