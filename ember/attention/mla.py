@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ember.attention.metadata import AttentionMetadata
-from ember.attention.torch_backend import query_block_rows
+from ember.attention.torch_backend import gather_planes, query_block_rows
 from ember.kernels.dispatch import use_triton
 
 
@@ -26,10 +26,7 @@ def write_latent(cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.
 
 def gather_latent(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """One sequence's latents, [seq_len, D], read through its blocks."""
-    block_size = cache.shape[2]
-    nb = -(-seq_len // block_size)
-    blocks = cache[block_table[:nb].long(), 0, :, 0]  # [nb, block_size, D]
-    return blocks.reshape(nb * block_size, -1)[:seq_len]
+    return gather_planes(cache, block_table, seq_len)[0, :, 0]
 
 
 def mla_attention_ref(

@@ -20,15 +20,20 @@ def write_kv(
     kv_cache[blocks, 1, offsets] = v.to(kv_cache.dtype)
 
 
+def gather_planes(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """One sequence's rows of every plane of one layer's cache [num_blocks, planes, block_size,
+    H, D] (K and V, or MLA's latents), read through its blocks: [planes, seq_len, H, D]."""
+    block_size = kv_cache.shape[2]
+    nb = -(-seq_len // block_size)
+    blocks = kv_cache[block_table[:nb].long()].transpose(0, 1)  # [planes, nb, block_size, H, D]
+    return blocks.reshape(blocks.shape[0], nb * block_size, *blocks.shape[-2:])[:, :seq_len]
+
+
 def gather_kv(
     kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's K and V, [seq_len, num_kv_heads, head_dim] each, read through its blocks."""
-    block_size = kv_cache.shape[2]
-    nb = -(-seq_len // block_size)
-    blocks = kv_cache[block_table[:nb].long()]  # [nb, 2, block_size, H, D]
-    k = blocks[:, 0].reshape(nb * block_size, *blocks.shape[-2:])[:seq_len]
-    v = blocks[:, 1].reshape(nb * block_size, *blocks.shape[-2:])[:seq_len]
+    k, v = gather_planes(kv_cache, block_table, seq_len)
     return k, v
 
 
