@@ -2,16 +2,20 @@
 correction bias and grouped top-k) and the experts.
 
 Expert weights are stacked, w13 = [E, 2I, H] (gate then up) and w2 = [E, H, I], the layout a fused
-MoE kernel wants; the CPU path loops over the experts that received tokens.
+MoE kernel (ember/kernels/fused_moe.py) wants; the CPU path, the reference, loops over the experts
+that received tokens.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.models.layers.activation import gated_activation
+from ember.kernels.dispatch import use_triton
+from ember.models.layers.activation import gated_activation, silu_and_mul
 
 
 def softmax_topk(
@@ -99,30 +103,48 @@ class FusedMoE(nn.Module):
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The experts' output for tokens already routed: sum over k of weights[t, k] times
-        expert experts[t, k] on x[t]."""
+        expert experts[t, k] on x[t]. On a GPU the fused Triton grouped GEMM, else (Triton off)
+        the dense graph-safe path; on the CPU the per-expert loop, the reference."""
+        if use_triton(x):
+            from ember.kernels.fused_moe import fused_moe
+
+            return fused_moe(x, self.w13, self.w2, weights, experts)
         weights = weights.to(x.dtype)
         if x.is_cuda:
             return self._dense(x, weights, experts)
-        out = torch.zeros_like(x)
-        for e in experts.unique().tolist():
-            token_idx, slot = torch.where(experts == e)
-            h = self.act(F.linear(x[token_idx], self.w13[e]))
-            h = F.linear(h, self.w2[e]) * weights[token_idx, slot, None]
-            out.index_add_(0, token_idx, h)
-        return out
+        return routed_experts_ref(x, self.w13, self.w2, weights, experts, self.act)
 
     def _dense(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, weighted by the (mostly zero) routing weights.
 
         No host sync and no data-dependent shapes, so it can be captured in a CUDA graph; it
-        costs num_experts / top_k times the routed FLOPs, fine for small expert counts. A fused
-        MoE kernel (grouped GEMM over the routed tokens) is what large MoE models need.
+        costs num_experts / top_k times the routed FLOPs: the fallback when Triton is off.
         """
         dense = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
         dense.scatter_(1, experts, weights)
         h = self.act(torch.einsum("th,eih->eti", x, self.w13))
         y = torch.einsum("eti,ehi->eth", h, self.w2)
         return torch.einsum("eth,te->th", y, dense)
+
+
+def routed_experts_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
+) -> torch.Tensor:
+    """The reference MoE: a loop over the experts that received tokens (host syncs, so eager
+    only). x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights and experts [T, k]."""
+    weights = weights.to(x.dtype)
+    out = torch.zeros_like(x)
+    for e in experts.unique().tolist():
+        token_idx, slot = torch.where(experts == e)
+        h = act(F.linear(x[token_idx], w13[e]))
+        h = F.linear(h, w2[e]) * weights[token_idx, slot, None]
+        out.index_add_(0, token_idx, h)
+    return out
 
 
 class SparseMoeBlock(nn.Module):

@@ -1,0 +1,232 @@
+"""Fused mixture-of-experts (Triton): a grouped GEMM over the (token, expert) pairs sorted by expert.
+
+`align_by_expert` lays the T * k routed pairs out expert by expert, each expert's run padded to a
+whole number of BLOCK_M rows, and names each block's expert. The grouped GEMM then runs one
+program per (block, column tile): it reads its expert's weight tile and multiplies it by the
+block's rows, gathered from the tokens in place, so no permuted copy of the activations is made.
+Two launches make an expert MLP:
+
+1. gate/up: h[p] = silu(x[t] @ w13[e, :I].T) * (x[t] @ w13[e, I:].T) for pair p = (t, e). The
+   program keeps a gate and an up accumulator for the same columns and writes only h [T * k, I]:
+   the SiLU-and-mul is fused into the epilogue, saving a write and read of [T * k, 2I].
+2. down: y[p] = weight[p] * (h[p] @ w2[e].T), the routing weight applied in the epilogue; the k
+   rows of each token are then summed (a view and a sum, deterministic, unlike atomic adds).
+
+Everything, routing included, is fixed-shape torch ops and kernels with no host sync, so the whole
+MoE layer is captured in CUDA graphs. The reference is FusedMoE's per-expert loop
+(ember/models/layers/moe.py).
+
+The two numbers, per layer and step: bytes ~= (experts hit) * 3 * H * I * itemsize of weights plus
+the activations; flops = 6 * T * k * H * I. At decode batch 1 only k experts are read (memory
+bound); at batch 256 of a 128-expert model every expert is hit by ~16 rows, still under the ~300
+flops per byte where an H100 turns compute bound, so the weights' bytes set the floor there too.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ember.kernels.dispatch import dot_precision
+
+
+def align_by_expert(
+    experts: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort the routed pairs by expert, each expert's run padded to a multiple of block_m.
+
+    experts: [T, k] expert ids. Returns (sorted_pairs, block_experts): sorted_pairs [P] holds flat
+    pair indices t * k + j (padding holds T * k, which the kernel masks), block_experts [P / block_m]
+    the expert of each block, num_experts for blocks past the last expert's run (skipped).
+    P = min(T * k, blocks) * block_m is a function of the shapes only, so the result is graph safe:
+    every non-empty expert takes at least one block, so at most T * k blocks are used.
+    """
+    flat = experts.reshape(-1)
+    n = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
+    padded = (counts + block_m - 1) // block_m * block_m
+    run_end = padded.cumsum(0)
+    run_start = run_end - padded
+    count_start = counts.cumsum(0) - counts
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order].long()
+    rank = torch.arange(n, device=device) - count_start[sorted_experts]
+    max_blocks = min(n, triton.cdiv(n + num_experts * (block_m - 1), block_m))
+    sorted_pairs = torch.full((max_blocks * block_m,), n, dtype=torch.int32, device=device)
+    sorted_pairs[run_start[sorted_experts] + rank] = order.to(torch.int32)
+    block_start = torch.arange(max_blocks, device=device) * block_m
+    block_experts = torch.searchsorted(run_end, block_start, right=True).to(torch.int32)
+    return sorted_pairs, block_experts
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    weight_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    num_pairs,
+    num_experts,
+    n_out,
+    k_in,
+    a_sm,
+    a_sk,
+    b_se,
+    b_sn,
+    b_sk,
+    c_sm,
+    c_sn,
+    num_blocks,
+    ROWS_PER_A: tl.constexpr,
+    GATED: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # Grouped launch order: GROUP_M row blocks (usually one expert's) sweep the column tiles
+    # together, so an expert's weight tile is fetched from HBM once and served from L2 after.
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(n_out, BLOCK_N)
+    in_group = GROUP_M * tiles_n
+    first_m = (pid // in_group) * GROUP_M
+    group_rows = min(num_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_rows
+    pid_n = (pid % in_group) // group_rows
+
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= num_experts:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(pairs_ptr + rows)
+    valid = pairs < num_pairs
+    a_rows = (pairs // ROWS_PER_A).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_out
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_base = a_ptr + a_rows[:, None] * a_sm
+    b_base = b_ptr + expert.to(tl.int64) * b_se + cols[None, :].to(tl.int64) * b_sn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GATED:
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        ks = k0 + offs_k
+        k_ok = ks < k_in
+        a = tl.load(a_base + ks[None, :] * a_sk, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        b_mask = k_ok[:, None] & col_ok[None, :]
+        b = tl.load(b_base + ks[:, None] * b_sk, mask=b_mask, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if GATED:
+            b_up = tl.load(b_base + n_out * b_sn + ks[:, None] * b_sk, mask=b_mask, other=0.0)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
+
+    if GATED:
+        # As silu_and_mul: each projection rounded to the activations' dtype, silu(gate) rounded
+        # again before the multiply, so bf16 results match the unfused reference.
+        gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(c_ptr.dtype.element_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(c_ptr.dtype.element_ty)
+        acc = act.to(tl.float32) * up
+    if MUL_WEIGHT:
+        acc = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+        acc = acc * tl.load(weight_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
+    c = c_ptr + pairs[:, None].to(tl.int64) * c_sm + cols[None, :] * c_sn
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+
+def tile_config(num_pairs: int, num_experts: int) -> dict[str, int]:
+    """Tile sizes by rows per expert: decode-sized batches (a few rows an expert) are bound by the
+    weights' bytes, so small row blocks and long K tiles keep many loads in flight; prefill-sized
+    ones are bound by the tensor cores and take large square-ish tiles."""
+    per_expert = num_pairs / num_experts
+    if per_expert <= 16:
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+    if per_expert <= 64:
+        return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
+
+
+def _gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    weights: torch.Tensor | None,
+    sorted_pairs: torch.Tensor,
+    block_experts: torch.Tensor,
+    rows_per_a: int,
+    gated: bool,
+    config: dict[str, int],
+) -> None:
+    n_out = c.shape[1]
+    num_blocks = block_experts.numel()
+    tiles_n = triton.cdiv(n_out, config["BLOCK_N"])
+    _moe_gemm_kernel[(num_blocks * tiles_n,)](
+        a,
+        b,
+        c,
+        weights if weights is not None else c,
+        sorted_pairs,
+        block_experts,
+        c.shape[0],
+        b.shape[0],
+        n_out,
+        a.shape[1],
+        *a.stride(),
+        *b.stride(),
+        *c.stride(),
+        num_blocks,
+        ROWS_PER_A=rows_per_a,
+        GATED=gated,
+        MUL_WEIGHT=weights is not None,
+        PRECISION=dot_precision(a.dtype),
+        GROUP_M=8,
+        **config,
+    )
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """sum_j weights[t, j] * w2[e] @ silu_and_mul(w13[e] @ x[t]) with e = experts[t, j].
+
+    x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; weights [T, k] (any float
+    dtype, applied in x's dtype's precision); experts [T, k] ints in [0, E). Returns [T, H].
+    """
+    t, hidden = x.shape
+    num_experts, two_i, w13_hidden = w13.shape
+    inter = two_i // 2
+    if w13_hidden != hidden or two_i % 2 or w2.shape != (num_experts, hidden, inter):
+        raise ValueError(
+            f"fused_moe: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} "
+            "do not fit [T, H], [E, 2I, H], [E, H, I]"
+        )
+    if weights.shape != experts.shape or experts.dim() != 2 or experts.shape[0] != t:
+        raise ValueError(
+            f"fused_moe: weights {tuple(weights.shape)} and experts {tuple(experts.shape)} "
+            f"must both be [{t}, k]"
+        )
+    top_k = experts.shape[1]
+    if t == 0 or top_k == 0:
+        return torch.zeros_like(x)
+    num_pairs = t * top_k
+    config = config or tile_config(num_pairs, num_experts)
+    sorted_pairs, block_experts = align_by_expert(experts, num_experts, config["BLOCK_M"])
+    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    _gemm(x, w13, h, None, sorted_pairs, block_experts, top_k, True, config)
+    y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    flat_weights = weights.reshape(-1).to(x.dtype)
+    _gemm(h, w2, y, flat_weights, sorted_pairs, block_experts, 1, False, config)
+    return torch.sum(y.view(t, top_k, hidden), dim=1)
