@@ -12,6 +12,8 @@ after. This is the CPU path and the reference a GPU kernel is tested on.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from ember.attention.metadata import AttentionMetadata
 from ember.attention.torch_backend import gather_planes, query_block_rows
@@ -67,37 +69,130 @@ def mla_attention_ref(
     return out
 
 
+EXPAND_MIN_QUERY = 128
+"""Prefill rows of a sequence with at least this many new tokens expand the latent context to
+per-head K and V and run flash-style attention; shorter runs (extends, verifications) attend in
+the latent space. Expanding costs L * H * rank * (nope + v) * 2 flops for a context of L tokens;
+attending absorbed costs about q_len * H * L * (2 * rank + rope) * 2, so for Kimi K2's dims
+(rank 512, rope 64, nope 128, v 128) expanding wins from about 150 new tokens up."""
+
+
+def mla_prefill_expanded(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    seqs: list[int],
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Causal attention of sequences `seqs` with K and V expanded per head from their latent
+    context, as the model was trained: K = [c_kv @ W_UK^T, k_rope] and V = c_kv @ W_UV^T, through
+    torch's fused attention (flash for a fresh prompt, memory-efficient with a bottom-right causal
+    mask over a cached prefix). q_nope [T, H, nope], q_rope [T, H, R]; w_uk [H, nope, L],
+    w_uv [H, v, L]; writes out [T, H, v] rows of those sequences."""
+    num_heads, rank = q_nope.shape[1], w_uk.shape[2]
+    qsl = metadata.query_start_loc_cpu
+    for i in seqs:
+        qs, qe, seq_len = qsl[i], qsl[i + 1], metadata.seq_lens_cpu[i]
+        ctx = gather_latent(cache, metadata.block_tables[i], seq_len).to(q_nope.dtype)
+        c_kv, k_rope = ctx[:, :rank], ctx[:, rank:]
+        k_nope = torch.einsum("sl,hnl->hsn", c_kv, w_uk)
+        k = torch.cat([k_nope, k_rope.expand(num_heads, *k_rope.shape)], dim=-1)
+        v = torch.einsum("sl,hvl->hsv", c_kv, w_uv)
+        q = torch.cat([q_nope[qs:qe], q_rope[qs:qe]], dim=-1).transpose(0, 1)
+        fresh = qe - qs == seq_len
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
+            attn_mask=None if fresh else causal_lower_right(qe - qs, seq_len),
+            is_causal=fresh,
+            scale=scale,
+        )
+        out[qs:qe] = o[0].transpose(0, 1)
+
+
 def mla_attention(
-    q_latent: torch.Tensor,
+    q_nope: torch.Tensor,
     q_rope: torch.Tensor,
     latent: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
     cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Write this step's latents [T, L + R] into their slots, then attend: on a GPU the decode
-    rows (the first `num_decodes` sequences) through the Triton kernel and the other rows through
-    the reference; a decode-only step reads nothing on the host (CUDA-graph safe)."""
-    if not use_triton(q_latent):
+    """Write this step's latents [T, L + R] into their slots, then attend; returns [T, H, v].
+
+    q_nope [T, H, nope] and q_rope [T, H, R] (rotated); w_uk [H, nope, L] and w_uv [H, v, L],
+    kv_b_proj's halves. On the CPU every row attends in the latent space through the reference.
+    On a GPU: the decode rows (the first `num_decodes` sequences) and the rows of short runs
+    through the Triton MLA decode kernel (each row of a run as its own query over its causal
+    prefix), long runs expanded (mla_prefill_expanded). A decode-only step reads nothing on the
+    host (CUDA-graph safe)."""
+    if not use_triton(q_nope):
         write_latent(cache, latent, metadata.slot_mapping)
-        return mla_attention_ref(q_latent, q_rope, cache, metadata, scale)
+        q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)
+        o = mla_attention_ref(q_latent, q_rope, cache, metadata, scale)
+        return torch.einsum("thl,hvl->thv", o, w_uv)
     from ember.kernels.kv_write import write_kv
     from ember.kernels.mla_decode import mla_decode
 
     write_kv(cache, latent.unsqueeze(1), None, metadata.slot_mapping)  # slot -1: padding, skipped
-    out = torch.empty_like(q_latent)
     nd = metadata.num_decodes
-    if nd:
-        mla_decode(
-            q_latent[:nd],
-            q_rope[:nd],
-            cache,
-            metadata.seq_lens[:nd],
-            metadata.block_tables[:nd],
-            scale,
-            out=out[:nd],
-            max_seq_len=metadata.max_seq_len,
-        )
-    if nd < metadata.num_seqs:
-        mla_attention_ref(q_latent, q_rope, cache, metadata, scale, out=out, first_seq=nd)
+    qsl = metadata.query_start_loc_cpu
+    long_runs = [i for i in range(nd, metadata.num_seqs) if qsl[i + 1] - qsl[i] >= EXPAND_MIN_QUERY]
+    out = torch.empty(*q_nope.shape[:2], w_uv.shape[1], dtype=q_nope.dtype, device=q_nope.device)
+    if long_runs:
+        mla_prefill_expanded(q_nope, q_rope, cache, metadata, long_runs, w_uk, w_uv, scale, out)
+    if len(long_runs) == metadata.num_seqs - nd and nd == 0:
+        return out
+    # Every other row as a decode query: a run's row j sees its sequence's first
+    # seq_len - q_len + j + 1 tokens, through the same block table.
+    latent_rows = _latent_rows(metadata, nd, set(long_runs))
+    if latent_rows is None and nd == 0:
+        return out
+    if latent_rows is None:
+        rows, seq_lens, tables = slice(0, nd), metadata.seq_lens[:nd], metadata.block_tables[:nd]
+    else:
+        rows, seq_lens, tables = latent_rows
+    q_latent = torch.einsum("thn,hnl->thl", q_nope[rows], w_uk).contiguous()
+    o = mla_decode(
+        q_latent,
+        q_rope[rows].contiguous(),
+        cache,
+        seq_lens,
+        tables,
+        scale,
+        max_seq_len=metadata.max_seq_len,
+    )
+    out[rows] = torch.einsum("thl,hvl->thv", o, w_uv)
     return out
+
+
+def _latent_rows(
+    metadata: AttentionMetadata, nd: int, expanded: set[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(row indices, per-row context lengths, per-row block tables) of the rows not expanded, or
+    None when they are exactly the decode rows (then the device metadata serves as it is, with
+    no host work: the graph-safe path)."""
+    qsl, lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+    runs = [i for i in range(nd, metadata.num_seqs) if i not in expanded and qsl[i + 1] > qsl[i]]
+    if not runs:
+        return None
+    rows, row_lens, row_seqs = list(range(nd)), list(lens[:nd]), list(range(nd))
+    for i in runs:
+        n = qsl[i + 1] - qsl[i]
+        rows += range(qsl[i], qsl[i + 1])
+        row_lens += range(lens[i] - n + 1, lens[i] + 1)
+        row_seqs += [i] * n
+    device = metadata.seq_lens.device
+    seqs = torch.tensor(row_seqs, device=device)
+    return (
+        torch.tensor(rows, device=device),
+        torch.tensor(row_lens, dtype=metadata.seq_lens.dtype, device=device),
+        metadata.block_tables[seqs],
+    )

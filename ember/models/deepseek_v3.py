@@ -2,10 +2,11 @@
 latent cache, and mixture-of-experts layers with sigmoid grouped routing and shared experts after
 `first_k_dense_replace` dense layers.
 
-Attention runs in the latent space (ember/attention/mla.py): decode rows on a GPU through the
-Triton MLA decode kernel (ember/kernels/mla_decode.py, CUDA-graph safe), prefill rows and the CPU
-through the PyTorch reference. Expanded prefill (per-head K/V through the fast prefill kernel) and
-the fused MoE kernel come next.
+Attention (ember/attention/mla.py) on a GPU runs decode rows and short extends in the latent space
+through the Triton MLA decode kernel (ember/kernels/mla_decode.py, CUDA-graph safe) and long
+prefills with K/V expanded per head through torch's fused attention; on the CPU in the latent
+space through the PyTorch reference. The routed experts run in the fused MoE grouped GEMM
+(ember/kernels/fused_moe.py) on a GPU.
 """
 
 from __future__ import annotations
@@ -78,10 +79,10 @@ class MLAttention(nn.Module):
         latent = torch.cat([c_kv, k_rope[:, 0]], dim=-1)
         w = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
-        q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk).contiguous()
         cache = ctx.kv_cache[:, self.layer_idx]
-        o = mla_attention(q_latent, q_rope.contiguous(), latent, cache, ctx.metadata, self.scale)
-        o = torch.einsum("thl,hvl->thv", o, w_uv)
+        o = mla_attention(
+            q_nope, q_rope.contiguous(), latent, w_uk, w_uv, cache, ctx.metadata, self.scale
+        )
         return self.o_proj(o.reshape(t, h * self.v_dim))
 
 
