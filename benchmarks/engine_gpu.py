@@ -1,14 +1,17 @@
 """ember's engine core on one GPU against the hardware's limits and HF transformers, in one run.
 
 Measures, in the same process: the ceilings (device-to-device copy bandwidth, bf16 8192^3 matmul);
-then for each model shape (Llama-3.1-8B, Qwen3-8B; dummy bf16 weights): startup (dummy init, KV
+then for each model shape (Llama-3.1-8B, Qwen3-8B, and the MoE shapes Moonlight-16B-A3B (MLA,
+DeepSeek-V3 architecture) and Qwen3-30B-A3B; dummy bf16 weights): startup (dummy init, KV
 sizing, graph capture), decode at batch 1 (128 in / 512 out), decode at batch 8..256 with 1k
 context, prefill 64 x 2048, the mixed load 256 x (1024 in, 256 out), host CPU share of a decode step
 at batch 64, and, on Llama, HF transformers eager on the same weights (decode batch 1, the mixed
-load) and the relative error of ember's logits against HF's. Prints a table, writes JSON to
+load) and the relative error of ember's logits against HF's. MoE shapes add the fused MoE kernel
+against a dense batched GEMM of the same work, and MLA the KV tokens that fit against plain MHA in
+the same memory; their decode rooflines count only the experts a batch hits. Prints a table, writes JSON to
 $OUT (or benchmarks/results/) named with the GPU.
 
-    python benchmarks/engine_gpu.py [--shapes llama,qwen3] [--skip-hf] [--quick]
+    python benchmarks/engine_gpu.py [--shapes llama,qwen3,moonlight,qwen3_moe] [--skip-hf] [--quick]
 """
 
 from __future__ import annotations
@@ -67,6 +70,67 @@ SHAPES = {
         "num_attention_heads": 32,
         "num_key_value_heads": 8,
         "head_dim": 128,
+        "vocab_size": 151936,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
+    # moonshotai/Moonlight-16B-A3B: Kimi's small DeepSeek-V3-architecture model (MLA with no q
+    # LoRA, 64 routed experts top-6 in one group, 2 shared, the first layer dense).
+    "moonlight": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": 2048,
+        "intermediate_size": 11264,
+        "moe_intermediate_size": 1408,
+        "num_hidden_layers": 27,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "n_shared_experts": 2,
+        "n_routed_experts": 64,
+        "routed_scaling_factor": 2.446,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "qk_nope_head_dim": 128,
+        "topk_method": "noaux_tc",
+        "n_group": 1,
+        "topk_group": 1,
+        "num_experts_per_tok": 6,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": True,
+        "scoring_func": "sigmoid",
+        "hidden_act": "silu",
+        "vocab_size": 163840,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 50000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 163584,
+        "eos_token_id": 163585,
+    },
+    # Qwen/Qwen3-30B-A3B: 128 experts top-8, softmax routing, GQA attention.
+    "qwen3_moe": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
         "vocab_size": 151936,
         "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0,
@@ -135,19 +199,78 @@ def engine_config(model_dir: Path, **overrides: object) -> EngineConfig:
     return EngineConfig(**{**settings, **overrides})
 
 
-def param_count(cfg: dict) -> int:
-    h, i, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = cfg.get("head_dim", h // heads)
-    attn = h * heads * d + 2 * h * kv * d + heads * d * h
-    mlp = 3 * h * i
+def is_mla(cfg: dict) -> bool:
+    return "kv_lora_rank" in cfg
+
+
+def moe_dims(cfg: dict) -> tuple[int, int, int]:
+    """(MoE layers, routed experts, experts a token); (0, 0, 0) for a dense model."""
+    experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or 0
+    if not experts:
+        return 0, 0, 0
+    dense = cfg.get("first_k_dense_replace", 0) + len(cfg.get("mlp_only_layers", []))
+    return cfg["num_hidden_layers"] - dense, experts, cfg["num_experts_per_tok"]
+
+
+def param_split(cfg: dict) -> tuple[int, int]:
+    """(parameters every token reads, parameters of one routed expert): attention, norms, dense
+    MLPs, shared experts, routers and embeddings are read every step; each routed expert only
+    when a token of the batch chose it."""
+    h, layers, heads = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    if is_mla(cfg):
+        qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+        rank, rope, v = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+        q = (
+            h * cfg["q_lora_rank"] + cfg["q_lora_rank"] * heads * qk
+            if cfg.get("q_lora_rank")
+            else h * heads * qk
+        )
+        attn = q + h * (rank + rope) + rank * heads * (cfg["qk_nope_head_dim"] + v) + heads * v * h
+    else:
+        kv, d = cfg["num_key_value_heads"], cfg.get("head_dim", h // heads)
+        attn = h * heads * d + 2 * h * kv * d + heads * d * h
+    moe_layers, experts, _ = moe_dims(cfg)
+    expert = 3 * h * cfg.get("moe_intermediate_size", 0)
+    shared = cfg.get("n_shared_experts", 0) * expert + (h * experts if experts else 0)
+    dense_mlp = 3 * h * cfg["intermediate_size"]
+    mlps = moe_layers * shared + (layers - moe_layers) * dense_mlp
     embed = cfg["vocab_size"] * h * (1 if cfg["tie_word_embeddings"] else 2)
-    return layers * (attn + mlp + 2 * h) + embed + h
+    return layers * (attn + 2 * h) + mlps + embed + h, expert
+
+
+def param_count(cfg: dict) -> int:
+    always, expert = param_split(cfg)
+    moe_layers, experts, _ = moe_dims(cfg)
+    return always + moe_layers * experts * expert
+
+
+def weight_bytes_read(cfg: dict, batch: int) -> float:
+    """bf16 weight bytes a decode step of `batch` tokens reads: the shared part and, per MoE
+    layer, the experts hit, E * (1 - (1 - k/E)^batch) in expectation under uniform routing."""
+    always, expert = param_split(cfg)
+    moe_layers, experts, top_k = moe_dims(cfg)
+    hit = experts * (1 - (1 - top_k / experts) ** batch) if experts else 0
+    return 2 * (always + moe_layers * hit * expert)
+
+
+def active_params(cfg: dict) -> int:
+    """Parameters one token multiplies (2 flops each): the matmul work of prefill."""
+    always, expert = param_split(cfg)
+    moe_layers, _, top_k = moe_dims(cfg)
+    return always - cfg["vocab_size"] * cfg["hidden_size"] + moe_layers * top_k * expert
 
 
 def kv_bytes_per_token(cfg: dict) -> int:
+    if is_mla(cfg):
+        return cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 2
     d = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
     return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * d * 2
+
+
+def mha_kv_bytes_per_token(cfg: dict) -> int:
+    """What plain multi-head attention would cache for an MLA model: per-head K and V."""
+    per_head = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"] + cfg["v_head_dim"]
+    return cfg["num_hidden_layers"] * cfg["num_attention_heads"] * per_head * 2
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -200,27 +323,75 @@ def decode_steps(res: dict) -> list[tuple[float, float, int, bool, float]]:
 
 
 def decode_batch(
-    run: Run, b: int, vocab: int, weight_bytes: int, kvpt: int, bw: float, args: argparse.Namespace
+    run: Run, b: int, cfg: dict, kvpt: int, bw: float, ctx: int, args: argparse.Namespace
 ) -> dict[str, float]:
     # At batch 256 the prefill takes 16 steps: requests admitted first must still be decoding
     # when the last is admitted, or no step has the whole batch decoding (seen with 16).
-    res = run(random_prompts(b, 1024, vocab, b), 64 if not args.quick else 32)
+    new = 64 if not args.quick else 32
+    res = run(random_prompts(b, ctx, cfg["vocab_size"], b), new)
     ds = [s for s in decode_steps(res) if s[2] == b]
     t = statistics.median(s[0] for s in ds)
-    kv_read = b * (1024 + 32) * kvpt
+    kv_read = b * (ctx + new // 2) * kvpt
     return {
+        "context": ctx,
         "tok_s": b / t,
         "step_ms": t * 1e3,
         "host_cpu_share": statistics.median(s[4] for s in ds) / t,
         "host_exposed_share": statistics.median(s[1] for s in ds) / t,
-        "roofline_frac": ((weight_bytes + kv_read) / bw) / t,
+        "roofline_frac": ((weight_bytes_read(cfg, b) + kv_read) / bw) / t,
     }
+
+
+def bench_moe_kernel(cfg: dict, peak: float) -> dict[str, dict[str, float]]:
+    """One MoE layer's routed experts (fused_moe, routing included) against the same work done
+    dense: torch.bmm over [E, T * k / E, H] (every expert the same rows: equal flops and weight
+    bytes, no routing) with silu_and_mul between. Uniform random routes."""
+    from ember.kernels.activation import silu_and_mul
+    from ember.kernels.fused_moe import fused_moe
+
+    moe_layers, experts, top_k = moe_dims(cfg)
+    h, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randn(experts, 2 * inter, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    w2 = torch.randn(experts, h, inter, device="cuda", dtype=torch.bfloat16, generator=g)
+    w13 /= h**0.5
+    w2 /= inter**0.5
+    out: dict[str, dict[str, float]] = {}
+    for t in (1, 64, 256, 2048):
+        x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
+        logits = torch.randn(t, experts, device="cuda", generator=g)
+        weights, chosen = torch.softmax(logits, -1).topk(top_k, dim=-1)
+        fused_ms = median_ms(lambda x=x, w=weights, e=chosen: fused_moe(x, w13, w2, w, e))
+        flops = 6 * t * top_k * h * inter
+        row = {"fused_ms": fused_ms, "fused_tflops": flops / fused_ms / 1e9}
+        hit = experts * (1 - (1 - top_k / experts) ** t)
+        row["fused_bw_frac"] = (hit * 3 * h * inter * 2 / (fused_ms / 1e3)) / cfg["_bw"]
+        per = t * top_k // experts
+        if per >= 1:
+            xs = torch.randn(experts, per, h, device="cuda", dtype=torch.bfloat16, generator=g)
+
+            def dense(xs: torch.Tensor = xs, per: int = per) -> torch.Tensor:
+                a = torch.bmm(xs, w13.transpose(1, 2)).view(-1, 2 * inter)
+                return torch.bmm(silu_and_mul(a).view(experts, per, inter), w2.transpose(1, 2))
+
+            dense_ms = median_ms(dense)
+            dense_flops = 6 * experts * per * h * inter
+            row["dense_bmm_ms"] = dense_ms
+            row["dense_bmm_tflops"] = dense_flops / dense_ms / 1e9
+            row["fused_vs_dense"] = row["fused_tflops"] / row["dense_bmm_tflops"]
+        row["fused_matmul_frac"] = row["fused_tflops"] * 1e12 / peak
+        out[str(t)] = row
+    return out
 
 
 def bench_shape(name: str, args: argparse.Namespace, ceil: dict[str, float]) -> dict[str, object]:
     cfg = SHAPES[name]
     weight_bytes = param_count(cfg) * 2
     out: dict[str, object] = {"shape": name, "weight_bytes": weight_bytes}
+    bw, peak = ceil["copy_bytes_per_s"], ceil["matmul_flops"]
+    if moe_dims(cfg)[1]:
+        out["moe_kernel"] = bench_moe_kernel(cfg | {"_bw": bw}, peak)
+        torch.cuda.empty_cache()
     tmp = shape_dir(name)
     hf_state = None
     if name == "llama" and not args.skip_hf:
@@ -232,7 +403,11 @@ def bench_shape(name: str, args: argparse.Namespace, ceil: dict[str, float]) -> 
     out["kv_blocks"] = core.num_kv_blocks
     core.runner.gpu_timing = True
     run = Run(core)
-    bw, peak = ceil["copy_bytes_per_s"], ceil["matmul_flops"]
+    kvpt = kv_bytes_per_token(cfg)
+    capacity = core.num_kv_blocks * core.config.block_size
+    out["kv_tokens"] = capacity
+    if is_mla(cfg):
+        out["mha_kv_tokens_same_memory"] = capacity * kvpt // mha_kv_bytes_per_token(cfg)
     vocab = cfg["vocab_size"]
     if hf_state is not None:
         core.runner.model.load_weights(hf_state.items())
@@ -260,32 +435,41 @@ def bench_shape(name: str, args: argparse.Namespace, ceil: dict[str, float]) -> 
     out["decode_b1_host_share"] = statistics.median(b1_host)
     step = statistics.median(b1)
     gpu_step = step * (1 - out["decode_b1_host_share"])
-    out["decode_b1_gpu_forward_roofline_frac"] = (weight_bytes / bw) / gpu_step
+    # Bytes a batch-1 step reads: the weights it touches (active experts only) and the KV of a
+    # context of 128 + 256 tokens on average.
+    b1_bytes = weight_bytes_read(cfg, 1) + (128 + 256) * kvpt
+    out["decode_b1_bytes"] = b1_bytes
+    out["decode_b1_gpu_forward_roofline_frac"] = (b1_bytes / bw) / gpu_step
     out["decode_b1_ms_per_token"] = step * 1e3
     out["decode_b1_tok_s"] = 1 / step
-    out["decode_b1_roofline_frac"] = (weight_bytes / bw) / step
+    out["decode_b1_roofline_frac"] = (b1_bytes / bw) / step
 
-    kvpt = kv_bytes_per_token(cfg)
     out["decode_batches"] = {}
     for b in (8, 32, 64, 128, 256):
-        out["decode_batches"][b] = decode_batch(run, b, vocab, weight_bytes, kvpt, bw, args)
+        # 1k of context each, or what the KV pool holds (Qwen3-30B-A3B on an 80 GB card).
+        ctx = min(1024, capacity // b - 128)
+        out["decode_batches"][b] = decode_batch(run, b, cfg, kvpt, bw, ctx, args)
     out["host_cpu_share_b64"] = out["decode_batches"][64]["host_cpu_share"]
 
     # The same decodes with async scheduling off, in this run, to show what the overlap buys.
     core.async_scheduling = False
     res = run(random_prompts(1, 128, vocab, 0), 512 if not args.quick else 64)
     out["sync_decode_b1_tok_s"] = 1 / statistics.median(s[0] for s in decode_steps(res))
-    out["sync_decode_b64"] = decode_batch(run, 64, vocab, weight_bytes, kvpt, bw, args)
+    out["sync_decode_b64"] = decode_batch(
+        run, 64, cfg, kvpt, bw, out["decode_batches"][64]["context"], args
+    )
     core.async_scheduling = True
 
     n_prefill = 64 if not args.quick else 8
     res = run(random_prompts(n_prefill, 2048, vocab, 11), 1)
     tps = n_prefill * 2048 / res["wall_s"]
     out["prefill_tok_s"] = tps
-    out["prefill_matmul_frac"] = tps * 2 * (weight_bytes / 2) / peak
+    out["prefill_matmul_frac"] = tps * 2 * active_params(cfg) / peak
 
     n_mixed = 256 if not args.quick else 32
-    res = run(random_prompts(n_mixed, 1024, vocab, 13), 256 if not args.quick else 32)
+    mixed_len = min(1024, capacity // n_mixed - 256)
+    out["mixed_prompt_len"] = mixed_len
+    res = run(random_prompts(n_mixed, mixed_len, vocab, 13), 256 if not args.quick else 32)
     out["mixed_output_tok_s"] = res["generated"] / res["wall_s"]
     out["mixed_wall_s"] = res["wall_s"]
     if "hf_mixed_output_tok_s" in out:
@@ -437,6 +621,24 @@ def main() -> None:
                 f"HF bf16 {r['hf_bf16_logits_rel_err_vs_fp32']:.2e} | < 1e-2 |"
             )
         print(f"| host CPU share, decode b64 | {r['host_cpu_share_b64']:.2f} | <= 0.20 |")
+        print(f"| KV tokens that fit | {r['kv_tokens']} | |")
+        if "mha_kv_tokens_same_memory" in r:
+            ratio = r["kv_tokens"] / r["mha_kv_tokens_same_memory"]
+            print(
+                f"| KV tokens, same memory as MHA | {r['mha_kv_tokens_same_memory']} "
+                f"(MLA holds {ratio:.1f}x) | |"
+            )
+        for t, m in r.get("moe_kernel", {}).items():
+            dense = (
+                f", dense bmm {m['dense_bmm_tflops']:.0f} TFLOP/s, {m['fused_vs_dense']:.2f} of it"
+                if "dense_bmm_tflops" in m
+                else ""
+            )
+            print(
+                f"| fused MoE, {t} tokens | {m['fused_ms'] * 1e3:.0f} us, "
+                f"{m['fused_tflops']:.1f} TFLOP/s, {m['fused_bw_frac']:.2f} of bandwidth{dense} "
+                "| b256 >= 0.70 of dense |"
+            )
         print(f"| startup | {r['startup_s']:.1f} s | <= 20 s |")
 
 

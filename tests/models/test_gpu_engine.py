@@ -89,12 +89,17 @@ def test_bf16_prefill_logits_close_to_transformers(tiny_model_dir) -> None:
     assert rel_err(seen[0][0], ref) < 1e-2
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "deepseek_v3"])
 @pytest.mark.parametrize("chunk", [None, 300], ids=["whole", "chunked"])
-def test_long_fresh_prefill_path_matches_transformers(tiny_model_dir, chunk: int | None) -> None:
-    """Prompts past FLASH_MIN_TOKENS take the flash path when fresh, the paged kernel after."""
+def test_long_fresh_prefill_path_matches_transformers(
+    tiny_model_dir, chunk: int | None, arch: str
+) -> None:
+    """Prompts past FLASH_MIN_TOKENS take the flash path when fresh, the paged kernel after;
+    MLA expands runs of EXPAND_MIN_QUERY tokens and more (fresh and over a prefix) and attends
+    the 100-token tail of the chunked 700 in the latent space; the MoE runs at 300-700 rows."""
     from transformers import AutoModelForCausalLM
 
-    path = tiny_model_dir("qwen3")
+    path = tiny_model_dir(arch)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     llm = LLM(
         str(path),
