@@ -1,14 +1,15 @@
-"""Where a step's GPU time goes, kernel by kernel (torch.profiler), on the Llama-3.1-8B shape with
-dummy weights: decode at batch 1 (512-token context) and batch 128 (1k context), and one prefill
+"""Where a step's GPU time goes, kernel by kernel (torch.profiler), on a shape of engine_gpu.py
+(Llama-3.1-8B by default; --shape moonlight for the MLA/MoE one) with dummy weights: decode at batch 1 (512-token context) and batch 128 (1k context), and one prefill
 step of 8 x 2048 tokens; eager mode so that each kernel is attributed. Each table also gives the
 step's wall time, so the time between kernels shows. Prints a table per case and writes JSON
 beside the engine benchmark's.
 
-    python benchmarks/profile_steps.py
+    python benchmarks/profile_steps.py [--shape llama]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -22,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_gpu import engine_config, random_prompts, shape_dir  # noqa: E402
+from engine_gpu import SHAPES, engine_config, random_prompts, shape_dir  # noqa: E402
 
 from ember.engine.core import EngineCore  # noqa: E402
 from ember.engine.messages import EngineCoreRequest  # noqa: E402
@@ -40,9 +41,13 @@ def kernels_of(prof: profile, steps: int) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
+def _vocab(core: EngineCore) -> int:
+    return core.runner.config.vocab_size
+
+
 def decode_table(core: EngineCore, batch: int, context: int, steps: int = 8) -> dict[str, float]:
     params = SamplingParams(temperature=1.0, max_tokens=steps + 4, ignore_eos=True)
-    for i, p in enumerate(random_prompts(batch, context, 128256, batch)):
+    for i, p in enumerate(random_prompts(batch, context, _vocab(core), batch)):
         core.add_request(EngineCoreRequest(f"p{batch}-{i}", p, params, [], steps + 4))
     for _ in range(3):  # prefill (chunked if needed) and a first decode step, unprofiled
         core.step()
@@ -63,7 +68,7 @@ def decode_table(core: EngineCore, batch: int, context: int, steps: int = 8) -> 
 def prefill_table(core: EngineCore, n: int = 8, length: int = 2048) -> dict[str, float]:
     params = SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True)
     for rep in ("warm", "run"):
-        for i, p in enumerate(random_prompts(n, length, 128256, 100 + len(rep))):
+        for i, p in enumerate(random_prompts(n, length, _vocab(core), 100 + len(rep))):
             core.add_request(EngineCoreRequest(f"{rep}-{i}", p, params, [], 1))
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -79,10 +84,13 @@ def prefill_table(core: EngineCore, n: int = 8, length: int = 2048) -> dict[str,
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shape", default="llama", choices=sorted(SHAPES))
+    args = ap.parse_args()
     # Eager, so that the profiler can name every kernel.
-    core = EngineCore(engine_config(shape_dir("llama"), enforce_eager=True))
+    core = EngineCore(engine_config(shape_dir(args.shape), enforce_eager=True))
     gpu = torch.cuda.get_device_name()
-    result = {"gpu": gpu, "tables": {}}
+    result = {"gpu": gpu, "shape": args.shape, "tables": {}}
     cases = {
         "b1": ("decode batch 1, context 512", lambda: decode_table(core, 1, 512)),
         "b128": ("decode batch 128, context 1024", lambda: decode_table(core, 128, 1024)),
@@ -108,7 +116,9 @@ def main() -> None:
         for name, ms in list(table.items())[:16]:
             print(f"| {name} | {ms:.3f} | {ms / total:.1%} |")
     out = Path(os.environ.get("OUT") or "benchmarks/results")
-    (out / f"profile_steps-{gpu.replace(' ', '_')}.json").write_text(json.dumps(result, indent=2))
+    (out / f"profile_steps-{args.shape}-{gpu.replace(' ', '_')}.json").write_text(
+        json.dumps(result, indent=2)
+    )
 
 
 if __name__ == "__main__":
