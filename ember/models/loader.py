@@ -12,6 +12,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ember.models.config import ModelConfig
+from ember.models.fp8 import dequantize_fp8
 from ember.models.registry import resolve_architecture
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -91,7 +92,9 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
-        loaded = model.load_weights(iter_safetensors(files))
+        # FP8 block-quantized checkpoints reach the model dequantized to its dtype.
+        weights = dequantize_fp8(iter_safetensors(files), config.fp8_block_size, dtype)
+        loaded = model.load_weights(weights)
         missing = sorted(set(dict(model.named_parameters())) - loaded)
         if missing:
             raise ValueError(f"checkpoint in {str(model_dir)!r} lacks weights: {missing[:8]}")
