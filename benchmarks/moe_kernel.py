@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_gpu import SHAPES, ceilings, moe_dims  # noqa: E402
+from engine_gpu import SHAPES, ceilings, graph_ms, moe_dims  # noqa: E402
 
 from ember.kernels.activation import silu_and_mul  # noqa: E402
 from ember.kernels.fused_moe import align_by_expert, fused_moe, tile_config  # noqa: E402
@@ -47,24 +47,6 @@ CANDIDATES = [
 def as_config(c: tuple[int, int, int, int, int]) -> dict[str, int]:
     keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
     return dict(zip(keys, c, strict=True))
-
-
-def graph_ms(fn, iters: int = 50) -> float:
-    """GPU time of fn replayed from a CUDA graph, in ms (mean over iters replays)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        graph.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / iters
 
 
 def bench(name: str, tokens: list[int], bw: float) -> dict[str, object]:
