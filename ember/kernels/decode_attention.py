@@ -39,17 +39,21 @@ def _num_sms(device_index: int) -> int:
 
 
 def choose_num_splits(
-    batch_size: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132
+    batch_size: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    num_sms: int = 132,
+    min_tokens: int = MIN_TOKENS_PER_SPLIT,
 ) -> int:
     """Splits per sequence so that stage 1 has about PROGRAMS_PER_SM programs per SM.
 
-    Never more than one split per MIN_TOKENS_PER_SPLIT tokens of the longest context: past that,
+    Never more than one split per `min_tokens` tokens of the longest context: past that,
     each split's fixed cost (q load, partials written and merged) outweighs the extra parallelism.
     """
     if batch_size <= 0 or num_kv_heads <= 0:
         raise ValueError(f"batch_size {batch_size} and num_kv_heads {num_kv_heads} must be > 0")
     want = triton.cdiv(PROGRAMS_PER_SM * num_sms, batch_size * num_kv_heads)
-    by_len = triton.cdiv(max(max_seq_len, 1), MIN_TOKENS_PER_SPLIT)
+    by_len = triton.cdiv(max(max_seq_len, 1), min_tokens)
     return max(1, min(want, by_len, MAX_SPLITS))
 
 

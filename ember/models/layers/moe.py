@@ -52,16 +52,24 @@ def grouped_topk(
         )
     scores = router_logits.float().sigmoid()
     biased = scores + correction_bias.float()
-    groups = biased.view(t, num_groups, e // num_groups)
-    group_scores = groups.topk(min(2, e // num_groups), dim=-1).values.sum(dim=-1)
-    kept = group_scores.topk(topk_groups, dim=-1).indices
-    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
-    biased = biased.masked_fill(~mask.repeat_interleave(e // num_groups, dim=1), float("-inf"))
+    if topk_groups < num_groups:  # else every group is kept (Moonlight: one group): no mask
+        biased = _keep_best_groups(biased, num_groups, topk_groups)
     experts = biased.topk(top_k, dim=-1).indices
     weights = scores.gather(1, experts)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scaling, experts
+
+
+def _keep_best_groups(biased: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
+    """The biased scores with every expert outside the `topk_groups` best groups (ranked by
+    the sum of their two best biased scores) set to -inf."""
+    t, e = biased.shape
+    groups = biased.view(t, num_groups, e // num_groups)
+    group_scores = groups.topk(min(2, e // num_groups), dim=-1).values.sum(dim=-1)
+    kept = group_scores.topk(topk_groups, dim=-1).indices
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+    return biased.masked_fill(~mask.repeat_interleave(e // num_groups, dim=1), float("-inf"))
 
 
 class FusedMoE(nn.Module):
