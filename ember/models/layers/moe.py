@@ -22,7 +22,11 @@ def softmax_topk(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3-MoE routing: the top-k of the softmax over the experts, optionally renormalized to
-    sum to 1. Returns (weights [T, k] float32, experts [T, k])."""
+    sum to 1; on a GPU one Triton launch. Returns (weights [T, k] float32, experts [T, k])."""
+    if use_triton(router_logits):
+        from ember.kernels.moe_routing import route
+
+        return route(router_logits, top_k, sigmoid=False, renormalize=renormalize)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -43,12 +47,26 @@ def grouped_topk(
     (`e_score_correction_bias`, which balances load) within the `topk_groups` groups whose two
     best biased scores sum highest, and weighted by their unbiased scores (renormalized to sum
     to 1 if asked), times `scaling` (`routed_scaling_factor`). No host sync and fixed shapes:
-    CUDA-graph safe. Returns (weights [T, k] float32, experts [T, k])."""
+    CUDA-graph safe; on a GPU one Triton launch (ember/kernels/moe_routing.py). Returns
+    (weights [T, k] float32, experts [T, k])."""
     t, e = router_logits.shape
     if e % num_groups or not 0 < topk_groups <= num_groups or top_k > topk_groups * e // num_groups:
         raise ValueError(
             f"grouped top-k: {e} experts in {num_groups} groups, {topk_groups} groups kept, "
             f"top {top_k}: the groups must divide the experts and hold the top k"
+        )
+    if use_triton(router_logits):
+        from ember.kernels.moe_routing import route
+
+        return route(
+            router_logits,
+            top_k,
+            sigmoid=True,
+            renormalize=renormalize,
+            correction_bias=correction_bias,
+            num_groups=num_groups,
+            topk_groups=topk_groups,
+            scaling=scaling,
         )
     scores = router_logits.float().sigmoid()
     biased = scores + correction_bias.float()

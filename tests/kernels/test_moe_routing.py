@@ -1,0 +1,71 @@
+"""The one-launch MoE router (ember/kernels/moe_routing.py) against the torch routing it replaces
+(softmax_topk, grouped_topk) on fresh random logits and correction biases: expert counts that are
+and are not powers of two, one group and several (some kept), top-1 to top-8, renormalized or not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember.kernels.moe_routing import route
+from ember.models.layers.moe import grouped_topk, softmax_topk
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _sorted(weights: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's (expert, weight) pairs in expert order (top-k order is not part of a route)."""
+    experts = experts.long().cpu()
+    order = experts.argsort(dim=-1)
+    return experts.gather(1, order), weights.cpu().gather(1, order)
+
+
+def _same_route(got, want) -> None:
+    got_e, got_w = _sorted(*got)
+    want_e, want_w = _sorted(*want)
+    assert torch.equal(got_e, want_e)
+    torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (12, 1), (128, 8), (60, 4)])
+def test_softmax_route_matches_softmax_topk(experts: int, top_k: int, renormalize: bool) -> None:
+    g = torch.Generator().manual_seed(experts)
+    logits = torch.randn(33, experts, generator=g) * 3
+    want = softmax_topk(logits, top_k, renormalize)  # CPU: the torch reference
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    got = route(logits.to(dev), top_k, sigmoid=False, renormalize=renormalize)
+    assert got[1].dtype == torch.int32 and got[0].dtype == torch.float32
+    _same_route(got, want)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize(
+    "experts,groups,kept,top_k",
+    [(64, 1, 1, 6), (16, 4, 2, 4), (12, 3, 1, 2), (256, 8, 4, 8), (384, 1, 1, 8), (8, 8, 3, 2)],
+    ids=["moonlight", "tiny-groups", "uneven-groups", "deepseek-v3", "kimi-k2", "one-per-group"],
+)
+def test_sigmoid_route_matches_grouped_topk(
+    experts: int, groups: int, kept: int, top_k: int, renormalize: bool
+) -> None:
+    g = torch.Generator().manual_seed(experts + top_k)
+    logits = torch.randn(21, experts, generator=g)
+    bias = torch.randn(experts, generator=g) * 0.5
+    want = grouped_topk(logits, bias, top_k, groups, kept, renormalize, 2.5)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    got = route(
+        logits.to(dev),
+        top_k,
+        sigmoid=True,
+        renormalize=renormalize,
+        correction_bias=bias.to(dev),
+        num_groups=groups,
+        topk_groups=kept,
+        scaling=2.5,
+    )
+    _same_route(got, want)
+
+
+def test_route_of_no_tokens() -> None:
+    w, e = route(torch.zeros(0, 8), 2, sigmoid=False, renormalize=True)
+    assert w.shape == (0, 2) and e.shape == (0, 2)
