@@ -28,14 +28,20 @@ def _rotate_heads(
     N_HEADS: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
 ):
     for h0 in range(0, N_HEADS, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         mask = (h < N_HEADS)[:, None] & d_mask[None, :]
-        x1_ptrs = x_ptr + h[:, None] * x_sh + d[None, :] * x_sd
         o1_ptrs = o_ptr + h[:, None] * o_sh + d[None, :] * o_sd
+        if INTERLEAVED:  # pairs (x_i, y_i) side by side in; halves out, as deinterleave() makes
+            x1_ptrs = x_ptr + h[:, None] * x_sh + (2 * d)[None, :] * x_sd
+            x2_ptrs = x1_ptrs + x_sd
+        else:
+            x1_ptrs = x_ptr + h[:, None] * x_sh + d[None, :] * x_sd
+            x2_ptrs = x1_ptrs + HALF * x_sd
         x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x1_ptrs + HALF * x_sd, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x2_ptrs, mask=mask, other=0.0).to(tl.float32)
         # x * cos + rotate_half(x) * sin, with rotate_half(x) = (-x2, x1). Each output pair is
         # computed from its own input pair, loaded in full first, so in-place writes are safe.
         o1 = x1 * cos1[None, :] - x2 * sin1[None, :]
@@ -75,6 +81,7 @@ def _rotary_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
 ):
     # Head counts and head_dim are model constants (one compile per model); as constexprs they fold
     # the loop bounds and masks. int64 token index: T * token stride can pass 2**31.
@@ -106,6 +113,7 @@ def _rotary_kernel(
         N_Q_HEADS,
         HALF,
         BLOCK_HQ,
+        INTERLEAVED,
     )
     _rotate_heads(
         k_ptr + t * k_st,
@@ -123,6 +131,7 @@ def _rotary_kernel(
         N_K_HEADS,
         HALF,
         BLOCK_HK,
+        INTERLEAVED,
     )
 
 
@@ -149,12 +158,17 @@ def apply_rotary(
     sin_cache: torch.Tensor,
     *,
     inplace: bool = False,
+    interleaved: bool = False,
+    q_out: torch.Tensor | None = None,
+    k_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] by their token's position; fp32 math.
 
     positions: [T] integer indices into cos_cache / sin_cache [P, D] (not bounds-checked on the
     device: an index past P reads out of bounds). Returns (q_out, k_out) in q's and k's dtypes;
-    `inplace=True` writes them into q and k and returns those.
+    `inplace=True` writes them into q and k and returns those; `q_out`/`k_out` (any strides) may
+    be given. `interleaved`: the inputs hold their rotation pairs side by side (DeepSeek's
+    `rope_interleave`) and the outputs come in halves, deinterleaved; never in place.
     """
     if q.dim() != 3 or k.dim() != 3:
         raise ValueError(
@@ -177,8 +191,18 @@ def apply_rotary(
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q is on {q.device}")
 
-    q_out = q if inplace else torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = k if inplace else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if inplace and interleaved:
+        raise ValueError("an interleaved rotation cannot be done in place")
+    if inplace:
+        q_out, k_out = q, k
+    if q_out is None:
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if k_out is None:
+        k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if q_out.shape != q.shape or k_out.shape != k.shape:
+        raise ValueError(
+            f"q_out {tuple(q_out.shape)} and k_out {tuple(k_out.shape)} must match q and k"
+        )
     if n_tokens == 0 or head_dim == 0:
         return q_out, k_out
     block_hq, block_hk, block_d = launch_config(n_q_heads, k.shape[1], head_dim)
@@ -202,6 +226,7 @@ def apply_rotary(
         BLOCK_HQ=block_hq,
         BLOCK_HK=block_hk,
         BLOCK_D=block_d,
+        INTERLEAVED=interleaved,
         num_warps=NUM_WARPS,
     )
     return q_out, k_out

@@ -25,12 +25,6 @@ from ember.models.llama import MLP, DecoderLayer
 from ember.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
-def deinterleave(x: torch.Tensor) -> torch.Tensor:
-    """Rope dims stored interleaved (x0, y0, x1, y1, ...) into halves (x0, x1, ..., y0, y1, ...),
-    so that the NeoX rotation applies: DeepSeek's checkpoints rotate pairs (`rope_interleave`)."""
-    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
-
-
 class MLAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -69,20 +63,25 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         else:
             q = self.q_proj(x)
-        q_nope, q_rope = q.view(t, h, -1).split([self.nope, self.rope], dim=-1)
-        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv)
-        q_rope, k_rope = q_rope.contiguous(), k_rope.reshape(t, 1, self.rope)
-        if self.interleaved:
-            q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
-        q_rope, k_rope = self.rotary(positions, q_rope, k_rope)
-        latent = torch.cat([c_kv, k_rope[:, 0]], dim=-1)
+        q_nope, q_rope_in = q.view(t, h, -1).split([self.nope, self.rope], dim=-1)
+        kv = self.kv_a_proj_with_mqa(x)
+        # The latent row [normed c_kv, rotated k_rope] and the rotated q_rope are written in place
+        # by the norm and the rotation (which also deinterleaves): no split copies, no concat.
+        latent = torch.empty(t, self.rank + self.rope, dtype=x.dtype, device=x.device)
+        self.kv_a_layernorm(kv[:, : self.rank], out=latent[:, : self.rank])
+        q_rope = torch.empty(t, h, self.rope, dtype=q.dtype, device=q.device)
+        self.rotary(
+            positions,
+            q_rope_in,
+            kv[:, self.rank :].unsqueeze(1),
+            interleaved=self.interleaved,
+            q_out=q_rope,
+            k_out=latent[:, self.rank :].unsqueeze(1),
+        )
         w = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
         cache = ctx.kv_cache[:, self.layer_idx]
-        o = mla_attention(
-            q_nope, q_rope.contiguous(), latent, w_uk, w_uv, cache, ctx.metadata, self.scale
-        )
+        o = mla_attention(q_nope, q_rope, latent, w_uk, w_uv, cache, ctx.metadata, self.scale)
         return self.o_proj(o.reshape(t, h * self.v_dim))
 
 

@@ -212,3 +212,45 @@ def test_yarn_matches_transformers(scaling: dict) -> None:
     emb = torch.outer(pos, want_freq)
     emb = torch.cat((emb, emb), dim=-1)
     torch.testing.assert_close(rope.cos_cache, emb.cos() * want_factor, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("heads", [1, 4, 40])
+def test_interleaved_into_given_outputs(heads: int, device: str) -> None:
+    """DeepSeek's layout: q's rope part a strided slice of a wider row, k's a slice of the latent
+    projection, pairs side by side; the results land deinterleaved in the outputs given (q in a
+    buffer of its own, k in a strided slice of the latent row), equal to deinterleave + rotate."""
+    from ember.models.layers.rotary import deinterleave
+
+    g = torch.Generator().manual_seed(BASE_SEED + heads)
+    t, nope, rope_dim, rank = 7, 16, 64, 32
+    rope = RotaryEmbedding(rope_dim, MAX_POSITION, 10000.0).to(device)
+    q = torch.randn(t, heads, nope + rope_dim, generator=g).to(device)
+    kv = torch.randn(t, rank + rope_dim, generator=g).to(device)
+    positions = torch.randint(0, MAX_POSITION, (t,), generator=g).to(device)
+    q_in, k_in = q[..., nope:], kv[:, rank:].unsqueeze(1)
+    want_q, want_k = rope(positions, deinterleave(q_in), deinterleave(k_in))
+    q_out = torch.full((t, heads, rope_dim), float("nan"), device=device)
+    latent = torch.full((t, rank + rope_dim), float("nan"), device=device)
+    k_out = latent[:, rank:].unsqueeze(1)
+    got_q, got_k = apply_rotary(
+        q_in,
+        k_in,
+        positions,
+        rope.cos_cache,
+        rope.sin_cache,
+        interleaved=True,
+        q_out=q_out,
+        k_out=k_out,
+    )
+    assert got_q is q_out and got_k is k_out
+    check(q_out, want_q, BASE_SEED)
+    check(latent[:, rank:], want_k[:, 0], BASE_SEED)
+    assert latent[:, :rank].isnan().all()  # nothing written outside the slice
+    # The module's own path (the reference on the CPU) takes the same arguments.
+    q_ref = torch.empty_like(q_out)
+    rope(positions, q_in, k_in, interleaved=True, q_out=q_ref)
+    check(q_ref, want_q, BASE_SEED)
+    with pytest.raises(ValueError, match="in place"):
+        apply_rotary(
+            q_in, k_in, positions, rope.cos_cache, rope.sin_cache, inplace=True, interleaved=True
+        )

@@ -21,14 +21,18 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """With `residual`, returns (norm(x + residual), x + residual) for the next block."""
+        """With `residual`, returns (norm(x + residual), x + residual) for the next block;
+        without, `out` (any strides) may receive norm(x)."""
         if use_triton(x):
             from ember.kernels.rmsnorm import rms_norm
 
-            return rms_norm(x, self.weight, self.eps, residual)
+            return rms_norm(x, self.weight, self.eps, residual, out=out)
         if residual is None:
-            return self._norm(x)
+            return self._norm(x) if out is None else out.copy_(self._norm(x))
         x = x + residual
         return self._norm(x), x

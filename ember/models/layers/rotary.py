@@ -100,15 +100,45 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", emb.sin() * attention_factor, persistent=False)
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        interleaved: bool = False,
+        q_out: torch.Tensor | None = None,
+        k_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hkv, D], positions: [T]."""
+        """q: [T, Hq, D], k: [T, Hkv, D], positions: [T]. `interleaved`: the rotation pairs sit
+        side by side (DeepSeek's `rope_interleave`); the results come deinterleaved, in halves.
+        `q_out`/`k_out` (any strides) receive the results when given."""
         if use_triton(q):
             from ember.kernels.rotary import apply_rotary
 
-            return apply_rotary(q, k, positions, self.cos_cache, self.sin_cache)
+            return apply_rotary(
+                q,
+                k,
+                positions,
+                self.cos_cache,
+                self.sin_cache,
+                interleaved=interleaved,
+                q_out=q_out,
+                k_out=k_out,
+            )
+        if interleaved:
+            q, k = deinterleave(q), deinterleave(k)
         cos = self.cos_cache[positions].unsqueeze(1)
         sin = self.sin_cache[positions].unsqueeze(1)
-        q_out = (q.float() * cos + rotate_half(q.float()) * sin).to(q.dtype)
-        k_out = (k.float() * cos + rotate_half(k.float()) * sin).to(k.dtype)
-        return q_out, k_out
+        q_rot = (q.float() * cos + rotate_half(q.float()) * sin).to(q.dtype)
+        k_rot = (k.float() * cos + rotate_half(k.float()) * sin).to(k.dtype)
+        if q_out is not None:
+            q_rot = q_out.copy_(q_rot)
+        if k_out is not None:
+            k_rot = k_out.copy_(k_rot)
+        return q_rot, k_rot
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """Rope dims stored interleaved (x0, y0, x1, y1, ...) into halves (x0, x1, ..., y0, y1, ...),
+    so that the NeoX rotation applies: DeepSeek's checkpoints rotate pairs (`rope_interleave`)."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
