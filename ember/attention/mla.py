@@ -159,7 +159,9 @@ def mla_attention(
         rows, seq_lens, tables = slice(0, nd), metadata.seq_lens[:nd], metadata.block_tables[:nd]
     else:
         rows, seq_lens, tables = latent_rows
-    q_latent = torch.einsum("thn,hnl->thl", q_nope[rows], w_uk).contiguous()
+    q_latent = torch.einsum("thn,hnl->thl", q_nope[rows], w_uk)  # [H, T, L] under a view
+    if q_latent.stride(-1) != 1:
+        q_latent = q_latent.contiguous()
     o = mla_decode(
         q_latent,
         q_rope[rows].contiguous(),

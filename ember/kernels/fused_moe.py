@@ -198,7 +198,9 @@ def _moe_gemm_kernel(
         acc = act.to(tl.float32) * up
     if MUL_WEIGHT:
         acc = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
-        acc = acc * tl.load(weight_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
+        # The routing weight rounded to the activations' dtype first, as the reference multiplies.
+        w = tl.load(weight_ptr + pairs, mask=valid, other=0.0).to(c_ptr.dtype.element_ty)
+        acc = acc * w.to(tl.float32)[:, None]
     c = c_ptr + pairs[:, None].to(tl.int64) * c_sm + cols[None, :] * c_sn
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
@@ -289,6 +291,5 @@ def fused_moe(
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     _gemm(x, w13, h, None, sorted_pairs, block_experts, top_k, True, config)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    flat_weights = weights.reshape(-1).to(x.dtype)
-    _gemm(h, w2, y, flat_weights, sorted_pairs, block_experts, 1, False, config)
+    _gemm(h, w2, y, weights.reshape(-1), sorted_pairs, block_experts, 1, False, config)
     return torch.sum(y.view(t, top_k, hidden), dim=1)

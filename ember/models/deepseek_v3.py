@@ -86,15 +86,21 @@ class MLAttention(nn.Module):
 
 
 class Router(nn.Module):
-    """The MoE gate: fp32 logits over the experts, and the correction bias that balances load."""
+    """The MoE gate: fp32 logits over the experts, and the correction bias that balances load.
+
+    Both stay float32 whatever the model's dtype, as transformers keeps them
+    (`_keep_in_fp32_modules_strict`): a bf16 bias would round the scores experts are chosen on,
+    and the weight is not cast again every step."""
 
     def __init__(self, hidden_size: int, num_experts: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(num_experts, dtype=torch.float32), requires_grad=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())
+        return F.linear(x.float(), self.weight)
 
 
 class DeepseekMoE(nn.Module):

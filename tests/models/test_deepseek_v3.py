@@ -114,3 +114,24 @@ def test_the_latent_cache_is_28x_smaller_for_kimi_k2() -> None:
     assert planes * heads * dim == 576
     assert pytest.approx(28.4, abs=0.05) == 2 * 64 * 128 / 576
     assert [cfg.is_moe_layer(i) for i in range(3)] == [False, True, True]
+
+
+def test_bf16_model_keeps_the_router_in_float32(model_dirs) -> None:
+    """As transformers keeps them: the gate's weight and the correction bias stay float32 in a
+    bf16 model, equal to the checkpoint's values, while the other weights are bf16."""
+    from safetensors.torch import load_file
+
+    from ember.models.loader import load_model
+
+    path = model_dirs["q-lora"]
+    model = load_model(path, dtype=torch.bfloat16)
+    disk = load_file(path / "model.safetensors")
+    gates = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
+    assert gates
+    for gate in gates:
+        assert gate.weight.dtype == torch.float32
+        assert gate.e_score_correction_bias.dtype == torch.float32
+    name = next(n for n in disk if n.endswith("mlp.gate.e_score_correction_bias"))
+    param = dict(model.named_parameters())[name]
+    assert torch.equal(param, disk[name])
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
