@@ -74,11 +74,13 @@ def test_fused_moe_default_tiles(device: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["random", "one-expert", "empty-experts"])
-def test_align_by_expert_places_every_pair_once_in_its_experts_blocks(kind: str) -> None:
+def test_align_by_expert_places_every_pair_once_in_its_experts_blocks(
+    kind: str, device: str
+) -> None:
     g = torch.Generator().manual_seed(2)
     tokens, experts, top_k, block = 23, 8, 3, 4
     _, chosen = _route(kind, tokens, experts, top_k, g)
-    pairs, block_experts = align_by_expert(chosen, experts, block)
+    pairs, block_experts = (t.cpu() for t in align_by_expert(chosen.to(device), experts, block))
     n = tokens * top_k
     assert pairs.numel() == block_experts.numel() * block
     real = pairs[pairs < n]
