@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-TINY_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2")
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:

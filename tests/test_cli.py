@@ -22,14 +22,17 @@ def test_make_tiny_then_generate(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert main(["generate", str(out), "--prompt", "import os", "--max-tokens", "4"]) == 0
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v3", "kimi_k2"])
 def test_make_tiny_deepseek_v3_then_generate(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], arch: str
 ) -> None:
-    """The DeepSeek-V3 tiny (MLA, grouped-routing MoE) from the CLI, then served by it."""
+    """The DeepSeek-V3 tiny (MLA, grouped-routing MoE) and Kimi K2's (the same model with Kimi's
+    tiktoken.model and chat template) from the CLI, then served by it, as text and as a chat."""
     out = tmp_path / "ds"
-    assert main(["model", "make-tiny", str(out), "--arch", "deepseek_v3"]) == 0
-    assert "wrote tiny deepseek_v3 model" in capsys.readouterr().out
+    assert main(["model", "make-tiny", str(out), "--arch", arch]) == 0
+    assert f"wrote tiny {arch} model" in capsys.readouterr().out
     assert main(["generate", str(out), "--prompt", "import os", "--max-tokens", "4"]) == 0
+    assert main(["generate", str(out), "--prompt", "hi", "--max-tokens", "4", "--chat"]) == 0
 
 
 def test_demo_runs_two_turns_with_a_cache_hit(

@@ -7,13 +7,12 @@ byte-level vocabulary, supports JSON schema, regex and Lark, and has no dependen
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from llguidance import LLMatcher, LLTokenizer
 
 from ember.models.config import ModelConfig
 from ember.sampling_params import StructuredOutputsParams
+from ember.tokenizer.tokenizer import tokenizer_json
 
 
 def grammar_of(so: StructuredOutputsParams) -> str:
@@ -49,10 +48,9 @@ class GrammarCompiler:
 
     @classmethod
     def for_model(cls, model_dir: str, config: ModelConfig) -> GrammarCompiler:
-        path = Path(model_dir) / "tokenizer.json"
         eos = config.raw.get("eos_token_id")
         eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        return cls(path.read_text() if path.is_file() else "", config.vocab_size, eos_ids)
+        return cls(tokenizer_json(model_dir), config.vocab_size, eos_ids)
 
     @property
     def tokenizer(self) -> LLTokenizer:

@@ -17,10 +17,11 @@ The one place it follows the file instead: `tokenizer.ggml.add_space_prefix = fa
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from ember.tokenizer.byte_level import bytes_to_unicode
 
 # llama.cpp's token types (llama_token_type in llama.h).
 TOKEN_CONTROL = 3
@@ -50,24 +51,6 @@ PRE_TOKENIZER_SPLITS = {
     "qwen2": _QWEN2_SPLIT,
     "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
-
-
-@cache
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table, in which byte-level vocabularies are spelled."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    chars = printable[:]
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return dict(zip(printable, map(chr, chars), strict=True))
 
 
 def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:

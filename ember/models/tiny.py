@@ -1,7 +1,10 @@
-"""Tiny random Hugging Face checkpoints (llama, qwen2, qwen3, qwen3_moe, deepseek_v3) for tests.
+"""Tiny random Hugging Face checkpoints (llama, qwen2, qwen3, qwen3_moe, deepseek_v3, kimi_k2)
+for tests.
 
 Each is a complete model directory: config, generation config, safetensors weights and a real
-byte-level BPE tokenizer trained at make time on Python's own standard library sources.
+byte-level BPE tokenizer trained at make time on Python's own standard library sources. kimi_k2 is
+DeepSeek-V3's tiny with Kimi K2's tokenizer conventions (tiny_kimi.py): that vocabulary as a
+tiktoken.model, Kimi's special tokens and chat template.
 """
 
 from __future__ import annotations
@@ -29,7 +32,12 @@ from tokenizers import (
     trainers,
 )
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+from ember.models import tiny_kimi
+from ember.tokenizer.tiktoken_bpe import TIKTOKEN_FILE
+
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2")
+# The archs of DeepSeek-V3's model (MLA, grouped routing): Kimi K2 is one, under its own model_type.
+DEEPSEEK_ARCHS = ("deepseek_v3", "kimi_k2")
 
 HIDDEN_SIZE = 64
 NUM_LAYERS = 2
@@ -117,8 +125,9 @@ _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",
 }
-_TIED = {"llama": False, "qwen2": False, "qwen3": True, "qwen3_moe": False, "deepseek_v3": False}
+_TIED = {"qwen3": True}
 
 CHAT_TEMPLATE = r"""{%- macro text(content) -%}
     {%- if content is string -%}
@@ -200,8 +209,8 @@ def make_tiny(
     overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Write a tiny random checkpoint of `arch` into `out_dir` and return its path. `overrides`
-    replace config fields before the weights are made (deepseek_v3: `q_lora_rank` None gives a
-    plain q projection, `first_k_dense_replace` the dense layers)."""
+    replace config fields before the weights are made (deepseek_v3 and kimi_k2: `q_lora_rank`
+    None gives a plain q projection, `first_k_dense_replace` the dense layers)."""
     if arch not in ARCHS:
         raise ValueError(f"unknown tiny arch {arch!r}; expected one of {', '.join(ARCHS)}")
     if num_shards < 1:
@@ -209,16 +218,9 @@ def make_tiny(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = _tokenizer(arch)
-    ids = {content: tokenizer.token_to_id(content) for content, _ in ADDED_TOKENS}
-    config = _config(arch, tokenizer.get_vocab_size(), ids, rope_scaling) | (overrides or {})
-    generation = {
-        "bos_token_id": ids[BOS_TOKEN],
-        "eos_token_id": [ids[EOS_TOKEN], ids["<|endoftext|>"]],
-        "pad_token_id": ids[PAD_TOKEN],
-    }
-    tokenizer.save(str(out / "tokenizer.json"))
-    _write_json(out / "tokenizer_config.json", _tokenizer_config(arch, ids))
+    vocab_size, bos, eos_ids, pad = _write_tokenizer(out, arch)
+    generation = {"bos_token_id": bos, "eos_token_id": eos_ids, "pad_token_id": pad}
+    config = _config(arch, vocab_size, bos, eos_ids[0], rope_scaling) | (overrides or {})
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", generation)
     # A weight file left from an earlier make with another num_shards would shadow the new ones.
@@ -226,6 +228,28 @@ def make_tiny(
         stale.unlink()
     _write_weights(out, _weights(arch, config, seed), num_shards)
     return out
+
+
+def _write_tokenizer(out: Path, arch: str) -> tuple[int, int, list[int], int]:
+    """Write the tokenizer files; returns (vocab size, bos id, eos ids, pad id): the chat's end of
+    turn first among the eos ids."""
+    # A tokenizer file left from an earlier make of another arch would shadow the new one.
+    for stale in ("tokenizer.json", TIKTOKEN_FILE):
+        (out / stale).unlink(missing_ok=True)
+    if arch == "kimi_k2":
+        vocab = json.loads(_trained_tokenizer_json())["model"]["vocab"]
+        tiny_kimi.write_tiktoken_model(out / TIKTOKEN_FILE, vocab)
+        _write_json(out / "tokenizer_config.json", tiny_kimi.tokenizer_config(MAX_POSITIONS))
+        ids = tiny_kimi.special_token_ids()
+        eos_ids = [ids[tiny_kimi.CHAT_EOS_TOKEN], ids[tiny_kimi.EOS_TOKEN]]
+        vocab_size = tiny_kimi.NUM_RANKS + tiny_kimi.NUM_SPECIAL_IDS
+        return vocab_size, ids[tiny_kimi.BOS_TOKEN], eos_ids, ids[tiny_kimi.PAD_TOKEN]
+    tokenizer = _tokenizer(arch)
+    tokenizer.save(str(out / "tokenizer.json"))
+    ids = {content: tokenizer.token_to_id(content) for content, _ in ADDED_TOKENS}
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(arch, ids))
+    eos_ids = [ids[EOS_TOKEN], ids["<|endoftext|>"]]
+    return tokenizer.get_vocab_size(), ids[BOS_TOKEN], eos_ids, ids[PAD_TOKEN]
 
 
 def _tokenizer(arch: str) -> Tokenizer:
@@ -294,7 +318,7 @@ def _tokenizer_config(arch: str, ids: dict[str, int]) -> dict[str, Any]:
 
 
 def _config(
-    arch: str, vocab_size: int, ids: dict[str, int], rope_scaling: dict[str, Any] | None
+    arch: str, vocab_size: int, bos_id: int, eos_id: int, rope_scaling: dict[str, Any] | None
 ) -> dict[str, Any]:
     # Written as hub checkpoints made before transformers 5 are: `rope_theta` and `rope_scaling` at
     # top level. transformers 5 folds them into `rope_parameters` when it reads them, and older
@@ -316,13 +340,13 @@ def _config(
         "rope_scaling": dict(rope_scaling) if rope_scaling is not None else None,
         "initializer_range": 0.02,
         "attention_dropout": 0.0,
-        "bos_token_id": ids[BOS_TOKEN],
-        "eos_token_id": ids[EOS_TOKEN],
-        "tie_word_embeddings": _TIED[arch],
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "tie_word_embeddings": _TIED.get(arch, False),
         "torch_dtype": "float32",
         "use_cache": True,
     }
-    if arch == "deepseek_v3":
+    if arch in DEEPSEEK_ARCHS:
         config.update(DEEPSEEK, num_key_value_heads=NUM_HEADS, attention_bias=False)
         config["head_dim"] = DEEPSEEK["qk_rope_head_dim"]  # as transformers writes it
     elif arch == "llama":
@@ -366,7 +390,7 @@ def _weights(arch: str, config: dict[str, Any], seed: int) -> dict[str, torch.Te
     }
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}"
-        if arch == "deepseek_v3":
+        if arch in DEEPSEEK_ARCHS:
             w.update(_deepseek_layer(p, i, config, linear, norm, gen))
             continue
         w[f"{p}.input_layernorm.weight"] = norm(hidden)

@@ -1,7 +1,8 @@
 """A model's tokenizer: text <-> token ids, special token ids and the chat template.
 
 Loads a Hugging Face model directory (tokenizer.json, tokenizer_config.json, generation_config.json)
-with the `tokenizers` library alone, matching what transformers' fast tokenizer produces.
+with the `tokenizers` library alone, matching what transformers' fast tokenizer produces. A directory
+with a tiktoken.model in place of tokenizer.json (Kimi) has it converted to the same kind of BPE.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import tokenizers
 
 from ember.tokenizer.chat_template import render_chat_template
+from ember.tokenizer.tiktoken_bpe import TIKTOKEN_FILE, tokenizer_from_tiktoken
 
 # The named special tokens transformers passes to chat templates (`bos_token`, ...).
 _NAMED_SPECIAL_TOKENS = (
@@ -50,17 +52,16 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load from a model directory; tokenizer.json is required, the rest optional."""
+        """Load from a model directory; tokenizer.json (or tiktoken.model) is required, the rest
+        optional."""
         root = Path(path)
-        tokenizer_file = root / "tokenizer.json"
-        if not tokenizer_file.is_file():
-            raise FileNotFoundError(f"no tokenizer.json in {root}")
+        config = _read_json(root / "tokenizer_config.json")
         template_file = root / "chat_template.jinja"
         # As in transformers, a chat_template.jinja file wins over the tokenizer_config entry.
         template = template_file.read_text(encoding="utf-8") if template_file.is_file() else None
         return cls(
-            tokenizers.Tokenizer.from_file(str(tokenizer_file)),
-            config=_read_json(root / "tokenizer_config.json"),
+            load_backend(root, config),
+            config=config,
             generation_config=_read_json(root / "generation_config.json"),
             chat_template=template,
         )
@@ -138,6 +139,33 @@ class Tokenizer:
         ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
         eos = self._id_of(self._special_tokens.get("eos_token"))
         return frozenset(ids + ([eos] if eos is not None else []))
+
+
+def load_backend(
+    model_dir: str | Path, config: dict[str, Any] | None = None
+) -> tokenizers.Tokenizer:
+    """A model directory's `tokenizers` tokenizer: its tokenizer.json, or else its tiktoken.model
+    with the added tokens of `config` (its tokenizer_config.json, read when not given)."""
+    root = Path(model_dir)
+    if (root / "tokenizer.json").is_file():
+        return tokenizers.Tokenizer.from_file(str(root / "tokenizer.json"))
+    if (root / TIKTOKEN_FILE).is_file():
+        config = _read_json(root / "tokenizer_config.json") if config is None else config
+        return tokenizer_from_tiktoken(
+            root / TIKTOKEN_FILE, config.get("added_tokens_decoder") or {}
+        )
+    raise FileNotFoundError(f"no tokenizer.json (nor {TIKTOKEN_FILE}) in {root}")
+
+
+def tokenizer_json(model_dir: str | Path) -> str:
+    """The model's tokenizer as tokenizer.json text (what llguidance reads); "" if it has none."""
+    path = Path(model_dir) / "tokenizer.json"
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    try:
+        return load_backend(model_dir).to_str()
+    except FileNotFoundError:
+        return ""
 
 
 def _read_json(path: Path) -> dict[str, Any]:
