@@ -264,19 +264,26 @@ def param_count(cfg: dict) -> int:
 
 
 def weight_bytes_read(cfg: dict, batch: int) -> float:
-    """bf16 weight bytes a decode step of `batch` tokens reads: the shared part and, per MoE
-    layer, the experts hit, E * (1 - (1 - k/E)^batch) in expectation under uniform routing."""
+    """bf16 weight bytes a decode step of `batch` tokens reads: the shared part (not the
+    embedding table) and, per MoE layer, the experts hit, E * (1 - (1 - k/E)^batch) in
+    expectation under uniform routing."""
     always, expert = param_split(cfg)
     moe_layers, experts, top_k = moe_dims(cfg)
     hit = experts * (1 - (1 - top_k / experts) ** batch) if experts else 0
-    return 2 * (always + moe_layers * hit * expert)
+    # The input embedding is a table lookup (a row a token), not a read of the table: only an
+    # untied model's lm_head is read whole besides it.
+    lookup = 0 if cfg["tie_word_embeddings"] else cfg["vocab_size"] * cfg["hidden_size"]
+    return 2 * (always - lookup + moe_layers * hit * expert)
 
 
 def active_params(cfg: dict) -> int:
-    """Parameters one token multiplies (2 flops each): the matmul work of prefill."""
+    """Parameters one prompt token multiplies (2 flops each): the matmul work of prefill. Not
+    the embedding table (a lookup) nor the lm_head (prefill takes logits at one row a sequence);
+    attention's own flops are not counted either, so the fraction errs low."""
     always, expert = param_split(cfg)
     moe_layers, _, top_k = moe_dims(cfg)
-    return always - cfg["vocab_size"] * cfg["hidden_size"] + moe_layers * top_k * expert
+    tables = cfg["vocab_size"] * cfg["hidden_size"] * (1 if cfg["tie_word_embeddings"] else 2)
+    return always - tables + moe_layers * top_k * expert
 
 
 def kv_bytes_per_token(cfg: dict) -> int:
