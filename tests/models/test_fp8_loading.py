@@ -171,7 +171,10 @@ def test_parameters_equal_the_dequantized_weights(checkpoints, variant, dtype) -
     want = dict(load_model(plain, dtype=dtype).named_parameters())
     assert got.keys() == want.keys()
     for name, p in want.items():
-        assert p.dtype == dtype and torch.equal(got[name], p), name
+        # The MoE router stays float32 in every model dtype, as transformers keeps it.
+        router = name.endswith(("mlp.gate.weight", "e_score_correction_bias"))
+        assert p.dtype == (torch.float32 if router else dtype), name
+        assert torch.equal(got[name], p), name
 
 
 def run(path: Path, prompts: list[list[int]], max_tokens: int) -> list[torch.Tensor]:
