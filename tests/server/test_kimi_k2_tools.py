@@ -119,3 +119,54 @@ def test_a_streamed_call_arrives_as_openai_deltas(kimi: Server, tokenizer: Token
     assert calls[0]["id"] == "functions.read_file:0" and calls[0]["name"] == "read_file"
     assert json.loads(calls[0]["args"])["path"] in ("README.md", "setup.py")
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+TWO_TOOLS = [
+    *TOOLS,
+    {
+        "type": "function",
+        "function": {
+            "name": "list_dir",
+            "parameters": {
+                "type": "object",
+                "properties": {"depth": {"enum": [1, 2]}},
+                "required": ["depth"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "list_dir"}}]
+)
+def test_tool_choice_required_and_named_force_a_kimi_call(kimi: Server, choice) -> None:
+    """The server's own grammar for Kimi's format (no structured_outputs from the client): a
+    required choice gets a call to one of the tools, a named one a call to that tool, arguments
+    held to the tool's schema, parsed back into OpenAI tool_calls."""
+    body = {
+        "model": "tiny",
+        "messages": MSGS,
+        "tools": TWO_TOOLS,
+        "tool_choice": choice,
+        "max_tokens": 80,
+        "seed": 3,
+    }
+    r = httpx.post(f"{kimi.base}/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choice_out = r.json()["choices"][0]
+    assert choice_out["finish_reason"] == "tool_calls", choice_out
+    calls = choice_out["message"]["tool_calls"]
+    assert calls
+    for call in calls:
+        fn = call["function"]
+        assert fn["name"] in ("read_file", "list_dir")
+        args = json.loads(fn["arguments"])
+        if fn["name"] == "read_file":
+            assert args["path"] in ("README.md", "setup.py")
+        else:
+            assert args["depth"] in (1, 2)
+        assert call["id"].startswith(f"functions.{fn['name']}:")
+    if isinstance(choice, dict):
+        assert [c["function"]["name"] for c in calls] == ["list_dir"]

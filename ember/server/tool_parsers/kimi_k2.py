@@ -3,7 +3,9 @@ functions.NAME:IDX<|tool_call_argument_begin|>{json}<|tool_call_end|>`, then the
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Callable
 
 from ember.server.tool_parsers.base import CallHead, OpenCall, ToolParser
 
@@ -28,6 +30,49 @@ class KimiK2ToolParser(ToolParser):
 
     def adjust_skip_special_tokens(self) -> bool | None:
         return False
+
+    def forced_call_grammar(
+        self,
+        name: str | None,
+        parallel: bool = True,
+        token_id: Callable[[str], int | None] | None = None,
+    ) -> str | None:
+        """One section of calls (one only for a named function or parallel_tool_calls false),
+        each `functions.NAME:IDX` with arguments held to the function's JSON schema in compact
+        JSON, the markers named by token id where the tokenizer has them as added tokens."""
+        functions = [t.get("function", {}) for t in self.tools or []]
+        if name is not None:
+            functions = [f for f in functions if f.get("name") == name]
+        if not functions:
+            return None
+
+        def tag(text: str) -> str:
+            tid = token_id(text) if token_id else None
+            return f"<[{tid}]>" if tid is not None else json.dumps(text)
+
+        heads = []
+        for i, f in enumerate(functions):
+            schema = {
+                **(f.get("parameters") or {"type": "object"}),
+                "x-guidance": {"whitespace_flexible": False},
+            }
+            heads.append(
+                f"fn{i}: {json.dumps('functions.' + f['name'] + ':')} /[0-9]{{1,6}}/ "
+                f"{tag(_ARGS_BEGIN)} args{i}"
+            )
+            heads.append(f"args{i}: %json {json.dumps(schema)}")
+        calls = "call+" if parallel and name is None else "call"
+        alternatives = " | ".join(f"fn{i}" for i in range(len(functions)))
+        return (
+            "\n".join(
+                [
+                    f"start: {tag(self.separators[0])} {calls} {tag(self.separators[1])}",
+                    f"call: {tag(self.start_tag)} ({alternatives}) {tag(self.end_tag)}",
+                    *heads,
+                ]
+            )
+            + "\n"
+        )
 
     def _find_end(self, body: str, call: OpenCall) -> int | None:
         end = body.find(self.end_tag, call.searched)
