@@ -18,6 +18,7 @@ from torch import nn
 from ember.attention.context import ForwardContext
 from ember.attention.mla import mla_attention
 from ember.models.config import ModelConfig
+from ember.models.layers.linear import StackedLinear
 from ember.models.layers.moe import FusedMoE, grouped_topk
 from ember.models.layers.norm import RMSNorm
 from ember.models.layers.rotary import RotaryEmbedding, rope_type, yarn_mscale
@@ -37,13 +38,16 @@ class MLAttention(nn.Module):
         )
         self.rank = cfg.kv_lora_rank
         qk = self.nope + self.rope
-        if cfg.q_lora_rank:
-            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        # The two projections of x (q's, or q's LoRA down-projection, and the latent's) are one
+        # matmul: one launch fewer a layer, which is what batch-1 decode pays for.
+        self.q_lora = bool(cfg.q_lora_rank)
+        q_out = cfg.q_lora_rank if self.q_lora else h * qk
+        self.fused_qkv_a_proj = StackedLinear(
+            cfg.hidden_size, {"q": q_out, "kv_a": self.rank + self.rope}
+        )
+        if self.q_lora:
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * qk, bias=False)
-        else:
-            self.q_proj = nn.Linear(cfg.hidden_size, h * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, self.rank + self.rope, bias=False)
         self.kv_a_layernorm = RMSNorm(self.rank, cfg.rms_norm_eps)
         self.kv_b_proj = nn.Linear(self.rank, h * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(h * self.v_dim, cfg.hidden_size, bias=False)
@@ -59,12 +63,10 @@ class MLAttention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         t, h = x.shape[0], self.num_heads
-        if hasattr(self, "q_a_proj"):
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        else:
-            q = self.q_proj(x)
+        q, kv = self.fused_qkv_a_proj.split(self.fused_qkv_a_proj(x))
+        if self.q_lora:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q_nope, q_rope_in = q.view(t, h, -1).split([self.nope, self.rope], dim=-1)
-        kv = self.kv_a_proj_with_mqa(x)
         # The latent row [normed c_kv, rotated k_rope] and the rotated q_rope are written in place
         # by the norm and the rotation (which also deinterleaves): no split copies, no concat.
         latent = torch.empty(t, self.rank + self.rope, dtype=x.dtype, device=x.device)
@@ -148,10 +150,13 @@ class DeepseekV3DecoderLayer(DecoderLayer):
 
 class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
     layer_cls = DeepseekV3DecoderLayer
-    # Only the MLPs fuse checkpoint matrices; MLA's projections load as they are.
+    # The MLPs' gate and up, and MLA's two projections of the hidden state, load fused.
     stacked_params = (
         (".gate_up_proj.", ".gate_proj.", "gate"),
         (".gate_up_proj.", ".up_proj.", "up"),
+        (".fused_qkv_a_proj.", ".q_proj.", "q"),
+        (".fused_qkv_a_proj.", ".q_a_proj.", "q"),
+        (".fused_qkv_a_proj.", ".kv_a_proj_with_mqa.", "kv_a"),
     )
 
     def __init__(self, cfg: ModelConfig, max_position: int = 0) -> None:
