@@ -7,9 +7,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import settings
 
-from ember.models.tiny import make_tiny
+# Triton decides between compiling and interpreting when it is imported, and importing parts of
+# torch or ember imports it (torch.nn.attention.bias does): on a machine without a GPU the kernel
+# tests need the interpreter, so it is chosen here, before anything can import triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from ember.models.tiny import make_tiny  # noqa: E402
 
 # CI replays the same examples every run, so a red build is reproducible; locally each run explores.
 settings.register_profile("ci", derandomize=True, print_blob=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from ember.attention.metadata import AttentionMetadata
 from ember.attention.torch_backend import gather_planes, query_block_rows
@@ -93,6 +92,9 @@ def mla_prefill_expanded(
     torch's fused attention (flash for a fresh prompt, memory-efficient with a bottom-right causal
     mask over a cached prefix). q_nope [T, H, nope], q_rope [T, H, R]; w_uk [H, nope, L],
     w_uv [H, v, L]; writes out [T, H, v] rows of those sequences."""
+    # Imported here: torch.nn.attention.bias imports triton, which the CPU path never needs.
+    from torch.nn.attention.bias import causal_lower_right
+
     num_heads, nope, rank = w_uk.shape
     rope = q_rope.shape[2]
     # K in one batched matmul over the whole latent row: [W_UK, 0; 0, I] maps [c_kv, k_rope] to

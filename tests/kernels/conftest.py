@@ -9,10 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-# triton.jit reads this when a kernel is defined, so it must be set before any kernel module is
-# imported; pytest loads this conftest before the test modules that import them.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# tests/conftest.py sets TRITON_INTERPRET on machines without a GPU, before triton is imported.
 
 
 def _fix_interpreter_index() -> None:
