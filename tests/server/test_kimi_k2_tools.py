@@ -170,3 +170,32 @@ def test_tool_choice_required_and_named_force_a_kimi_call(kimi: Server, choice) 
         assert call["id"].startswith(f"functions.{fn['name']}:")
     if isinstance(choice, dict):
         assert [c["function"]["name"] for c in calls] == ["list_dir"]
+
+
+def test_hostile_forced_calls_are_400_and_the_server_lives(kimi: Server) -> None:
+    """A tool schema llguidance cannot compile, a name that no tool has, and a tool name that
+    would break out of the grammar's string are refused with OpenAI errors; the server answers
+    the next request."""
+    bad_schema = [
+        {
+            "type": "function",
+            "function": {"name": "f", "parameters": {"type": "object", "minProperties": "x"}},
+        }
+    ]
+    quoted = [{"type": "function", "function": {"name": 'f" | /.*/ "'}}]
+    cases = [
+        {"tools": bad_schema, "tool_choice": "required"},
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        {"tools": quoted, "tool_choice": "required"},
+    ]
+    for case in cases:
+        body = {"model": "tiny", "messages": MSGS, "max_tokens": 4, **case}
+        r = httpx.post(f"{kimi.base}/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400, (case, r.text)
+        assert r.json()["error"]["message"]
+    r = httpx.post(
+        f"{kimi.base}/chat/completions",
+        json={"model": "tiny", "messages": MSGS, "max_tokens": 2},
+        timeout=60,
+    )
+    assert r.status_code == 200
