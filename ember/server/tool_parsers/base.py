@@ -195,6 +195,13 @@ class ToolParser(ABC):
         """
         return None
 
+    def forced_functions(self, name: str | None) -> list[dict[str, Any]]:
+        """The `function` objects a forced call may name: all the tools', or the one named."""
+        functions = [t.get("function", {}) for t in self.tools or []]
+        if name is not None:
+            functions = [f for f in functions if f.get("name") == name]
+        return functions
+
     def adjust_skip_special_tokens(self) -> bool | None:
         """What `skip_special_tokens` the server must detokenize with; None leaves it alone."""
         return None
@@ -389,3 +396,10 @@ def _partial_suffix(text: str, tags: tuple[str, ...]) -> int:
         if any(tag.startswith(tail) for tag in tags if len(tag) > n):
             return n
     return 0
+
+
+def grammar_tag(text: str, token_id: Callable[[str], int | None] | None) -> str:
+    """A tag in a forced-call grammar: the added token's id (`<[id]>`) when the tokenizer has the
+    tag as one token (llguidance matches those as units), else the quoted text."""
+    tid = token_id(text) if token_id else None
+    return f"<[{tid}]>" if tid is not None else json.dumps(text)

@@ -9,7 +9,7 @@ import secrets
 import string
 from collections.abc import Callable
 
-from ember.server.tool_parsers.base import CallHead, OpenCall, ToolParser, json_object
+from ember.server.tool_parsers.base import CallHead, OpenCall, ToolParser, grammar_tag, json_object
 
 # The spelling the chat templates produce, which is the one that can stream its arguments; other
 # key orders still parse, once the call is complete. Only the first _HEAD_SPAN characters are
@@ -35,9 +35,7 @@ class HermesToolParser(ToolParser):
         parallel: bool = True,
         token_id: Callable[[str], int | None] | None = None,
     ) -> str | None:
-        functions = [t.get("function", {}) for t in self.tools or []]
-        if name is not None:
-            functions = [f for f in functions if f.get("name") == name]
+        functions = self.forced_functions(name)
         if not functions:
             return None
         call_schema = {
@@ -57,8 +55,7 @@ class HermesToolParser(ToolParser):
         }
 
         def tag(text: str) -> str:
-            tid = token_id(text) if token_id else None
-            return f"<[{tid}]>" if tid is not None else json.dumps(text)
+            return grammar_tag(text, token_id)
 
         repeat = '("\\n" call)*' if parallel and name is None else ""
         return (

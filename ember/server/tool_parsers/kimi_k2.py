@@ -7,7 +7,7 @@ import json
 import re
 from collections.abc import Callable
 
-from ember.server.tool_parsers.base import CallHead, OpenCall, ToolParser
+from ember.server.tool_parsers.base import CallHead, OpenCall, ToolParser, grammar_tag
 
 _ARGS_BEGIN = "<|tool_call_argument_begin|>"
 # The name runs from after the optional `functions.` to the last `:`; the whole is the call's id.
@@ -40,15 +40,12 @@ class KimiK2ToolParser(ToolParser):
         """One section of calls (one only for a named function or parallel_tool_calls false),
         each `functions.NAME:IDX` with arguments held to the function's JSON schema in compact
         JSON, the markers named by token id where the tokenizer has them as added tokens."""
-        functions = [t.get("function", {}) for t in self.tools or []]
-        if name is not None:
-            functions = [f for f in functions if f.get("name") == name]
+        functions = self.forced_functions(name)
         if not functions:
             return None
 
         def tag(text: str) -> str:
-            tid = token_id(text) if token_id else None
-            return f"<[{tid}]>" if tid is not None else json.dumps(text)
+            return grammar_tag(text, token_id)
 
         heads = []
         for i, f in enumerate(functions):
