@@ -6,7 +6,7 @@ its KV context after this step is seq_lens[i] tokens long, laid in the blocks of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,6 +29,17 @@ class AttentionMetadata:
     request, consecutive rows over the same blocks): the rows each row leads, 0 for a led row
     (`ember.kernels.decode_attention`). None: every row on its own."""
     max_decode_group: int = 1
+
+    def to(self, device: str | torch.device) -> AttentionMetadata:
+        """The same metadata with its tensors on `device` (the host copies stay as they are)."""
+        return replace(
+            self,
+            query_start_loc=self.query_start_loc.to(device),
+            seq_lens=self.seq_lens.to(device),
+            block_tables=self.block_tables.to(device),
+            slot_mapping=self.slot_mapping.to(device),
+            decode_groups=None if self.decode_groups is None else self.decode_groups.to(device),
+        )
 
     @property
     def num_seqs(self) -> int:

@@ -119,17 +119,7 @@ def test_mla_attention_mixed_batch_on_the_gpu(dtype: torch.dtype) -> None:
     latent = cache[block, 0, off, 0].clone()
     want = _reference(q_nope, q_rope, cache, md, w_uk, w_uv, scale)
     cache[block, 0, off, 0] = float("nan")
-    cuda_md = AttentionMetadata(
-        query_start_loc=md.query_start_loc.cuda(),
-        seq_lens=md.seq_lens.cuda(),
-        block_tables=md.block_tables.cuda(),
-        slot_mapping=md.slot_mapping.cuda(),
-        max_query_len=md.max_query_len,
-        max_seq_len=md.max_seq_len,
-        query_start_loc_cpu=md.query_start_loc_cpu,
-        seq_lens_cpu=md.seq_lens_cpu,
-        num_decodes=2,
-    )
+    cuda_md = md.to("cuda")
 
     def dev(x: torch.Tensor) -> torch.Tensor:
         return x.to("cuda", dtype)

@@ -114,17 +114,7 @@ def reference(batch: PagedBatch, scale: float) -> torch.Tensor:
     """paged_attention_ref on fp32 CPU copies (it builds its causal mask on the CPU)."""
     from ember.attention.torch_backend import paged_attention_ref
 
-    md = batch.metadata
-    cpu_md = AttentionMetadata(
-        query_start_loc=md.query_start_loc.cpu(),
-        seq_lens=md.seq_lens.cpu(),
-        block_tables=md.block_tables.cpu(),
-        slot_mapping=md.slot_mapping.cpu(),
-        max_query_len=md.max_query_len,
-        max_seq_len=md.max_seq_len,
-        query_start_loc_cpu=md.query_start_loc_cpu,
-        seq_lens_cpu=md.seq_lens_cpu,
-    )
+    cpu_md = batch.metadata.to("cpu")
     return paged_attention_ref(batch.q.float().cpu(), batch.kv_cache.float().cpu(), cpu_md, scale)
 
 
