@@ -3,10 +3,7 @@
 # engine benchmark. Usage: bash scripts/gpu_checks.sh [tests|bench|all] [bench args...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
+source scripts/device_env.sh
 what=${1:-all}; shift || true
 status=0
 if [[ $what == tests || $what == all ]]; then

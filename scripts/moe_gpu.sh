@@ -4,10 +4,7 @@
 # Results go to $OUT: moe_gpu_tests.log, engine_gpu-<GPU>.json and engine_gpu.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
+source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [[ ${TESTS:-0} == 1 ]]; then
   timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu \

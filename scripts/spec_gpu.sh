@@ -9,10 +9,7 @@
 # --draft-model /tmp/eagle3 is added when a head was trained. Results go to $OUT/<TAG>spec_decode.*
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
+source scripts/device_env.sh
 TAG=${TAG:-}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [[ $1 == a ]]; then
