@@ -156,13 +156,11 @@ def mla_attention(
     out = torch.empty(*q_nope.shape[:2], w_uv.shape[1], dtype=q_nope.dtype, device=q_nope.device)
     if long_runs:
         mla_prefill_expanded(q_nope, q_rope, cache, metadata, long_runs, w_uk, w_uv, scale, out)
-    if len(long_runs) == metadata.num_seqs - nd and nd == 0:
-        return out
     # Every other row as a decode query: a run's row j sees its sequence's first
     # seq_len - q_len + j + 1 tokens, through the same block table.
     latent_rows = _latent_rows(metadata, nd, set(long_runs))
     if latent_rows is None and nd == 0:
-        return out
+        return out  # every row was expanded
     if latent_rows is None:
         rows, seq_lens, tables = slice(0, nd), metadata.seq_lens[:nd], metadata.block_tables[:nd]
     else:
