@@ -12,8 +12,8 @@ Two launches make an expert MLP:
 2. down: y[p] = weight[p] * (h[p] @ w2[e].T), the routing weight applied in the epilogue, written
    k-major ([k, T, H]); the k slabs are then summed (deterministic, unlike atomic adds).
 
-Everything, routing included, is fixed-shape torch ops and kernels with no host sync, so the whole
-MoE layer is captured in CUDA graphs. The reference is FusedMoE's per-expert loop
+Everything, routing included (ember/kernels/moe_routing.py), is fixed-shape kernels with no host
+sync, so the whole MoE layer is captured in CUDA graphs. The reference is FusedMoE's per-expert loop
 (ember/models/layers/moe.py).
 
 The two numbers, per layer and step: bytes ~= (experts hit) * 3 * H * I * itemsize of weights plus
@@ -93,9 +93,7 @@ def align_by_expert(
     same (bincount by scatter, stable argsort, cumsums, searchsorted) took ~15 launches and
     38-138 us of GPU time on an H200, a fifth of a batch-256 MoE layer.
     """
-    flat = experts.reshape(-1)
-    if flat.dtype != torch.int32:
-        flat = flat.to(torch.int32)
+    flat = experts.reshape(-1).to(torch.int32)
     n = flat.numel()
     device = flat.device
     max_blocks = min(n, triton.cdiv(n + num_experts * (block_m - 1), block_m))

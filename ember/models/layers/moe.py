@@ -135,7 +135,6 @@ class FusedMoE(nn.Module):
             from ember.kernels.fused_moe import fused_moe
 
             return fused_moe(x, self.w13, self.w2, weights, experts)
-        weights = weights.to(x.dtype)
         if x.is_cuda:
             return self._dense(x, weights, experts)
         return routed_experts_ref(x, self.w13, self.w2, weights, experts, self.act)
@@ -147,7 +146,7 @@ class FusedMoE(nn.Module):
         costs num_experts / top_k times the routed FLOPs: the fallback when Triton is off.
         """
         dense = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
-        dense.scatter_(1, experts, weights)
+        dense.scatter_(1, experts, weights.to(x.dtype))
         h = self.act(torch.einsum("th,eih->eti", x, self.w13))
         y = torch.einsum("eti,ehi->eth", h, self.w2)
         return torch.einsum("eth,te->th", y, dense)
