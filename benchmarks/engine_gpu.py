@@ -368,43 +368,69 @@ def decode_batch(
     }
 
 
-def bench_moe_kernel(cfg: dict, peak: float) -> dict[str, dict[str, float]]:
+class MoeLayerCase:
+    """One MoE layer's routed experts at a shape's dims (random bf16 weights on the GPU) and,
+    per token count, the inputs, the work and its floor: what engine_gpu's MoE rows and
+    moe_kernel.py's sweep both time."""
+
+    def __init__(self, cfg: dict) -> None:
+        _, self.experts, self.top_k = moe_dims(cfg)
+        self.h, self.inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
+        self.g = torch.Generator(device="cuda").manual_seed(0)
+        e, h, i = self.experts, self.h, self.inter
+        self.w13 = torch.randn(e, 2 * i, h, device="cuda", generator=self.g).bfloat16() / h**0.5
+        self.w2 = torch.randn(e, h, i, device="cuda", generator=self.g).bfloat16() / i**0.5
+
+    def inputs(self, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x, weights, experts) for t tokens under uniform random routes."""
+        x = torch.randn(t, self.h, device="cuda", generator=self.g).bfloat16()
+        logits = torch.randn(t, self.experts, device="cuda", generator=self.g)
+        weights, chosen = torch.softmax(logits, -1).topk(self.top_k, dim=-1)
+        return x, weights, chosen
+
+    def flops(self, t: int) -> float:
+        return 6 * t * self.top_k * self.h * self.inter
+
+    def floor_ms(self, t: int, bw: float) -> float:
+        """The weights of the experts t tokens hit (in expectation), at copy bandwidth."""
+        hit = self.experts * (1 - (1 - self.top_k / self.experts) ** t)
+        return hit * 3 * self.h * self.inter * 2 / bw * 1e3
+
+    def dense_bmm_ms(self, t: int) -> float | None:
+        """The same work done dense, from a CUDA graph: torch.bmm over [E, T * k / E, H] (every
+        expert the same rows: equal flops and weight bytes, no routing) with silu_and_mul
+        between. None when there are fewer pairs than experts."""
+        from ember.kernels.activation import silu_and_mul
+
+        per = t * self.top_k // self.experts
+        if not per:
+            return None
+        xs = torch.randn(self.experts, per, self.h, device="cuda", generator=self.g).bfloat16()
+
+        def dense() -> torch.Tensor:
+            a = torch.bmm(xs, self.w13.transpose(1, 2)).view(-1, 2 * self.inter)
+            h = silu_and_mul(a).view(self.experts, per, self.inter)
+            return torch.bmm(h, self.w2.transpose(1, 2))
+
+        return graph_ms(dense)
+
+
+def bench_moe_kernel(cfg: dict, bw: float, peak: float) -> dict[str, dict[str, float]]:
     """One MoE layer's routed experts (fused_moe, routing included) against the same work done
-    dense: torch.bmm over [E, T * k / E, H] (every expert the same rows: equal flops and weight
-    bytes, no routing) with silu_and_mul between, both replayed from CUDA graphs as decode steps
-    are. Uniform random routes."""
-    from ember.kernels.activation import silu_and_mul
+    dense (MoeLayerCase.dense_bmm_ms), both replayed from CUDA graphs as decode steps are."""
     from ember.kernels.fused_moe import fused_moe
 
-    moe_layers, experts, top_k = moe_dims(cfg)
-    h, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w13 = torch.randn(experts, 2 * inter, h, device="cuda", dtype=torch.bfloat16, generator=g)
-    w2 = torch.randn(experts, h, inter, device="cuda", dtype=torch.bfloat16, generator=g)
-    w13 /= h**0.5
-    w2 /= inter**0.5
+    case = MoeLayerCase(cfg)
     out: dict[str, dict[str, float]] = {}
     for t in (1, 64, 256, 2048):
-        x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
-        logits = torch.randn(t, experts, device="cuda", generator=g)
-        weights, chosen = torch.softmax(logits, -1).topk(top_k, dim=-1)
-        fused_ms = graph_ms(lambda x=x, w=weights, e=chosen: fused_moe(x, w13, w2, w, e))
-        flops = 6 * t * top_k * h * inter
-        row = {"fused_ms": fused_ms, "fused_tflops": flops / fused_ms / 1e9}
-        hit = experts * (1 - (1 - top_k / experts) ** t)
-        row["fused_bw_frac"] = (hit * 3 * h * inter * 2 / (fused_ms / 1e3)) / cfg["_bw"]
-        per = t * top_k // experts
-        if per >= 1:
-            xs = torch.randn(experts, per, h, device="cuda", dtype=torch.bfloat16, generator=g)
-
-            def dense(xs: torch.Tensor = xs, per: int = per) -> torch.Tensor:
-                a = torch.bmm(xs, w13.transpose(1, 2)).view(-1, 2 * inter)
-                return torch.bmm(silu_and_mul(a).view(experts, per, inter), w2.transpose(1, 2))
-
-            dense_ms = graph_ms(dense)
-            dense_flops = 6 * experts * per * h * inter
+        x, weights, chosen = case.inputs(t)
+        fused_ms = graph_ms(lambda x=x, w=weights, e=chosen: fused_moe(x, case.w13, case.w2, w, e))
+        row = {"fused_ms": fused_ms, "fused_tflops": case.flops(t) / fused_ms / 1e9}
+        row["fused_bw_frac"] = case.floor_ms(t, bw) / fused_ms
+        dense_ms = case.dense_bmm_ms(t)
+        if dense_ms is not None:
             row["dense_bmm_ms"] = dense_ms
-            row["dense_bmm_tflops"] = dense_flops / dense_ms / 1e9
+            row["dense_bmm_tflops"] = case.flops(t) / dense_ms / 1e9
             row["fused_vs_dense"] = row["fused_tflops"] / row["dense_bmm_tflops"]
         row["fused_matmul_frac"] = row["fused_tflops"] * 1e12 / peak
         out[str(t)] = row
@@ -417,7 +443,7 @@ def bench_shape(name: str, args: argparse.Namespace, ceil: dict[str, float]) -> 
     out: dict[str, object] = {"shape": name, "weight_bytes": weight_bytes}
     bw, peak = ceil["copy_bytes_per_s"], ceil["matmul_flops"]
     if moe_dims(cfg)[1]:
-        out["moe_kernel"] = bench_moe_kernel(cfg | {"_bw": bw}, peak)
+        out["moe_kernel"] = bench_moe_kernel(cfg, bw, peak)
         torch.cuda.empty_cache()
     tmp = shape_dir(name)
     hf_state = None

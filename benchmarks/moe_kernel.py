@@ -21,9 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_gpu import SHAPES, ceilings, graph_ms, moe_dims  # noqa: E402
+from engine_gpu import SHAPES, MoeLayerCase, ceilings, graph_ms  # noqa: E402
 
-from ember.kernels.activation import silu_and_mul  # noqa: E402
 from ember.kernels.fused_moe import align_by_expert, fused_moe, tile_config  # noqa: E402
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
@@ -50,28 +49,20 @@ def as_config(c: tuple[int, int, int, int, int]) -> dict[str, int]:
 
 
 def bench(name: str, tokens: list[int], bw: float) -> dict[str, object]:
-    cfg = SHAPES[name]
-    _, experts, top_k = moe_dims(cfg)
-    h, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w13 = torch.randn(experts, 2 * inter, h, device="cuda", generator=g).bfloat16() / h**0.5
-    w2 = torch.randn(experts, h, inter, device="cuda", generator=g).bfloat16() / inter**0.5
+    case = MoeLayerCase(SHAPES[name])
+    w13, w2, experts = case.w13, case.w2, case.experts
     rows: dict[str, object] = {}
     for t in tokens:
-        x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
-        logits = torch.randn(t, experts, device="cuda", generator=g)
-        weights, chosen = torch.softmax(logits, -1).topk(top_k, dim=-1)
+        x, weights, chosen = case.inputs(t)
         want = fused_moe(x, w13, w2, weights, chosen)
-        flops = 6 * t * top_k * h * inter
-        hit = experts * (1 - (1 - top_k / experts) ** t)
-        floor_ms = hit * 3 * h * inter * 2 / bw * 1e3
-        default = tile_config(t * top_k, experts)
+        flops = case.flops(t)
+        default = tile_config(t * case.top_k, experts)
         row: dict[str, object] = {
             "default": default,
             "align_ms": graph_ms(
                 lambda c=chosen, d=default: align_by_expert(c, experts, d["BLOCK_M"])
             ),
-            "bandwidth_floor_ms": floor_ms,
+            "bandwidth_floor_ms": case.floor_ms(t, bw),
             "configs": {},
         }
         for cand in CANDIDATES:
@@ -81,16 +72,10 @@ def bench(name: str, tokens: list[int], bw: float) -> dict[str, object]:
             ms = graph_ms(lambda x=x, w=weights, c=chosen, f=conf: fused_moe(x, w13, w2, w, c, f))
             row["configs"][str(cand)] = {"ms": ms, "tflops": flops / ms / 1e9, "rel_err": err}
         row["default_ms"] = graph_ms(lambda x=x, w=weights, c=chosen: fused_moe(x, w13, w2, w, c))
-        per = t * top_k // experts
-        if per:
-            xs = torch.randn(experts, per, h, device="cuda", generator=g).bfloat16()
-
-            def dense(xs: torch.Tensor = xs, per: int = per) -> torch.Tensor:
-                a = torch.bmm(xs, w13.transpose(1, 2)).view(-1, 2 * inter)
-                return torch.bmm(silu_and_mul(a).view(experts, per, inter), w2.transpose(1, 2))
-
-            row["dense_bmm_ms"] = graph_ms(dense)
-            row["dense_bmm_tflops"] = 6 * experts * per * h * inter / row["dense_bmm_ms"] / 1e9
+        dense_ms = case.dense_bmm_ms(t)
+        if dense_ms is not None:
+            row["dense_bmm_ms"] = dense_ms
+            row["dense_bmm_tflops"] = flops / dense_ms / 1e9
         best = min(row["configs"].items(), key=lambda kv: kv[1]["ms"])
         row["best"] = best[0]
         row["best_ms"] = best[1]["ms"]
