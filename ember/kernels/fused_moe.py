@@ -31,6 +31,14 @@ import triton.language as tl
 from ember.kernels.dispatch import dot_precision
 
 
+UNSORTED_MAX_TOKENS = 2
+"""Up to this many tokens the pairs are not sorted: each pair is its own block of the grouped GEMM
+(its expert read from the routing), which saves the alignment's five launches (~6 us of a
+Moonlight layer's ~130 at batch 1 on an H200). A token's k experts are distinct, so at batch 1
+every weight is read once either way; at two tokens a shared expert is read twice (from L2 when
+the two blocks run together). Past that, sorting pays: the rows of an expert share its tiles."""
+
+
 @triton.jit
 def _count_kernel(experts_ptr, counts_ptr, rank_ptr, n, BLOCK: tl.constexpr):
     # Each pair's rank among its expert's pairs is the count before it: the atomic's old value.
@@ -142,6 +150,7 @@ def _moe_gemm_kernel(
     c_sn,
     num_blocks,
     ROWS_PER_A: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr,
     GATED: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     K_MAJOR_OUT: tl.constexpr,
@@ -164,8 +173,12 @@ def _moe_gemm_kernel(
     expert = tl.load(block_expert_ptr + pid_m)
     if expert >= num_experts:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(pairs_ptr + rows)
+    if PAIR_BLOCKS:
+        # Unsorted: block b is pair b alone (row 0; tl.dot wants 16 rows, the rest are masked),
+        # its expert read from the routing itself.
+        pairs = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
+    else:
+        pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pairs < num_pairs
     a_rows = (pairs // ROWS_PER_A).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -226,7 +239,7 @@ def _gemm(
     b: torch.Tensor,
     c: torch.Tensor,
     weights: torch.Tensor | None,
-    sorted_pairs: torch.Tensor,
+    sorted_pairs: torch.Tensor | None,
     block_experts: torch.Tensor,
     rows_per_a: int,
     gated: bool,
@@ -241,7 +254,7 @@ def _gemm(
         b,
         c,
         weights if weights is not None else c,
-        sorted_pairs,
+        sorted_pairs if sorted_pairs is not None else block_experts,
         block_experts,
         c.shape[0],
         b.shape[0],
@@ -252,6 +265,7 @@ def _gemm(
         *c.stride(),
         num_blocks,
         ROWS_PER_A=rows_per_a,
+        PAIR_BLOCKS=sorted_pairs is None,
         GATED=gated,
         MUL_WEIGHT=weights is not None,
         K_MAJOR_OUT=k_major_out,
@@ -292,7 +306,12 @@ def fused_moe(
         return torch.zeros_like(x)
     num_pairs = t * top_k
     config = config or tile_config(num_pairs, num_experts)
-    sorted_pairs, block_experts = align_by_expert(experts, num_experts, config["BLOCK_M"])
+    sorted_pairs: torch.Tensor | None
+    if t <= UNSORTED_MAX_TOKENS:
+        sorted_pairs, block_experts = None, experts.reshape(-1).to(torch.int32)
+        config = {**config, "BLOCK_M": 16}
+    else:
+        sorted_pairs, block_experts = align_by_expert(experts, num_experts, config["BLOCK_M"])
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     _gemm(x, w13, h, None, sorted_pairs, block_experts, top_k, True, config)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)

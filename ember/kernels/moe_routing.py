@@ -27,6 +27,7 @@ def _route_kernel(
     HAS_BIAS: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     TOP_K: tl.constexpr,
+    NUM_SHARED: tl.constexpr,
     NUM_GROUPS: tl.constexpr,
     TOPK_GROUPS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
@@ -82,9 +83,14 @@ def _route_kernel(
             total += 1e-20  # as grouped_topk; softmax weights are never all zero
         picked_w = picked_w / total
     picked_w = picked_w * scaling
-    out = t * TOP_K + ks
-    tl.store(weights_ptr + out, picked_w, mask=ks < TOP_K)
-    tl.store(ids_ptr + out, picked_e, mask=ks < TOP_K)
+    # Always-on (shared) experts follow the routed ones: ids num_experts.., weight 1.
+    width = TOP_K + NUM_SHARED
+    shared = ks >= TOP_K
+    picked_w = tl.where(shared, 1.0, picked_w)
+    picked_e = tl.where(shared, num_experts + ks - TOP_K, picked_e)
+    out = t * width + ks
+    tl.store(weights_ptr + out, picked_w, mask=ks < width)
+    tl.store(ids_ptr + out, picked_e, mask=ks < width)
 
 
 def route(
@@ -97,14 +103,18 @@ def route(
     num_groups: int = 1,
     topk_groups: int = 1,
     scaling: float = 1.0,
+    num_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] float32, experts [T, k] int32) for router_logits [T, E]: softmax top-k
-    (sigmoid False) or DeepSeek's sigmoid grouped top-k with its correction bias. Graph safe."""
+    """(weights [T, k + S] float32, experts [T, k + S] int32) for router_logits [T, E]: softmax
+    top-k (sigmoid False) or DeepSeek's sigmoid grouped top-k with its correction bias, then the
+    S = num_shared always-on experts E .. E + S - 1 with weight 1 (shared experts run as experts
+    of the fused MoE). Graph safe."""
     t, num_experts = router_logits.shape
     if router_logits.stride(1) != 1:
         router_logits = router_logits.contiguous()
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
+    width = top_k + num_shared
+    weights = torch.empty(t, width, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(t, width, dtype=torch.int32, device=router_logits.device)
     if t == 0:
         return weights, ids
     _route_kernel[(t,)](
@@ -119,12 +129,13 @@ def route(
         HAS_BIAS=correction_bias is not None,
         RENORMALIZE=renormalize,
         TOP_K=top_k,
+        NUM_SHARED=num_shared,
         NUM_GROUPS=num_groups,
         TOPK_GROUPS=topk_groups if topk_groups < num_groups else num_groups,
         GROUP_SIZE=num_experts // num_groups,
         BLOCK_G=triton.next_power_of_2(num_groups),
         BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK_K=triton.next_power_of_2(top_k),
+        BLOCK_K=triton.next_power_of_2(width),
         num_warps=4 if num_experts > 128 else 1,
     )
     return weights, ids

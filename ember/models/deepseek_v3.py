@@ -11,6 +11,8 @@ space through the PyTorch reference. The routed experts run in the fused MoE gro
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,6 +26,9 @@ from ember.models.layers.norm import RMSNorm
 from ember.models.layers.rotary import RotaryEmbedding, rope_type, yarn_mscale
 from ember.models.llama import MLP, DecoderLayer
 from ember.models.qwen3_moe import Qwen3MoeForCausalLM
+
+# model.layers.L.mlp.shared_experts.{gate,up,down}_proj.weight: loaded into the stacked experts.
+_SHARED = re.compile(r"^(.*\.mlp)\.shared_experts\.(gate|up|down)_proj\.weight$")
 
 
 class MLAttention(nn.Module):
@@ -105,11 +110,20 @@ class Router(nn.Module):
         return F.linear(x.float(), self.weight)
 
 
+FUSED_SHARED_MAX_TOKENS = 64
+"""Batches of up to this many tokens run the shared experts as always-on experts of the fused MoE
+(SGLang's shared-expert fusion): four launches fewer a layer (the shared MLP's two matmuls, its
+activation and the add), which is what decode pays for. Larger batches run them through cuBLAS
+on views of the same weights, which outruns the grouped GEMM on prefill-sized rows."""
+
+
 class DeepseekMoE(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.gate = Router(cfg.hidden_size, cfg.num_experts)
+        # The shared MLP (intermediate n_shared_experts * moe_intermediate_size) is stored as
+        # n_shared_experts more experts after the routed ones (FusedMoE's docstring says why).
         self.experts = FusedMoE(
             cfg.num_experts,
             cfg.num_experts_per_tok,
@@ -117,12 +131,13 @@ class DeepseekMoE(nn.Module):
             cfg.moe_intermediate_size,
             cfg.norm_topk_prob,
             cfg.hidden_act,
+            num_shared=cfg.n_shared_experts,
         )
-        shared = cfg.moe_intermediate_size * cfg.n_shared_experts
-        self.shared_experts = MLP(cfg.hidden_size, shared, cfg.hidden_act) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg
+        num_shared = self.experts.num_shared
+        fuse_shared = num_shared > 0 and x.shape[0] <= FUSED_SHARED_MAX_TOKENS
         weights, experts = grouped_topk(
             self.gate(x),
             self.gate.e_score_correction_bias,
@@ -131,9 +146,12 @@ class DeepseekMoE(nn.Module):
             c.topk_group,
             c.norm_topk_prob,
             c.routed_scaling_factor,
+            num_shared=num_shared if fuse_shared else 0,
         )
         out = self.experts.routed(x, weights, experts)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        if num_shared and not fuse_shared:
+            out = out + self.experts.shared(x)
+        return out
 
 
 class DeepseekV3DecoderLayer(DecoderLayer):
@@ -163,3 +181,15 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
         if not cfg.uses_mla:
             raise ValueError("DeepseekV3ForCausalLM needs an MLA config (kv_lora_rank > 0)")
         super().__init__(cfg, max_position)
+
+    def map_weight(
+        self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]
+    ) -> str | None:
+        m = _SHARED.match(name)
+        if m is None:
+            return super().map_weight(name, tensor, params)
+        prefix, part = m.groups()
+        target = f"{prefix}.experts.{'w2' if part == 'down' else 'w13'}"
+        param = self._param(params, target, name)
+        self.get_submodule(f"{prefix}.experts").weight_loader(param, tensor, f"shared.{part}")
+        return target

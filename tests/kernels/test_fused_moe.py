@@ -1,6 +1,7 @@
 """The fused MoE grouped GEMM (ember/kernels/fused_moe.py) against the per-expert loop on fresh
 random inputs: random routes, every token to one expert (imbalance), experts no token chose
-(empty), one token, k of 1, and dims no tile divides; fp32 in the interpreter, bf16 on a GPU."""
+(empty), one and two tokens (the unsorted path: a block a pair), k of 1, and dims no tile
+divides; fp32 in the interpreter, bf16 on a GPU."""
 
 from __future__ import annotations
 
@@ -59,8 +60,14 @@ def _check(tokens, experts, top_k, hidden, inter, kind, dtype, device, seed, con
 @pytest.mark.parametrize("kind", ["random", "one-expert", "empty-experts"])
 @pytest.mark.parametrize(
     "tokens,experts,top_k,hidden,inter",
-    [(37, 8, 2, 40, 24), (1, 8, 2, 48, 32), (20, 6, 1, 24, 40), (9, 16, 4, 32, 16)],
-    ids=["uneven-dims", "one-token", "top-1", "many-experts"],
+    [
+        (37, 8, 2, 40, 24),
+        (1, 8, 2, 48, 32),
+        (2, 8, 3, 40, 24),
+        (20, 6, 1, 24, 40),
+        (9, 16, 4, 32, 16),
+    ],
+    ids=["uneven-dims", "one-token", "two-tokens", "top-1", "many-experts"],
 )
 def test_fused_moe_matches_the_per_expert_loop(
     tokens: int, experts: int, top_k: int, hidden: int, inter: int, kind: str, device: str
@@ -122,7 +129,7 @@ def test_tile_config_grows_with_rows_per_expert() -> None:
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["random", "one-expert", "empty-experts"])
-@pytest.mark.parametrize("tokens", [1, 64, 1000])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 64, 1000])
 def test_fused_moe_bf16_on_the_gpu(tokens: int, kind: str) -> None:
     """Moonlight-like expert dims (H 2048, I 1408, 64 experts, top 6) with the chosen tiles."""
     _check(tokens, 64, 6, 2048, 1408, kind, torch.bfloat16, "cuda", 3, None, 2e-2)
@@ -136,11 +143,12 @@ def test_fused_moe_is_captured_in_a_cuda_graph() -> None:
     x = torch.randn(32, 256, generator=g).cuda().bfloat16()
     weights = torch.rand(32, 2, generator=g).cuda()
     chosen = torch.randint(0, 16, (32, 2), generator=g).cuda()
-    fused_moe(x, w13, w2, weights, chosen)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fused_moe(x, w13, w2, weights, chosen)
-    chosen.copy_(torch.randint(0, 16, (32, 2), generator=g).cuda())
-    x.copy_(torch.randn(32, 256, generator=g).cuda().bfloat16())
-    graph.replay()
-    torch.testing.assert_close(out, fused_moe(x, w13, w2, weights, chosen))
+    for t in (1, 32):  # unsorted (a block a pair) and sorted by expert
+        fused_moe(x[:t], w13, w2, weights[:t], chosen[:t])  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused_moe(x[:t], w13, w2, weights[:t], chosen[:t])
+        chosen.copy_(torch.randint(0, 16, (32, 2), generator=g).cuda())
+        x.copy_(torch.randn(32, 256, generator=g).cuda().bfloat16())
+        graph.replay()
+        torch.testing.assert_close(out, fused_moe(x[:t], w13, w2, weights[:t], chosen[:t]))

@@ -66,6 +66,33 @@ def test_sigmoid_route_matches_grouped_topk(
     _same_route(got, want)
 
 
+@pytest.mark.parametrize("num_shared", [1, 2])
+def test_route_appends_the_shared_experts(num_shared: int) -> None:
+    """Shared experts ride along as experts E.. with weight 1 after the routed k, unscaled and
+    outside the renormalization, as grouped_topk appends them."""
+    g = torch.Generator().manual_seed(num_shared)
+    logits = torch.randn(9, 16, generator=g)
+    bias = torch.randn(16, generator=g) * 0.5
+    want = grouped_topk(logits, bias, 3, 4, 2, True, 2.5, num_shared=num_shared)
+    assert want[1].shape == (9, 3 + num_shared)
+    assert torch.equal(want[1][:, 3:], torch.arange(16, 16 + num_shared).expand(9, -1))
+    assert torch.equal(want[0][:, 3:], torch.ones(9, num_shared))
+    torch.testing.assert_close(want[0][:, :3].sum(-1), torch.full((9,), 2.5))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    got = route(
+        logits.to(dev),
+        3,
+        sigmoid=True,
+        renormalize=True,
+        correction_bias=bias.to(dev),
+        num_groups=4,
+        topk_groups=2,
+        scaling=2.5,
+        num_shared=num_shared,
+    )
+    _same_route(got, want)
+
+
 def test_route_of_no_tokens() -> None:
     w, e = route(torch.zeros(0, 8), 2, sigmoid=False, renormalize=True)
     assert w.shape == (0, 2) and e.shape == (0, 2)

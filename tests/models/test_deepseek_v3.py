@@ -2,7 +2,7 @@
 `DeepseekV3ForCausalLM` on tiny random checkpoints, in fp32: logits of the prefill and of every
 decode step within 1e-4, whole and chunked, with prefix-cache hits; greedy output token-identical
 to `generate`, batched. Variants: q through a LoRA or a plain q_proj, YaRN rope scaling (with the
-softmax scale correction), more dense first layers."""
+softmax scale correction), more dense first layers and two shared experts."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ VARIANTS = {
     "q-lora": {},
     "plain-q": {"q_lora_rank": None},
     "yarn": {"rope_scaling": YARN, "max_position_embeddings": 256},
-    "two-dense": {"first_k_dense_replace": 2, "num_hidden_layers": 4},
+    # Two shared experts (Moonlight has two): the shared MLP splits into two stacked experts.
+    "two-dense": {"first_k_dense_replace": 2, "num_hidden_layers": 4, "n_shared_experts": 2},
 }
 
 
@@ -60,7 +61,9 @@ def test_logits_match_transformers_every_step(model_dirs, variant: str, chunk: i
     assert kv.shape[2:] == (1, 4, 1, 32 + 8)  # one latent plane: kv_lora_rank + qk_rope_head_dim
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     with captured_logits(llm) as steps:
-        prompt = random_prompt(1, 45 if variant != "yarn" else 150, vocab)
+        # 150 tokens whole run the shared experts through cuBLAS (past FUSED_SHARED_MAX_TOKENS);
+        # chunks and decode steps run them inside the fused MoE.
+        prompt = random_prompt(1, 45 if variant not in ("yarn", "two-dense") else 150, vocab)
         tokens = llm.generate(prompt, params)[0].outputs[0].token_ids
         assert tokens == hf_greedy(hf, prompt, NEW_TOKENS)
         check_steps(steps, hf_logits(hf, prompt + tokens), len(prompt))

@@ -80,3 +80,32 @@ def test_grouped_topk_keeps_to_the_best_groups_and_refuses_bad_shapes() -> None:
         grouped_topk(logits, bias, 4, 3, 1, renormalize=True, scaling=1.0)
     with pytest.raises(ValueError, match="groups"):
         grouped_topk(logits, bias, 2, 4, 1, renormalize=True, scaling=1.0)
+
+
+def test_shared_experts_load_as_extra_experts_and_run_both_ways() -> None:
+    """A shared MLP of intermediate S * I loads as S experts after the routed ones; run as
+    always-on experts of the routed path (weight 1) or alone through `shared`, it equals the MLP
+    it was loaded from, and the routed experts are untouched by it."""
+    from ember.models.layers.activation import silu_and_mul
+
+    g = torch.Generator().manual_seed(1)
+    experts, shared, hidden, inter = 6, 2, 12, 8
+    m = FusedMoE(experts, 2, hidden, inter, renormalize=True, num_shared=shared)
+    routed13 = torch.randn(experts, 2 * inter, hidden, generator=g)
+    m.weight_loader(m.w13, routed13, "gate_up")
+    m.weight_loader(m.w2, torch.randn(experts, hidden, inter, generator=g), "down")
+    gate, up = (torch.randn(shared * inter, hidden, generator=g) for _ in range(2))
+    down = torch.randn(hidden, shared * inter, generator=g)
+    m.weight_loader(m.w13, gate, "shared.gate")
+    m.weight_loader(m.w13, up, "shared.up")
+    m.weight_loader(m.w2, down, "shared.down")
+    assert torch.equal(m.w13[:experts], routed13)
+    x = torch.randn(5, hidden, generator=g)
+    mlp = silu_and_mul(torch.cat([x @ gate.T, x @ up.T], dim=-1)) @ down.T
+    torch.testing.assert_close(m.shared(x), mlp, atol=1e-4, rtol=1e-4)
+    ids = torch.arange(experts, experts + shared).expand(5, -1)
+    torch.testing.assert_close(
+        m.routed(x, torch.ones(5, shared), ids), mlp, atol=1e-4, rtol=1e-4
+    )
+    with pytest.raises(ValueError, match="shared experts' down_proj"):
+        m.weight_loader(m.w2, down.T, "shared.down")

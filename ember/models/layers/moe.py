@@ -42,13 +42,15 @@ def grouped_topk(
     topk_groups: int,
     renormalize: bool,
     scaling: float,
+    num_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 / Kimi K2 routing: sigmoid scores; the experts are chosen on score + bias
     (`e_score_correction_bias`, which balances load) within the `topk_groups` groups whose two
     best biased scores sum highest, and weighted by their unbiased scores (renormalized to sum
     to 1 if asked), times `scaling` (`routed_scaling_factor`). No host sync and fixed shapes:
-    CUDA-graph safe; on a GPU one Triton launch (ember/kernels/moe_routing.py). Returns
-    (weights [T, k] float32, experts [T, k])."""
+    CUDA-graph safe; on a GPU one Triton launch (ember/kernels/moe_routing.py). The
+    `num_shared` always-on experts E, E + 1, .. follow with weight 1. Returns
+    (weights [T, k + num_shared] float32, experts [T, k + num_shared])."""
     t, e = router_logits.shape
     if e % num_groups or not 0 < topk_groups <= num_groups or top_k > topk_groups * e // num_groups:
         raise ValueError(
@@ -67,6 +69,7 @@ def grouped_topk(
             num_groups=num_groups,
             topk_groups=topk_groups,
             scaling=scaling,
+            num_shared=num_shared,
         )
     scores = router_logits.float().sigmoid()
     biased = scores + correction_bias.float()
@@ -76,7 +79,12 @@ def grouped_topk(
     weights = scores.gather(1, experts)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * scaling, experts
+    weights = weights * scaling
+    if num_shared:
+        shared = torch.arange(e, e + num_shared, device=experts.device).expand(t, -1)
+        experts = torch.cat([experts, shared], dim=1)
+        weights = torch.cat([weights, weights.new_ones(t, num_shared)], dim=1)
+    return weights, experts
 
 
 def _keep_best_groups(biased: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
@@ -91,6 +99,10 @@ def _keep_best_groups(biased: torch.Tensor, num_groups: int, topk_groups: int) -
 
 
 class FusedMoE(nn.Module):
+    """The experts of an MoE layer, stacked: `num_experts` routed ones, then `num_shared`
+    always-on ones (DeepSeek's shared experts: a shared MLP of intermediate S * I is S experts of
+    I, its hidden units split in S slices, since down(act(gate, up)) sums over them)."""
+
     def __init__(
         self,
         num_experts: int,
@@ -99,20 +111,43 @@ class FusedMoE(nn.Module):
         intermediate_size: int,
         renormalize: bool,
         act: str = "silu",
+        num_shared: int = 0,
     ) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.num_shared = num_shared
         self.intermediate_size = intermediate_size
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        total = num_experts + num_shared
+        self.w13 = nn.Parameter(torch.empty(total, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(total, hidden_size, intermediate_size))
         self.act = gated_activation(act)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
-        """shard: 'E.gate' | 'E.up' | 'E.down' for one expert, or 'gate_up' | 'down' for all."""
-        i = self.intermediate_size
+        """shard: 'E.gate' | 'E.up' | 'E.down' for one expert, 'gate_up' | 'down' for all routed
+        experts, 'shared.gate' | 'shared.up' | 'shared.down' for the shared MLP's weights
+        ([S * I, H], [S * I, H], [H, S * I])."""
+        i, e = self.intermediate_size, self.num_experts
         with torch.no_grad():
-            if shard in ("gate_up", "down"):
-                param.data.copy_(loaded)
+            if shard.startswith("shared."):
+                part = shard.split(".")[1]
+                expected = (self.w2.shape[1], self.num_shared * i)
+                if part != "down":
+                    expected = expected[::-1]
+                if tuple(loaded.shape) != expected:
+                    raise ValueError(
+                        f"shared experts' {part}_proj is {tuple(loaded.shape)}, "
+                        f"expected {expected}"
+                    )
+                for s in range(self.num_shared):
+                    rows = slice(s * i, (s + 1) * i)
+                    if part == "gate":
+                        param.data[e + s, :i].copy_(loaded[rows])
+                    elif part == "up":
+                        param.data[e + s, i:].copy_(loaded[rows])
+                    else:
+                        param.data[e + s].copy_(loaded[:, rows])
+            elif shard in ("gate_up", "down"):
+                param.data[:e].copy_(loaded)
             else:
                 expert, part = shard.split(".")
                 e = int(expert)
@@ -139,13 +174,24 @@ class FusedMoE(nn.Module):
             return self._dense(x, weights, experts)
         return routed_experts_ref(x, self.w13, self.w2, weights, experts, self.act)
 
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared experts alone, as one MLP through cuBLAS on views of the stacked weights
+        (for prefill-sized batches, where cuBLAS outruns the grouped GEMM)."""
+        e, s, i = self.num_experts, self.num_shared, self.intermediate_size
+        gate_up = F.linear(x, self.w13[e:].reshape(s * 2 * i, -1))  # [T, S * 2I]
+        h = self.act(gate_up.view(x.shape[0], s, 2 * i))  # [T, S, I]
+        out = F.linear(h[:, 0], self.w2[e])
+        for j in range(1, s):
+            out.addmm_(h[:, j], self.w2[e + j].t())
+        return out
+
     def _dense(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, weighted by the (mostly zero) routing weights.
 
         No host sync and no data-dependent shapes, so it can be captured in a CUDA graph; it
         costs num_experts / top_k times the routed FLOPs: the fallback when Triton is off.
         """
-        dense = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
+        dense = torch.zeros(x.shape[0], self.w13.shape[0], dtype=x.dtype, device=x.device)
         dense.scatter_(1, experts, weights.to(x.dtype))
         h = self.act(torch.einsum("th,eih->eti", x, self.w13))
         y = torch.einsum("eti,ehi->eth", h, self.w2)
