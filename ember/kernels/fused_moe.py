@@ -30,7 +30,6 @@ import triton.language as tl
 
 from ember.kernels.dispatch import dot_precision
 
-
 UNSORTED_MAX_TOKENS = 2
 """Up to this many tokens the pairs are not sorted: each pair is its own block of the grouped GEMM
 (its expert read from the routing), which saves the alignment's five launches (~6 us of a

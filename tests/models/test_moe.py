@@ -104,8 +104,6 @@ def test_shared_experts_load_as_extra_experts_and_run_both_ways() -> None:
     mlp = silu_and_mul(torch.cat([x @ gate.T, x @ up.T], dim=-1)) @ down.T
     torch.testing.assert_close(m.shared(x), mlp, atol=1e-4, rtol=1e-4)
     ids = torch.arange(experts, experts + shared).expand(5, -1)
-    torch.testing.assert_close(
-        m.routed(x, torch.ones(5, shared), ids), mlp, atol=1e-4, rtol=1e-4
-    )
+    torch.testing.assert_close(m.routed(x, torch.ones(5, shared), ids), mlp, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="shared experts' down_proj"):
         m.weight_loader(m.w2, down.T, "shared.down")

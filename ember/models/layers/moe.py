@@ -135,8 +135,7 @@ class FusedMoE(nn.Module):
                     expected = expected[::-1]
                 if tuple(loaded.shape) != expected:
                     raise ValueError(
-                        f"shared experts' {part}_proj is {tuple(loaded.shape)}, "
-                        f"expected {expected}"
+                        f"shared experts' {part}_proj is {tuple(loaded.shape)}, expected {expected}"
                     )
                 for s in range(self.num_shared):
                     rows = slice(s * i, (s + 1) * i)
