@@ -1,0 +1,105 @@
+"""The floor under a batch-1 decode step: what one kernel of a CUDA graph costs when it does
+almost nothing, and what the card's memory moves at, measured in the same run.
+
+A batch-1 step of an MoE model is hundreds of dependent kernels, most of them reading a few MB;
+each pays the graph's launch-to-launch latency and its own ramp (first loads in flight, the tail
+of its last wave). This measures that floor directly: a graph of N dependent kernels that each
+read and write one value (a Triton kernel, and torch's elementwise add), with and without
+programmatic dependent launch (PDL: the next kernel may start while the previous one drains,
+where Triton supports it), against the copy bandwidth that sets the roofline.
+
+    python benchmarks/launch_floor.py [--kernels 800]
+
+Prints a table and writes benchmarks/results/launch_floor-<GPU>.json (or $OUT/...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _bump_kernel(x_ptr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the previous kernel's writes are visible past this point
+    v = tl.load(x_ptr)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.store(x_ptr, v + 1.0)
+
+
+def graph_us_per_kernel(body, n: int, reps: int = 20) -> float:
+    """Microseconds of GPU time per kernel of a captured chain of n calls of body."""
+    body()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            body()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps / n
+
+
+def copy_bandwidth(gb: float = 2.0) -> float:
+    """GB/s of a device-to-device copy (read + write), the bandwidth the rooflines use."""
+    src = torch.empty(int(gb * 2**30), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kernels", type=int, default=800)
+    args = ap.parse_args()
+    n = args.kernels
+    x = torch.zeros(1, device="cuda")
+    v = torch.zeros(2048, dtype=torch.bfloat16, device="cuda")
+    one = torch.ones_like(v)
+    rows: dict[str, float | str] = {}
+    rows["triton, one value"] = graph_us_per_kernel(lambda: _bump_kernel[(1,)](x, PDL=False), n)
+    try:
+        rows["triton + PDL, one value"] = graph_us_per_kernel(
+            lambda: _bump_kernel[(1,)](x, PDL=True, launch_pdl=True), n
+        )
+    except Exception as exc:  # PDL needs Hopper and a Triton that launches with it
+        rows["triton + PDL, one value"] = f"unsupported: {type(exc).__name__}: {exc}"[:200]
+    rows["torch add, 2048 bf16"] = graph_us_per_kernel(lambda: v.add_(one), n)
+    gbps = copy_bandwidth()
+    name = torch.cuda.get_device_name()
+    print(f"## {name}: one kernel of a CUDA graph of {n}, and the copy bandwidth\n")
+    print("| kernel | us per kernel |\n|---|---|")
+    for k, val in rows.items():
+        print(f"| {k} | {val if isinstance(val, str) else f'{val:.2f}'} |")
+    print(f"\ncopy bandwidth: {gbps:.0f} GB/s")
+    out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
+    out = out_dir / f"launch_floor-{name.replace(' ', '_')}.json"
+    out.write_text(
+        json.dumps({"gpu": name, "kernels": n, "us_per_kernel": rows, "copy_gbps": gbps})
+    )
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
