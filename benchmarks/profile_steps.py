@@ -29,16 +29,21 @@ from ember.engine.core import EngineCore  # noqa: E402
 from ember.engine.messages import EngineCoreRequest  # noqa: E402
 from ember.sampling_params import SamplingParams  # noqa: E402
 
+LAUNCHES = "(launches) "
+"""Prefix of the per-kernel launch counts (per step) among a table's entries."""
+
 
 def kernels_of(prof: profile, steps: int) -> dict[str, float]:
+    """ms per step of each kernel (by name), LAUNCHES + name its launches per step, and the
+    total launches per step."""
     totals: dict[str, float] = defaultdict(float)
-    launches = 0
+    counts: dict[str, float] = defaultdict(float)
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             totals[ev.name[:90]] += ev.device_time_total / 1e3 / steps  # ms per step
-            launches += 1
-    totals["(kernel launches per step)"] = launches / steps
-    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+            counts[LAUNCHES + ev.name[:90]] += 1 / steps
+    totals = dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+    return {**totals, **counts, "(kernel launches per step)": sum(counts.values())}
 
 
 def _vocab(core: EngineCore) -> int:
@@ -100,21 +105,25 @@ def main() -> None:
         table = measure()
         wall = table.pop("(wall ms per step)")
         launches = table.pop("(kernel launches per step)")
+        counts = {k[len(LAUNCHES) :]: table.pop(k) for k in list(table) if k.startswith(LAUNCHES)}
         total = sum(table.values())
         result["tables"][key] = {
             "total_ms": total,
             "wall_ms": wall,
             "launches": launches,
             "kernels": table,
+            "launches_by_kernel": counts,
         }
         print(
             f"\n## {title}: {total:.3f} ms of kernels in {wall:.3f} ms of wall time, "
             f"{launches:.0f} launches per step"
         )
-        print("| kernel | ms/step | share |")
-        print("|---|---|---|")
-        for name, ms in list(table.items())[:16]:
-            print(f"| {name} | {ms:.3f} | {ms / total:.1%} |")
+        print("| kernel | ms/step | share | launches/step | us each |")
+        print("|---|---|---|---|---|")
+        for name, ms in list(table.items())[:24]:
+            n = counts.get(name, 0)
+            each = f"{ms * 1e3 / n:.1f}" if n else "-"
+            print(f"| {name} | {ms:.3f} | {ms / total:.1%} | {n:.0f} | {each} |")
     out = Path(os.environ.get("OUT") or "benchmarks/results")
     (out / f"profile_steps-{args.shape}-{gpu.replace(' ', '_')}.json").write_text(
         json.dumps(result, indent=2)

@@ -155,6 +155,8 @@ def mla_decode(
     num_splits: int | None = None,
     max_seq_len: int | None = None,
     block_h: int = 16,
+    block_n: int | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """Decode attention of one query a sequence over its paged latents: q_latent [B, H, L]
     (q_nope @ W_UK), q_rope [B, H, R], cache one layer's [num_blocks, 1, page, 1, L + R];
@@ -187,7 +189,7 @@ def mla_decode(
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     block_l = max(16, triton.next_power_of_2(rank))
     block_r = max(16, triton.next_power_of_2(rope))
-    block_n = 32 if block_l <= 256 else 16
+    block_n = block_n or (32 if block_l <= 256 else 16)
     if num_splits > 1:
         part = torch.empty(
             batch, num_heads, num_splits, rank, dtype=torch.float32, device=q_latent.device
@@ -230,6 +232,7 @@ def mla_decode(
         BLOCK_N=block_n,
         WRITE_LSE=num_splits > 1,
         DOT_PRECISION=dot_precision(q_latent.dtype),
+        num_warps=num_warps,
     )
     if num_splits > 1:
         merge_splits(part, lse, out, triton.next_power_of_2(rank))

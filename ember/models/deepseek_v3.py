@@ -19,6 +19,7 @@ from torch import nn
 
 from ember.attention.context import ForwardContext
 from ember.attention.mla import mla_attention
+from ember.kernels.dispatch import use_triton
 from ember.models.config import ModelConfig
 from ember.models.layers.linear import StackedLinear
 from ember.models.layers.moe import FusedMoE, grouped_topk
@@ -92,6 +93,11 @@ class MLAttention(nn.Module):
         return self.o_proj(o.reshape(t, h * self.v_dim))
 
 
+ROUTER_KERNEL_MAX_TOKENS = 64
+"""Decode-sized batches take the router's logits from one Triton launch (x cast in registers);
+larger ones from cuBLAS on x.float(), where the cast's extra pass is small beside the matmul."""
+
+
 class Router(nn.Module):
     """The MoE gate: fp32 logits over the experts, and the correction bias that balances load.
 
@@ -107,6 +113,10 @@ class Router(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x) and x.shape[0] <= ROUTER_KERNEL_MAX_TOKENS:
+            from ember.kernels.moe_routing import router_logits
+
+            return router_logits(x, self.weight)
         return F.linear(x.float(), self.weight)
 
 

@@ -152,3 +152,12 @@ def test_fused_moe_is_captured_in_a_cuda_graph() -> None:
         x.copy_(torch.randn(32, 256, generator=g).cuda().bfloat16())
         graph.replay()
         torch.testing.assert_close(out, fused_moe(x[:t], w13, w2, weights[:t], chosen[:t]))
+
+
+@pytest.mark.parametrize("k,t,hidden", [(1, 3, 40), (8, 1, 2048), (6, 37, 24)])
+def test_sum_slabs_equals_torch_sum(k: int, t: int, hidden: int, device: str) -> None:
+    from ember.kernels.fused_moe import sum_slabs
+
+    y = torch.randn(k, t, hidden, generator=torch.Generator().manual_seed(k + t))
+    got = sum_slabs(y.to(device))
+    torch.testing.assert_close(got.cpu(), y.sum(0), atol=1e-5, rtol=1e-5)

@@ -96,3 +96,20 @@ def test_route_appends_the_shared_experts(num_shared: int) -> None:
 def test_route_of_no_tokens() -> None:
     w, e = route(torch.zeros(0, 8), 2, sigmoid=False, renormalize=True)
     assert w.shape == (0, 2) and e.shape == (0, 2)
+
+
+@pytest.mark.parametrize("tokens,experts,hidden", [(1, 64, 2048), (5, 20, 72), (33, 384, 160)])
+def test_router_logits_match_the_fp32_linear(tokens: int, experts: int, hidden: int) -> None:
+    """bf16 activations against the float32 router weight, computed in float32 as
+    F.linear(x.float(), weight): token and expert counts no tile divides, Kimi K2's 384 experts."""
+    from ember.kernels.moe_routing import router_logits
+
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    w = torch.randn(experts, hidden, generator=g) / hidden**0.5
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    got = router_logits(x.to(dev), w.to(dev))
+    assert got.dtype == torch.float32 and got.shape == (tokens, experts)
+    torch.testing.assert_close(got.cpu(), torch.nn.functional.linear(x.float(), w))
+    with pytest.raises(ValueError, match="router weight"):
+        router_logits(x.to(dev), w.to(dev).bfloat16())
