@@ -44,6 +44,7 @@ def choose_num_splits(
     max_seq_len: int,
     num_sms: int = 132,
     min_tokens: int = MIN_TOKENS_PER_SPLIT,
+    programs_per_sm: int = PROGRAMS_PER_SM,
 ) -> int:
     """Splits per sequence so that stage 1 has about PROGRAMS_PER_SM programs per SM.
 
@@ -52,7 +53,7 @@ def choose_num_splits(
     """
     if batch_size <= 0 or num_kv_heads <= 0:
         raise ValueError(f"batch_size {batch_size} and num_kv_heads {num_kv_heads} must be > 0")
-    want = triton.cdiv(PROGRAMS_PER_SM * num_sms, batch_size * num_kv_heads)
+    want = triton.cdiv(programs_per_sm * num_sms, batch_size * num_kv_heads)
     by_len = triton.cdiv(max(max_seq_len, 1), min_tokens)
     return max(1, min(want, by_len, MAX_SPLITS))
 

@@ -30,6 +30,13 @@ serial steps each (24 us a layer on an H200, 0.66 ms of Moonlight's 4.95 ms toke
 partials (heads x rank fp32 a split) are small next to that at small batch, and at large batch
 the programs-per-SM bound keeps the splits few anyway."""
 
+PROGRAMS_PER_SM = 2
+"""Stage-1 programs wanted per SM: half of MHA decode's, since an MLA program carries every head
+of its block ([16, 512] fp32 accumulators). benchmarks/mla_decode_sweep.py on an H200, in CUDA
+graphs sized for 8k contexts: at 4 a batch of 64 x 1k took 9 splits and 56 us (16 heads), where 4
+splits took 40; at 2 the split counts land on the sweep's best (16 heads: batch 1, 8, 64; 64
+heads: batch 1 and 8; batch 64 gets 2 where 4 was the best measured). 32 latent rows a tile (BLOCK_N) beat 16 at every shape but one (within 0.4 us)."""
+
 
 @triton.jit
 def _mla_split_kernel(
@@ -184,12 +191,14 @@ def mla_decode(
     if num_splits is None:
         longest = max_seq_len if max_seq_len is not None else block_tables.shape[1] * page
         sms = _num_sms(q_latent.device.index or 0) if q_latent.is_cuda else 1
-        num_splits = choose_num_splits(batch, head_blocks, longest, sms, MIN_TOKENS_PER_SPLIT)
+        num_splits = choose_num_splits(
+            batch, head_blocks, longest, sms, MIN_TOKENS_PER_SPLIT, PROGRAMS_PER_SM
+        )
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     block_l = max(16, triton.next_power_of_2(rank))
     block_r = max(16, triton.next_power_of_2(rope))
-    block_n = block_n or (32 if block_l <= 256 else 16)
+    block_n = block_n or 32
     if num_splits > 1:
         part = torch.empty(
             batch, num_heads, num_splits, rank, dtype=torch.float32, device=q_latent.device
