@@ -29,7 +29,9 @@ def _router_logits_kernel(
 ):
     # One token and BLOCK_E experts a program: their weight rows [BLOCK_E, H] times the token's
     # row, multiplied and summed on the CUDA cores in fp32 (tl.dot would pad the one token to 16
-    # rows, and an fp32 "ieee" dot is emulated: 42 us a layer on an H200 at batch 1).
+    # rows, and an fp32 "ieee" dot is emulated: 42 us a layer on an H200 at batch 1). BLOCK_H
+    # spans the whole row where it fits: a loop of loads is not pipelined without a dot, and
+    # four dependent 8 KB loads took 7 us.
     t = tl.program_id(0).to(tl.int64)
     es = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = es < num_experts
@@ -49,8 +51,8 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, H] (any float dtype) times the float32 router weight [E, H], in float32: what
     F.linear(x.float(), weight) computes, in one launch where that was three (the cast and
     cuBLAS's two-kernel fp32 GEMV, ~6 us a layer at decode on an H200). For decode-sized T: a
-    program a (token, 4 experts), so one token still spreads over E / 4 SMs; a batch's tokens
-    re-read the weight from L2."""
+    program a (token, one or two experts), each reading its rows in one load, so one token
+    spreads over E / 2 SMs or more; a batch's tokens re-read the weight from L2."""
     t, hidden = x.shape
     num_experts = weight.shape[0]
     if weight.shape[1] != hidden or weight.dtype != torch.float32:
@@ -61,7 +63,8 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t, num_experts, dtype=torch.float32, device=x.device)
     if t == 0:
         return out
-    block_e = 4
+    block_h = min(triton.next_power_of_2(hidden), 8192)
+    block_e = 2 if block_h <= 4096 else 1
     _router_logits_kernel[(t, triton.cdiv(num_experts, block_e))](
         x,
         weight,
@@ -72,7 +75,8 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         weight.stride(0),
         out.stride(0),
         BLOCK_E=block_e,
-        BLOCK_H=512,
+        BLOCK_H=block_h,
+        num_warps=4 if block_h <= 4096 else 8,
     )
     return out
 

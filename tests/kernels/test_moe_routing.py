@@ -98,7 +98,9 @@ def test_route_of_no_tokens() -> None:
     assert w.shape == (0, 2) and e.shape == (0, 2)
 
 
-@pytest.mark.parametrize("tokens,experts,hidden", [(1, 64, 2048), (5, 20, 72), (33, 384, 160)])
+@pytest.mark.parametrize(
+    "tokens,experts,hidden", [(1, 64, 2048), (5, 20, 72), (33, 384, 160), (2, 12, 9000)]
+)
 def test_router_logits_match_the_fp32_linear(tokens: int, experts: int, hidden: int) -> None:
     """bf16 activations against the float32 router weight, computed in float32 as
     F.linear(x.float(), weight): token and expert counts no tile divides, Kimi K2's 384 experts."""
