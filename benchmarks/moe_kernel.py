@@ -27,6 +27,9 @@ from ember.kernels.fused_moe import align_by_expert, fused_moe, tile_config  # n
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
 CANDIDATES = [
+    (16, 32, 128, 4, 3),
+    (16, 32, 256, 4, 3),
+    (16, 64, 256, 4, 4),
     (16, 64, 128, 4, 3),
     (16, 128, 128, 4, 3),
     (16, 64, 256, 4, 3),
