@@ -9,6 +9,8 @@ import os
 import shutil
 from pathlib import Path
 
+from ember.home import ember_home
+
 
 def resolve_model(model: str) -> str:
     """A model argument as a directory: a `.gguf` file is imported once into
@@ -22,7 +24,7 @@ def resolve_model(model: str) -> str:
     with path.open("rb") as f:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
-    home = Path(os.environ.get("EMBER_HOME", Path.home() / ".cache" / "ember"))
+    home = ember_home()
     out = home / "models" / f"gguf-{path.stem}-{digest.hexdigest()[:16]}"
     if not (out / "config.json").is_file():
         _import_once(path, out)
@@ -66,7 +68,7 @@ def get_model(name: str) -> Path:
     if name not in KNOWN_MODELS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(KNOWN_MODELS))}")
     package, dirname = KNOWN_MODELS[name]
-    home = Path(os.environ.get("EMBER_HOME", Path.home() / ".cache" / "ember"))
+    home = ember_home()
     out = home / "models" / dirname
     if (out / "config.json").is_file():
         return out

@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-import os
 import sys
 from functools import cache
 from pathlib import Path
@@ -32,6 +31,7 @@ from tokenizers import (
     trainers,
 )
 
+from ember.home import ember_home
 from ember.models import tiny_kimi
 from ember.tokenizer.tiktoken_bpe import TIKTOKEN_FILE
 
@@ -509,7 +509,7 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
 
 def default_tiny_dir(arch: str = "qwen3") -> Path:
     """Where `ember demo`, `ember up` and the benchmarks keep the embedded tiny models."""
-    home = Path(os.environ.get("EMBER_HOME", Path.home() / ".cache" / "ember"))
+    home = ember_home()
     return home / "models" / f"tiny-{arch}"
 
 

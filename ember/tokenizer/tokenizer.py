@@ -14,7 +14,7 @@ from typing import Any
 import tokenizers
 
 from ember.tokenizer.chat_template import render_chat_template
-from ember.tokenizer.tiktoken_bpe import TIKTOKEN_FILE, tokenizer_from_tiktoken
+from ember.tokenizer.tiktoken_bpe import TIKTOKEN_FILE, cached_tokenizer_from_tiktoken
 
 # The named special tokens transformers passes to chat templates (`bos_token`, ...).
 _NAMED_SPECIAL_TOKENS = (
@@ -151,7 +151,7 @@ def load_backend(
         return tokenizers.Tokenizer.from_file(str(root / "tokenizer.json"))
     if (root / TIKTOKEN_FILE).is_file():
         config = _read_json(root / "tokenizer_config.json") if config is None else config
-        return tokenizer_from_tiktoken(
+        return cached_tokenizer_from_tiktoken(
             root / TIKTOKEN_FILE, config.get("added_tokens_decoder") or {}
         )
     raise FileNotFoundError(f"no tokenizer.json (nor {TIKTOKEN_FILE}) in {root}")

@@ -173,3 +173,34 @@ def test_tokenizer_json_wins_over_tiktoken_model(tiny_model_dir, tmp_path: Path)
         (tmp_path / name).write_bytes((qwen / name).read_bytes())
     write_ranks(tmp_path / "tiktoken.model", BYTES)
     assert Tokenizer.from_dir(tmp_path).vocab_size == Tokenizer.from_dir(qwen).vocab_size
+
+
+def test_the_conversion_is_cached_by_what_it_was_made_from(tmp_path: Path, monkeypatch) -> None:
+    """The first load derives the BPE and caches it; a second reads the cache (the conversion is
+    not called) and encodes alike; a changed file or added tokens are a new entry; a torn entry
+    is derived again; an unwritable cache only costs the time."""
+    import ember.tokenizer.tiktoken_bpe as tb
+
+    monkeypatch.setenv("EMBER_HOME", str(tmp_path / "home"))
+    file = write_ranks(tmp_path / "t.model", [*BYTES, b"ab", b"abc", "中文".encode()])
+    added = {"259": {"content": "[BOS]", "special": True}}
+    calls = []
+    convert = tb.tokenizer_from_tiktoken
+    monkeypatch.setattr(tb, "tokenizer_from_tiktoken", lambda *a: calls.append(a) or convert(*a))
+    first = tb.cached_tokenizer_from_tiktoken(file, added)
+    entries = list((tmp_path / "home" / "tokenizers").iterdir())
+    assert len(calls) == 1 and len(entries) == 1
+    second = tb.cached_tokenizer_from_tiktoken(file, added)
+    assert len(calls) == 1
+    for text in ("abcab[BOS]中文 x", "", "ab\nabc"):
+        assert second.encode(text).ids == first.encode(text).ids
+    tb.cached_tokenizer_from_tiktoken(file, {})  # other added tokens: another entry
+    write_ranks(file, [*BYTES, b"ab"])  # another file: another entry
+    assert tb.cached_tokenizer_from_tiktoken(file, added).get_vocab_size() == 260
+    assert len(calls) == 3 and len(list(entries[0].parent.iterdir())) == 3
+    entries[0].write_text('{"torn": ')
+    write_ranks(file, [*BYTES, b"ab", b"abc", "中文".encode()])
+    assert tb.cached_tokenizer_from_tiktoken(file, added).encode("abc").ids == [257]
+    assert len(calls) == 4
+    monkeypatch.setenv("EMBER_HOME", str(file))  # a file, not a directory: unwritable
+    assert tb.cached_tokenizer_from_tiktoken(file, added).encode("abc").ids == [257]
