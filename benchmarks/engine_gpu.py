@@ -157,14 +157,16 @@ def median_ms(fn, iters: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def graph_ms(fn, iters: int = 50) -> float:
+def graph_ms(fn, iters: int = 50, chain: int = 1) -> float:
     """GPU time of fn replayed from a CUDA graph, in ms (mean over iters replays): what a step
-    captured in a graph pays, without the host's launch gaps."""
+    captured in a graph pays, without the host's launch gaps. With chain > 1 the graph holds
+    that many calls back to back and the time is per call (a replay's own cost spread thin)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(chain):
+            fn()
     for _ in range(3):
         graph.replay()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -173,7 +175,7 @@ def graph_ms(fn, iters: int = 50) -> float:
         graph.replay()
     b.record()
     b.synchronize()
-    return a.elapsed_time(b) / iters
+    return a.elapsed_time(b) / iters / chain
 
 
 def copy_bandwidth() -> float:

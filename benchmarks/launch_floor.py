@@ -18,11 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine_gpu import copy_bandwidth, graph_ms  # noqa: E402
 
 
 @triton.jit
@@ -35,40 +41,6 @@ def _bump_kernel(x_ptr, PDL: tl.constexpr):
     tl.store(x_ptr, v + 1.0)
 
 
-def graph_us_per_kernel(body, n: int, reps: int = 20) -> float:
-    """Microseconds of GPU time per kernel of a captured chain of n calls of body."""
-    body()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(n):
-            body()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps / n
-
-
-def copy_bandwidth(gb: float = 2.0) -> float:
-    """GB/s of a device-to-device copy (read + write), the bandwidth the rooflines use."""
-    src = torch.empty(int(gb * 2**30), dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3) / 1e9
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernels", type=int, default=800)
@@ -78,6 +50,10 @@ def main() -> None:
     v = torch.zeros(2048, dtype=torch.bfloat16, device="cuda")
     one = torch.ones_like(v)
     rows: dict[str, float | str] = {}
+
+    def graph_us_per_kernel(body, n: int) -> float:
+        return graph_ms(body, iters=20, chain=n) * 1e3
+
     rows["triton, one value"] = graph_us_per_kernel(lambda: _bump_kernel[(1,)](x, PDL=False), n)
     try:
         rows["triton + PDL, one value"] = graph_us_per_kernel(
@@ -86,7 +62,7 @@ def main() -> None:
     except Exception as exc:  # PDL needs Hopper and a Triton that launches with it
         rows["triton + PDL, one value"] = f"unsupported: {type(exc).__name__}: {exc}"[:200]
     rows["torch add, 2048 bf16"] = graph_us_per_kernel(lambda: v.add_(one), n)
-    gbps = copy_bandwidth()
+    gbps = copy_bandwidth() / 1e9
     name = torch.cuda.get_device_name()
     print(f"## {name}: one kernel of a CUDA graph of {n}, and the copy bandwidth\n")
     print("| kernel | us per kernel |\n|---|---|")

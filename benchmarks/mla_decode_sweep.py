@@ -23,6 +23,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine_gpu import graph_ms  # noqa: E402
 
 from ember.kernels.mla_decode import mla_decode  # noqa: E402
 
@@ -42,23 +45,7 @@ def case(batch: int, ctx: int, heads: int):
 
 
 def graph_us(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CHAIN):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CHAIN)
-    return sorted(times)[len(times) // 2]
+    return graph_ms(fn, iters=10, chain=CHAIN) * 1e3
 
 
 def main() -> None:
