@@ -34,8 +34,8 @@ UNSORTED_MAX_TOKENS = 2
 """Up to this many tokens the pairs are not sorted: each pair is its own block of the grouped GEMM
 (its expert read from the routing), which saves the alignment's five launches (~6 us of a
 Moonlight layer's ~130 at batch 1 on an H200). A token's k experts are distinct, so at batch 1
-every weight is read once either way; at two tokens a shared expert is read twice (from L2 when
-the two blocks run together). Past that, sorting pays: the rows of an expert share its tiles."""
+every weight is read once either way; at two tokens an expert both chose is read twice (from L2
+when the two blocks run together). Past that, sorting pays: the rows of an expert share its tiles."""
 
 
 @triton.jit

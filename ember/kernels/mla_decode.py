@@ -35,7 +35,8 @@ PROGRAMS_PER_SM = 2
 of its block ([16, 512] fp32 accumulators). benchmarks/mla_decode_sweep.py on an H200, in CUDA
 graphs sized for 8k contexts: at 4 a batch of 64 x 1k took 9 splits and 56 us (16 heads), where 4
 splits took 40; at 2 the split counts land on the sweep's best (16 heads: batch 1, 8, 64; 64
-heads: batch 1 and 8; batch 64 gets 2 where 4 was the best measured). 32 latent rows a tile (BLOCK_N) beat 16 at every shape but one (within 0.4 us)."""
+heads: batch 1 and 8; batch 64 gets 2 where 4 was the best measured). 32 latent rows a tile
+(BLOCK_N) beat 16 at every shape but one (within 0.4 us)."""
 
 
 @triton.jit

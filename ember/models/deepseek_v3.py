@@ -6,7 +6,8 @@ Attention (ember/attention/mla.py) on a GPU runs decode rows and short extends i
 through the Triton MLA decode kernel (ember/kernels/mla_decode.py, CUDA-graph safe) and long
 prefills with K/V expanded per head through torch's fused attention; on the CPU in the latent
 space through the PyTorch reference. The routed experts run in the fused MoE grouped GEMM
-(ember/kernels/fused_moe.py) on a GPU.
+(ember/kernels/fused_moe.py) on a GPU, and with them, at decode-sized batches, the shared experts
+(stored as more experts of the same stacked weights).
 """
 
 from __future__ import annotations
