@@ -34,6 +34,7 @@ from ember.engine.sampler import SamplingBatch, make_generator
 from ember.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ember.engine.speculation import Speculator, verify_graph_rows
 from ember.engine.structured_output import GrammarCompiler
+from ember.kernels import compile_log
 from ember.kv.kv_cache_manager import KVCacheManager
 from ember.models.config import ModelConfig
 from ember.models.loader import load_model
@@ -70,9 +71,13 @@ class EngineCore:
         on_gpu = self.device.type == "cuda"
         if on_gpu and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        self.compile_log = None
         if on_gpu:
             torch.cuda.set_device(self.device)
             free0, total = torch.cuda.mem_get_info(self.device)
+            # Triton's binaries in ember's home, and a count of what start-up compiles and loads.
+            compile_log.use_ember_cache()
+            self.compile_log = compile_log.install()
         model = load_model(
             config.model,
             self.model_config,
@@ -186,6 +191,8 @@ class EngineCore:
             num_blocks * config.block_size,
             num_blocks * r.kv_block_bytes / 2**20,
         )
+        if self.compile_log is not None:
+            self.compile_log.ready()
 
     def add_request(self, msg: EngineCoreRequest) -> None:
         req = Request(
