@@ -1,0 +1,257 @@
+"""`ember serve` against `vllm serve` on one GPU, each at its defaults, driven by the same client
+(`ember bench`) with the same loads (issue 16):
+
+- mixed: 256 requests of 1024 prompt tokens and 256 output tokens, all sent at once: output tok/s;
+- b1: one request at a time, 128 in, 512 out, three times: TPOT p50;
+- sweep: the mixed requests at Poisson rates (--rates): TTFT and TPOT p50/p90, done req/s;
+
+each on a fresh start (empty compile caches: ember's Triton cache; vLLM's torch.compile, Inductor
+and Triton caches) and again on a warm one (the same caches, the server restarted). A start's
+seconds to ready are timed, and the first start's mixed requests are compared one by one with the
+same requests on the warm start ("first minute": no request more than 5% slower, the goal).
+
+The model is a shape of benchmarks/engine_gpu.py with dummy weights and a word-level tokenizer
+that spells every id of its vocabulary (so both servers detokenize whatever a random model emits).
+vLLM comes from scripts/vllm_pack.sh's archives, unpacked by scripts/vllm_device_env.sh
+($VLLM_SITE). `--device cpu` runs ember alone on its tiny model with tiny loads: a smoke test of
+this script.
+
+    python benchmarks/served_gpu.py [--shape llama] [--engines ember,vllm] [--loads mixed,b1,sweep]
+
+Prints a table and writes $OUT/served_gpu-<GPU>.json (or benchmarks/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine_gpu import SHAPES  # noqa: E402
+
+from ember.cluster import stop_processes  # noqa: E402
+from ember.kv.tiers.store_master import free_port  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Loads:
+    mixed: tuple[int, int, int]  # requests, input, output
+    b1: tuple[int, int, int]
+    sweep_rates: str
+    vocab: str
+
+
+GPU_LOADS = Loads((256, 1024, 256), (3, 128, 512), "4,8,16", "10:120000")
+CPU_LOADS = Loads((8, 48, 8), (2, 16, 8), "4,8", "10:300")
+
+
+def word_tokenizer(model_dir: Path, vocab: int) -> None:
+    """A tokenizer.json whose word-level vocabulary spells every id below `vocab` (t0, t1, ...)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(model_dir / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "t1",
+        "eos_token": "t2",
+        "model_max_length": 1 << 20,
+    }
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def model_dir(shape: str) -> Path:
+    d = Path(tempfile.mkdtemp(prefix=f"served-{shape}-"))
+    cfg = dict(SHAPES[shape])
+    cfg.setdefault("bos_token_id", 1)
+    cfg.setdefault("eos_token_id", 2)
+    (d / "config.json").write_text(json.dumps(cfg))
+    word_tokenizer(d, cfg["vocab_size"])
+    return d
+
+
+def command(engine: str, model: str, port: int, device: str) -> list[str]:
+    if engine == "ember":
+        cmd = [sys.executable, "-m", "ember.cli", "serve", model, "--device", device]
+        if device == "cuda":
+            cmd += ["--load-format", "dummy"]
+        return cmd + ["--port", str(port), "--served-model-name", "m"]
+    if engine == "vllm":
+        return [
+            sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
+            "--load-format", "dummy", "--port", str(port), "--served-model-name", "m",
+        ]  # fmt: skip
+    raise ValueError(f"unknown engine {engine!r}")
+
+
+def environment(engine: str, caches: Path) -> dict[str, str]:
+    """The engine's compile caches under `caches` (empty: a fresh machine's first start)."""
+    env = {**os.environ, "TRITON_CACHE_DIR": str(caches / "triton")}
+    if engine == "vllm":
+        site = os.environ.get("VLLM_SITE", "/tmp/vllm_site")
+        env |= {
+            "PYTHONPATH": os.pathsep.join([site, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+            "VLLM_CACHE_ROOT": str(caches / "vllm"),
+            "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
+            "VLLM_USE_FLASHINFER_SAMPLER": "0",
+        }
+    return env
+
+
+def start(cmd: list[str], env: dict[str, str], url: str, log: Path, timeout_s: float):
+    """The server's process and its seconds from launch to /health answering 200 (both servers
+    answer 503 or nothing while they load)."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    while time.monotonic() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{cmd[2:4]} exited with {proc.returncode}; see {log}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, time.monotonic() - t0
+        except OSError:
+            pass
+        time.sleep(0.25)
+    stop_processes([proc])
+    raise TimeoutError(f"not ready after {timeout_s:.0f} s; see {log}")
+
+
+def bench(url: str, out: Path, name: str, load: tuple[int, int, int], vocab: str, rates=None):
+    """One `ember bench --workload random` run: its JSON document."""
+    n, inp, outp = load
+    cmd = [
+        sys.executable, "-m", "ember.cli", "bench", "--url", url, "--workload", "random",
+        "--num-requests", str(n), "--input-len", str(inp), "--output-len", str(outp),
+        "--vocab", vocab, "--out", str(out), "--name", name, "--no-progress",
+    ]  # fmt: skip
+    if rates:
+        cmd += ["--rates", rates]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return json.loads((out / f"{name}.json").read_text())
+
+
+def run_loads(url: str, out: Path, tag: str, wanted: list[str], loads: Loads) -> dict:
+    result: dict = {}
+    if "mixed" in wanted:
+        doc = bench(url, out, f"{tag}-mixed", loads.mixed, loads.vocab)
+        result["mixed"] = doc["summary"]
+        result["mixed_latency_s"] = {
+            r["request_id"]: r["e2e"] for r in doc["records"] if r.get("e2e") is not None
+        }
+    if "b1" in wanted:
+        tpots = []
+        for i in range(loads.b1[0]):
+            doc = bench(url, out, f"{tag}-b1-{i}", (1, *loads.b1[1:]), loads.vocab)
+            tpots.append(doc["summary"]["tpot_ms"]["p50"])
+        result["b1_tpot_ms"] = sorted(tpots)[len(tpots) // 2]
+    if "sweep" in wanted:
+        doc = bench(url, out, f"{tag}-sweep", loads.mixed, loads.vocab, loads.sweep_rates)
+        result["sweep"] = [{"rate": s["rate"], **s["summary"]} for s in doc["sweep"] or []]
+    return result
+
+
+def first_minute(fresh: dict[str, float], warm: dict[str, float]) -> dict[str, float]:
+    """Each request's latency on the fresh start over the same request's on the warm start."""
+    ratios = sorted(fresh[k] / warm[k] for k in fresh.keys() & warm.keys() if warm[k] > 0)
+    if not ratios:
+        return {}
+    return {"worst": ratios[-1], "p50": ratios[len(ratios) // 2], "requests": len(ratios)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="llama", choices=sorted(SHAPES))
+    ap.add_argument("--engines", default="ember,vllm")
+    ap.add_argument("--loads", default="mixed,b1,sweep")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--ready-timeout", type=float, default=600.0)
+    args = ap.parse_args()
+    wanted = args.loads.split(",")
+    if args.device == "cpu":
+        from ember.models.tiny import ensure_tiny
+
+        model, loads, gpu = str(ensure_tiny("qwen3")), CPU_LOADS, "cpu"
+    else:
+        import torch
+
+        model, loads, gpu = str(model_dir(args.shape)), GPU_LOADS, torch.cuda.get_device_name()
+    work = Path(tempfile.mkdtemp(prefix="served-gpu-"))
+    shape = "tiny-qwen3" if args.device == "cpu" else args.shape
+    report: dict = {"gpu": gpu, "shape": shape, "loads": loads.__dict__, "engines": {}}
+    for engine in args.engines.split(","):
+        caches = work / f"{engine}-caches"  # empty at the first start, kept for the second
+        runs = {}
+        for start_kind in ("fresh", "warm"):
+            port = free_port("127.0.0.1")
+            url = f"http://127.0.0.1:{port}"
+            log = work / f"{engine}-{start_kind}.log"
+            cmd = command(engine, model, port, args.device)
+            proc, ready_s = start(cmd, environment(engine, caches), url, log, args.ready_timeout)
+            try:
+                runs[start_kind] = {
+                    "ready_s": ready_s,
+                    **run_loads(url, work / "bench", f"{engine}-{start_kind}", wanted, loads),
+                }
+            finally:
+                stop_processes([proc], 30.0)
+        if "mixed" in wanted:
+            runs["first_minute"] = first_minute(
+                runs["fresh"].pop("mixed_latency_s"), runs["warm"].pop("mixed_latency_s")
+            )
+        report["engines"][engine] = runs
+    print_table(report)
+    out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
+    out = out_dir / f"served_gpu-{gpu.replace(' ', '_')}.json"
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out} (logs and runs in {work})")
+
+
+def print_table(report: dict) -> None:
+    engines = report["engines"]
+    print(f"\n## {report['gpu']}, shape {report['shape']}: served, same client\n")
+    print("| | " + " | ".join(f"{e} fresh | {e} warm" for e in engines) + " |")
+    print("|---|" + "---|---|" * len(engines))
+
+    def row(label: str, get) -> None:
+        cells = []
+        for runs in engines.values():
+            for kind in ("fresh", "warm"):
+                try:
+                    cells.append(get(runs[kind]))
+                except (KeyError, TypeError):
+                    cells.append("-")
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+    row("start to ready", lambda r: f"{r['ready_s']:.1f} s")
+    row("mixed, output tok/s", lambda r: f"{r['mixed']['output_throughput']:.0f}")
+    row("b1, TPOT p50", lambda r: f"{r['b1_tpot_ms']:.2f} ms")
+    for e, runs in engines.items():
+        for kind in ("fresh", "warm"):
+            for s in runs[kind].get("sweep", []):
+                print(
+                    f"{e} {kind}, {s['rate']:g} req/s: {s['output_throughput']:.0f} out tok/s, "
+                    f"TTFT p50/p90 {s['ttft_ms']['p50']:.0f}/{s['ttft_ms']['p90']:.0f} ms, "
+                    f"TPOT p50/p90 {s['tpot_ms']['p50']:.1f}/{s['tpot_ms']['p90']:.1f} ms"
+                )
+        fm = runs.get("first_minute") or {}
+        if fm:
+            print(
+                f"\n{e}: first start / warm, per request: worst {fm['worst']:.3f}, p50 {fm['p50']:.3f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
