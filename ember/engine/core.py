@@ -34,6 +34,7 @@ from ember.engine.sampler import SamplingBatch, make_generator
 from ember.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ember.engine.speculation import Speculator, verify_graph_rows
 from ember.engine.structured_output import GrammarCompiler
+from ember.engine.warmup import warm_up, warmup_batches
 from ember.kernels import compile_log
 from ember.kv.kv_cache_manager import KVCacheManager
 from ember.models.config import ModelConfig
@@ -184,6 +185,20 @@ class EngineCore:
                 k = spec.num_speculative_tokens if spec else 0
                 rows = verify_graph_rows(spec, batch) if spec else 0
                 self.runner.capture_cuda_graphs(batch, r.max_model_len, rows, max_group=k + 1)
+        if on_gpu and config.warmup:
+            t0 = time.perf_counter()
+            graph_batch = 0 if config.enforce_eager else config.max_cuda_graph_batch
+            ran = warm_up(
+                self.runner,
+                warmup_batches(
+                    r.max_num_batched_tokens,
+                    config.max_num_seqs,
+                    r.max_model_len,
+                    graph_batch,
+                    config.block_size,
+                ),
+            )
+            log.info("warm-up: %d batch shapes in %.1f s", ran, time.perf_counter() - t0)
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
             num_blocks,

@@ -24,6 +24,7 @@ from ember.engine.cuda_graphs import DecodeGraphs, feed_input_ids, feed_row
 from ember.engine.prompt_logprobs import PromptScoring, plan_prompt_scoring
 from ember.engine.sampler import Sampler, SamplerOutput, score_tokens
 from ember.engine.sampling_rows import sample_rows
+from ember.engine.warmup import dummy_inputs
 from ember.spec.eagle3_step import draft_after_step
 from ember.spec.verify import last_rows, num_accepted, verify_rows
 
@@ -420,31 +421,7 @@ class ModelRunner:
         self.allocate_kv_cache(sum(blocks_per_seq))
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        tables, start = [], 0
-        for nb in blocks_per_seq:
-            tables.append(list(range(start, start + nb)))
-            start += nb
-        qsl = [0]
-        for n in per_seq:
-            qsl.append(qsl[-1] + n)
-        slots = [
-            t[p // self.block_size] * self.block_size + p % self.block_size
-            for t, n in zip(tables, per_seq, strict=True)
-            for p in range(n)
-        ]
-        width = max(blocks_per_seq)
-        md = AttentionMetadata(
-            query_start_loc=self._tensor(qsl, torch.int32),
-            seq_lens=self._tensor(per_seq, torch.int32),
-            block_tables=self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32),
-            slot_mapping=self._tensor(slots, torch.int64),
-            max_query_len=max(per_seq),
-            max_seq_len=max(per_seq),
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=per_seq,
-        )
-        ids = torch.randint(0, self.config.vocab_size, (num_tokens,), device=self.device)
-        pos = torch.cat([torch.arange(n, device=self.device) for n in per_seq])
+        ids, pos, md = dummy_inputs(self, [(n, 0) for n in per_seq])
         hidden = self.model(ids, pos, ForwardContext(md, self.kv_cache, self.backend))
         logits = self.model.compute_logits(hidden[: min(max_seqs, num_tokens)])
         torch.softmax(logits, dim=-1)

@@ -323,6 +323,7 @@ def engine_config_from_args(args: argparse.Namespace, cluster_secret: str = "") 
         cpu_threads=args.cpu_threads,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        warmup=args.warmup,
         async_scheduling=args.async_scheduling,
         kv_role=args.role,
         kv_transport=args.kv_transport,

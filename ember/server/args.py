@@ -47,6 +47,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
+        "--warmup",
+        action="store_true",
+        help="GPU: run the batch shapes serving meets at start-up, so Triton compiles then",
+    )
+    p.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,

@@ -1,0 +1,114 @@
+"""Dummy forward passes: the profiled worst-case step that sizes the KV cache, and the start-up
+warm-up that runs the batch shapes serving will meet so that Triton compiles their kernel variants
+before the first request rather than during it (issue 16).
+
+A Triton kernel is compiled once per variant: its constexprs (tile sizes some kernels pick by
+token count) and its integer arguments' specializations (equal to 1, divisible by 16, neither).
+The warm-up's batches vary exactly those: one token and many, counts on and off multiples of 16,
+fresh prompts and prompts over a cached prefix, decode rows alone past the captured graphs and
+mixed with a prefill chunk. `ember/kernels/compile_log.py` names any variant still compiled on the
+request path, which is the list to extend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ember.attention.context import ForwardContext
+from ember.attention.metadata import AttentionMetadata
+
+Run = tuple[int, int]
+"""One sequence of a dummy batch: (new tokens, tokens already in its KV)."""
+
+
+def dummy_inputs(runner, runs: list[Run]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(input ids, positions, metadata) of a batch of `runs` over consecutive KV blocks from 0 of
+    `runner.kv_cache`; single-token runs are decode rows and must come first, as the scheduler
+    orders them. Random token ids; what the blocks held before is overwritten or read as is."""
+    bs = runner.block_size
+    decodes = sum(n == 1 for n, _ in runs)
+    if any(n != 1 for n, _ in runs[:decodes]):
+        raise ValueError("decode rows (one new token) must come first")
+    tables, slots, qsl, seq_lens, positions, start = [], [], [0], [], [], 0
+    for n, ctx in runs:
+        total = ctx + n
+        blocks = list(range(start, start + -(-total // bs)))
+        start += len(blocks)
+        tables.append(blocks)
+        slots += [blocks[p // bs] * bs + p % bs for p in range(ctx, total)]
+        positions += range(ctx, total)
+        qsl.append(qsl[-1] + n)
+        seq_lens.append(total)
+    if start > runner.kv_cache.shape[0]:
+        raise ValueError(
+            f"a dummy batch of {start} blocks in a cache of {runner.kv_cache.shape[0]}"
+        )
+    width = max(len(t) for t in tables)
+    md = AttentionMetadata(
+        query_start_loc=runner._tensor(qsl, torch.int32),
+        seq_lens=runner._tensor(seq_lens, torch.int32),
+        block_tables=runner._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32),
+        slot_mapping=runner._tensor(slots, torch.int64),
+        max_query_len=max(n for n, _ in runs),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+        num_decodes=decodes,
+    )
+    ids = torch.randint(0, runner.config.vocab_size, (qsl[-1],), device=runner.device)
+    pos = torch.tensor(positions, dtype=torch.int64, device=runner.device)
+    return ids, pos, md
+
+
+@torch.inference_mode()
+def dummy_step(runner, runs: list[Run]) -> torch.Tensor:
+    """One forward pass and the logits of each run's last row: [len(runs), vocab]."""
+    ids, pos, md = dummy_inputs(runner, runs)
+    hidden = runner.model(ids, pos, ForwardContext(md, runner.kv_cache, runner.backend))
+    last = torch.tensor(md.query_start_loc_cpu[1:], device=runner.device) - 1
+    return runner.model.compute_logits(hidden[last])
+
+
+def warmup_batches(
+    max_tokens: int, max_seqs: int, max_model_len: int, graph_batch: int, block_size: int
+) -> list[list[Run]]:
+    """The batch shapes the warm-up runs, within the step's token and sequence budgets."""
+
+    def fits(runs: list[Run]) -> bool:
+        return (
+            len(runs) <= max_seqs
+            and sum(n for n, _ in runs) <= max_tokens
+            and all(n + c <= max_model_len for n, c in runs)
+        )
+
+    ctx = min(4 * block_size + 3, max_model_len // 2)  # a cached prefix, off the block edge
+    batches: list[list[Run]] = []
+    for n in sorted({1, 2, 15, 16, 17, 100, 256, 1000, max_tokens // 2 + 1, max_tokens}):
+        batches.append([(n, 0)])  # a fresh prompt (or chunk) alone
+        batches.append([(n, ctx)])  # a chunk over a cached prefix
+    batches.append([(max_tokens // 3, 0)] * 3)  # several prompts in one step
+    for d in sorted({1, 7, 16, graph_batch + 1, max_seqs}):
+        batches.append([(1, ctx)] * d)  # decode rows alone (eager past the captured graphs)
+        batches.append([(1, ctx)] * d + [(max(2, max_tokens - d), 0)])  # mixed with a chunk
+        batches.append([(1, ctx)] * d + [(17, ctx)])
+    seen, kept = set(), []
+    for b in batches:
+        b = [(min(n, max_model_len), c) for n, c in b]
+        key = tuple(b)
+        if key not in seen and fits(b):
+            seen.add(key)
+            kept.append(b)
+    return kept
+
+
+def warm_up(runner, batches: list[list[Run]]) -> int:
+    """Run each batch that fits the KV cache; returns how many ran."""
+    blocks = runner.kv_cache.shape[0]
+    ran = 0
+    for runs in batches:
+        if sum(-(-(n + c) // runner.block_size) for n, c in runs) <= blocks:
+            dummy_step(runner, runs)
+            ran += 1
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    return ran

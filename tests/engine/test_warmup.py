@@ -1,0 +1,78 @@
+"""The start-up warm-up (ember/engine/warmup.py): its batch shapes stay inside the step's budgets
+and cover what a Triton kernel specializes on; the dummy batches are well formed; running them on a
+fresh engine changes nothing a request then computes. On a GPU: after the warm-up, a mixed
+workload compiles no kernel on the request path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember import LLM, SamplingParams
+from ember.engine.warmup import dummy_inputs, warm_up, warmup_batches
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_batches_fit_the_budgets_and_vary_what_kernels_specialize_on() -> None:
+    batches = warmup_batches(2048, 64, 4096, graph_batch=32, block_size=16)
+    for runs in batches:
+        assert len(runs) <= 64 and sum(n for n, _ in runs) <= 2048
+        assert all(n + c <= 4096 for n, c in runs)
+        decodes = sum(n == 1 for n, _ in runs)
+        assert all(n == 1 for n, _ in runs[:decodes])  # decode rows first
+    alone = {runs[0][0] for runs in batches if len(runs) == 1}
+    assert {1, 2, 15, 16, 17, 2048} <= alone  # one token, on and off multiples of 16, a chunk
+    assert any(len(r) == 1 and r[0][1] > 0 for r in batches)  # a chunk over a cached prefix
+    decode_only = {len(r) for r in batches if all(n == 1 for n, _ in r)}
+    assert 33 in decode_only and 64 in decode_only  # past the captured graphs, eager
+    assert any(r[0][0] == 1 and r[-1][0] > 1 for r in batches)  # mixed steps
+    assert len(batches) == len({tuple(r) for r in batches})
+
+
+def test_dummy_inputs_are_well_formed_and_refuse_what_a_step_cannot_be(tiny_model_dir) -> None:
+    llm = LLM(str(tiny_model_dir("qwen3")), num_kv_blocks=16, block_size=4, max_model_len=64)
+    runner = llm.engine.core.runner
+    ids, pos, md = dummy_inputs(runner, [(1, 5), (1, 2), (6, 3)])
+    assert md.num_decodes == 2 and md.query_start_loc_cpu == [0, 1, 2, 8]
+    assert md.seq_lens_cpu == [6, 3, 9] and ids.shape == (8,)
+    assert pos.tolist() == [5, 2, 3, 4, 5, 6, 7, 8]
+    # Each run's new tokens land in its own blocks, after its prefix.
+    assert md.slot_mapping.tolist()[:2] == [1 * 4 + 1, 2 * 4 + 2]
+    with pytest.raises(ValueError, match="decode rows"):
+        dummy_inputs(runner, [(3, 0), (1, 4)])
+    with pytest.raises(ValueError, match="blocks in a cache of 16"):
+        dummy_inputs(runner, [(1, 63), (64, 0)])
+    llm.close()
+
+
+def test_a_warmed_up_engine_answers_as_a_cold_one(tiny_model_dir) -> None:
+    path = str(tiny_model_dir("qwen3"))
+    kw = dict(num_kv_blocks=64, block_size=4, max_model_len=128, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 9, 14, 3, 7] * 3, [11, 12, 13]]
+    cold = LLM(path, **kw)
+    want = [o.outputs[0].token_ids for o in cold.generate(prompts, params)]
+    cold.close()
+    warm = LLM(path, **kw)
+    core = warm.engine.core
+    ran = warm_up(core.runner, warmup_batches(64, 256, 128, 0, 4))
+    assert ran > 10
+    got = [o.outputs[0].token_ids for o in warm.generate(prompts, params)]
+    assert got == want
+    assert core.kv.pool.num_free_blocks == core.kv.pool.num_blocks
+    warm.close()
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_after_the_warm_up_a_mixed_workload_compiles_nothing(tiny_model_dir) -> None:
+    llm = LLM(str(tiny_model_dir("qwen3")), device="cuda", warmup=True, max_model_len=1024)
+    log = llm.engine.core.compile_log
+    assert log is not None and log.is_ready
+    params = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)
+    prompts = [[7 + i] * n for i, n in enumerate([3, 17, 40, 100, 255, 513])]
+    llm.generate(prompts, params)
+    llm.generate(prompts[:2], params)  # a prompt again: over its cached prefix
+    assert log.late == []
+    llm.close()
