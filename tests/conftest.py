@@ -16,6 +16,27 @@ from hypothesis import settings
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _fix_interpreter_index() -> None:
+    """Apply the upstream fix for triton-lang/triton#9171 to triton 3.6's interpreter.
+
+    It turns a runtime scalar (a shape-(1,) array) into a Python int with int(), which NumPy 2.4
+    refuses, so `range(start, end)` over loaded bounds fails in the interpreter (not on GPU).
+    """
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor: type, scope: interpreter._LangPatchScope) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _fix_interpreter_index()
+
 from ember.models.tiny import make_tiny  # noqa: E402
 
 # CI replays the same examples every run, so a red build is reproducible; locally each run explores.

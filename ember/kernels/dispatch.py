@@ -8,12 +8,18 @@ import torch
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    """True when `t` lives on a CUDA device and EMBER_DISABLE_TRITON is not "1".
+    """True when `t` lives on a CUDA device and EMBER_DISABLE_TRITON is not "1"; for tests, also
+    on the CPU when EMBER_TRITON_ON_CPU and TRITON_INTERPRET are both "1" (the kernels then run
+    in Triton's interpreter, so the GPU path's wiring runs where there is no GPU).
 
     The variable is read on every call (a dict lookup), so tests and benchmarks can flip it
     without re-importing anything.
     """
-    return t.is_cuda and os.environ.get("EMBER_DISABLE_TRITON") != "1"
+    if os.environ.get("EMBER_DISABLE_TRITON") == "1":
+        return False
+    return t.is_cuda or (
+        os.environ.get("EMBER_TRITON_ON_CPU") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+    )
 
 
 def dot_precision(dtype: torch.dtype) -> str:

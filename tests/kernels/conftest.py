@@ -2,37 +2,15 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-# tests/conftest.py sets TRITON_INTERPRET on machines without a GPU, before triton is imported.
-
-
-def _fix_interpreter_index() -> None:
-    """Apply the upstream fix for triton-lang/triton#9171 to triton 3.6's interpreter.
-
-    It turns a runtime scalar (a shape-(1,) array) into a Python int with int(), which NumPy 2.4
-    refuses, so `range(start, end)` over loaded bounds fails in the interpreter (not on GPU).
-    """
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patched(tensor: type, scope: interpreter._LangPatchScope) -> None:
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interpreter._patch_lang_tensor = patched
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _fix_interpreter_index()
-
-from ember.attention.metadata import AttentionMetadata  # noqa: E402
+# tests/conftest.py sets TRITON_INTERPRET on machines without a GPU, before triton is imported,
+# and mends the interpreter for NumPy 2.4.
+from ember.attention.metadata import AttentionMetadata
 
 
 @pytest.fixture
