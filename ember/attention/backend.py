@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 class AttentionBackend(ABC):
     name: str
+    fuses_kv_write: bool = False
+    """The rotation may write this step's K and V into the cache itself (one launch fewer a
+    layer); the layer then calls forward with kv_written=True."""
 
     @abstractmethod
     def forward(
@@ -30,5 +33,7 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        kv_written: bool = False,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Write this step's K and V into the cache, then attend causally over each context."""
+        """Write this step's K and V into the cache (unless `kv_written`: the rotation did),
+        then attend causally over each context."""

@@ -96,6 +96,8 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        kv_written: bool = False,
     ) -> torch.Tensor:
-        write_kv(kv_cache, k, v, metadata.slot_mapping)
+        if not kv_written:
+            write_kv(kv_cache, k, v, metadata.slot_mapping)
         return paged_attention_ref(q, kv_cache, metadata, scale)

@@ -22,6 +22,7 @@ FLASH_MIN_TOKENS = 256
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    fuses_kv_write = True
 
     def forward(
         self,
@@ -31,8 +32,10 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        kv_written: bool = False,
     ) -> torch.Tensor:
-        write_kv(kv_cache, k, v, metadata.slot_mapping)
+        if not kv_written:
+            write_kv(kv_cache, k, v, metadata.slot_mapping)
         out = torch.empty_like(q)
         nd = metadata.num_decodes
         groups = metadata.decode_groups

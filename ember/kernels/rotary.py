@@ -29,6 +29,10 @@ def _rotate_heads(
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     INTERLEAVED: tl.constexpr,
+    c_ptr,
+    c_sh,
+    c_ok,
+    WRITE_C: tl.constexpr,
 ):
     for h0 in range(0, N_HEADS, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
@@ -48,6 +52,10 @@ def _rotate_heads(
         o2 = x2 * cos2[None, :] + x1 * sin2[None, :]
         tl.store(o1_ptrs, o1.to(o_ptr.dtype.element_ty), mask=mask)
         tl.store(o1_ptrs + HALF * o_sd, o2.to(o_ptr.dtype.element_ty), mask=mask)
+        if WRITE_C:  # the rotated rows straight into their KV-cache slot too
+            c1_ptrs = c_ptr + h[:, None] * c_sh + d[None, :]
+            tl.store(c1_ptrs, o1.to(c_ptr.dtype.element_ty), mask=mask & c_ok)
+            tl.store(c1_ptrs + HALF, o2.to(c_ptr.dtype.element_ty), mask=mask & c_ok)
 
 
 @triton.jit
@@ -75,6 +83,15 @@ def _rotary_kernel(
     cos_sd,
     sin_sp,
     sin_sd,
+    cache_ptr,
+    v_ptr,
+    slot_ptr,
+    v_st,
+    v_sh,
+    c_sb,
+    c_skv,
+    c_st,
+    c_sh,
     N_Q_HEADS: tl.constexpr,
     N_K_HEADS: tl.constexpr,
     HALF: tl.constexpr,
@@ -82,6 +99,8 @@ def _rotary_kernel(
     BLOCK_HK: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INTERLEAVED: tl.constexpr,
+    PAGE: tl.constexpr,
+    WRITE_KV: tl.constexpr,
 ):
     # Head counts and head_dim are model constants (one compile per model); as constexprs they fold
     # the loop bounds and masks. int64 token index: T * token stride can pass 2**31.
@@ -114,7 +133,19 @@ def _rotary_kernel(
         HALF,
         BLOCK_HQ,
         INTERLEAVED,
+        qo_ptr,
+        0,
+        False,
+        False,
     )
+    c_row = cache_ptr
+    c_ok = False
+    if WRITE_KV:
+        # K and V into the token's paged slot ([blocks, 2, page, heads, D] with any strides);
+        # slot -1 marks a padding row (CUDA-graph batches), written nowhere.
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        c_ok = slot >= 0
+        c_row = cache_ptr + (slot // PAGE) * c_sb + (slot % PAGE) * c_st
     _rotate_heads(
         k_ptr + t * k_st,
         ko_ptr + t * ko_st,
@@ -132,7 +163,21 @@ def _rotary_kernel(
         HALF,
         BLOCK_HK,
         INTERLEAVED,
+        c_row,
+        c_sh,
+        c_ok,
+        WRITE_KV,
     )
+    if WRITE_KV:
+        for h0 in range(0, N_K_HEADS, BLOCK_HK):
+            h = h0 + tl.arange(0, BLOCK_HK)
+            mask = (h < N_K_HEADS)[:, None] & d_mask[None, :]
+            src = v_ptr + t * v_st + h[:, None] * v_sh + d[None, :]
+            dst = c_row + c_skv + h[:, None] * c_sh + d[None, :]
+            v1 = tl.load(src, mask=mask, other=0.0)
+            v2 = tl.load(src + HALF, mask=mask, other=0.0)
+            tl.store(dst, v1.to(cache_ptr.dtype.element_ty), mask=mask & c_ok)
+            tl.store(dst + HALF, v2.to(cache_ptr.dtype.element_ty), mask=mask & c_ok)
 
 
 # Elements per half-head tile of one loop step: 2048 -> 32 heads of head_dim 128, 16 fp32 values
@@ -161,6 +206,9 @@ def apply_rotary(
     interleaved: bool = False,
     q_out: torch.Tensor | None = None,
     k_out: torch.Tensor | None = None,
+    kv_cache: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] by their token's position; fp32 math.
 
@@ -169,6 +217,9 @@ def apply_rotary(
     `inplace=True` writes them into q and k and returns those; `q_out`/`k_out` (any strides) may
     be given. `interleaved`: the inputs hold their rotation pairs side by side (DeepSeek's
     `rope_interleave`) and the outputs come in halves, deinterleaved; never in place.
+    With `kv_cache` (one layer's [blocks, 2, page, Hkv, D], any strides), `v` [T, Hkv, D] and
+    `slot_mapping` [T] (slot -1: skipped), the same launch also writes the rotated k and v into
+    their cache slots, as write_kv would after it: one launch a layer fewer.
     """
     if q.dim() != 3 or k.dim() != 3:
         raise ValueError(
@@ -205,6 +256,26 @@ def apply_rotary(
         )
     if n_tokens == 0 or head_dim == 0:
         return q_out, k_out
+    write_kv = kv_cache is not None
+    if write_kv:
+        if v is None or slot_mapping is None or interleaved:
+            raise ValueError("writing the KV cache needs v and slot_mapping, and no interleave")
+        if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or kv_cache.shape[3:] != k.shape[1:]:
+            raise ValueError(
+                f"kv_cache {tuple(kv_cache.shape)} must be [blocks, 2, page, {k.shape[1]}, "
+                f"{head_dim}]"
+            )
+        if v.shape != k.shape or slot_mapping.shape != (n_tokens,):
+            raise ValueError(f"v {tuple(v.shape)} and slot_mapping must match k and T")
+        if kv_cache.stride(4) != 1 or v.stride(2) != 1:
+            raise ValueError("kv_cache and v must be contiguous in head_dim")
+        cache_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2))
+        cache_strides += (kv_cache.stride(3),)
+        v_strides = (v.stride(0), v.stride(1))
+        page = kv_cache.shape[2]
+    else:
+        kv_cache, v, slot_mapping = q_out, q, positions  # unused: WRITE_KV is off
+        cache_strides, v_strides, page = (0, 0, 0, 0), (0, 0), 1
     block_hq, block_hk, block_d = launch_config(n_q_heads, k.shape[1], head_dim)
     _rotary_kernel[(n_tokens,)](
         q,
@@ -220,6 +291,11 @@ def apply_rotary(
         *k_out.stride(),
         *cos_cache.stride(),
         *sin_cache.stride(),
+        kv_cache,
+        v,
+        slot_mapping,
+        *v_strides,
+        *cache_strides,
         N_Q_HEADS=n_q_heads,
         N_K_HEADS=k.shape[1],
         HALF=head_dim // 2,
@@ -227,6 +303,8 @@ def apply_rotary(
         BLOCK_HK=block_hk,
         BLOCK_D=block_d,
         INTERLEAVED=interleaved,
+        PAGE=page,
+        WRITE_KV=write_kv,
         num_warps=NUM_WARPS,
     )
     return q_out, k_out

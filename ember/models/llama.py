@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ember.attention.context import ForwardContext
+from ember.kernels.dispatch import use_triton
 from ember.models.config import ModelConfig
 from ember.models.layers.activation import gated_activation
 from ember.models.layers.linear import StackedLinear
@@ -47,8 +48,12 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        o = ctx.backend.forward(q, k, v, ctx.kv_cache[:, self.layer_idx], ctx.metadata, self.scale)
+        cache = ctx.kv_cache[:, self.layer_idx]
+        # On the GPU the rotation writes K and V into their cache slots in the same launch.
+        fused = ctx.backend.fuses_kv_write and use_triton(q)
+        kv_write = (cache, v, ctx.metadata.slot_mapping) if fused else None
+        q, k = self.rotary(positions, q, k, kv_write=kv_write)
+        o = ctx.backend.forward(q, k, v, cache, ctx.metadata, self.scale, kv_written=fused)
         return self.o_proj(o.reshape(t, -1))
 
 

@@ -254,3 +254,40 @@ def test_interleaved_into_given_outputs(heads: int, device: str) -> None:
         apply_rotary(
             q_in, k_in, positions, rope.cos_cache, rope.sin_cache, inplace=True, interleaved=True
         )
+
+
+@pytest.mark.parametrize(
+    "heads,head_dim,page", [((4, 2), 16, 4), ((8, 1), 64, 16), ((3, 3), 32, 8)]
+)
+def test_rotation_writes_k_and_v_into_their_cache_slots(
+    heads: tuple[int, int], head_dim: int, page: int, device: str
+) -> None:
+    """With a KV cache, the one launch leaves q and k as apply_rotary does and the cache as
+    write_kv of the rotated k and of v would: one layer's strided view of a multi-layer cache,
+    slots out of order, padding rows (slot -1) written nowhere."""
+    from ember.kernels.kv_write import write_kv
+
+    g = torch.Generator().manual_seed(head_dim + page)
+    t, (hq, hkv) = 11, heads
+    q = torch.randn(t, hq, head_dim, generator=g)
+    k = torch.randn(t, hkv, head_dim, generator=g)
+    v = torch.randn(t, hkv, head_dim, generator=g)
+    rope = RotaryEmbedding(head_dim, 256, 10000.0)
+    positions = torch.randint(0, 256, (t,), generator=g)
+    slots = torch.randperm(6 * page, generator=g)[:t]
+    slots[[2, 7]] = -1
+    full = torch.randn(6, 3, 2, page, hkv, head_dim, generator=g)  # 3 layers, block-major
+    want_cache = full.clone()
+    args = [x.to(device) for x in (q, k, positions, rope.cos_cache, rope.sin_cache)]
+    want_q, want_k = apply_rotary(*args)
+    want_cache = want_cache.to(device)
+    write_kv(want_cache[:, 1], want_k, v.to(device), slots.to(device))
+    got_cache = full.to(device)
+    got_q, got_k = apply_rotary(
+        *args, kv_cache=got_cache[:, 1], v=v.to(device), slot_mapping=slots.to(device)
+    )
+    torch.testing.assert_close(got_q, want_q, rtol=0, atol=0)
+    torch.testing.assert_close(got_k, want_k, rtol=0, atol=0)
+    torch.testing.assert_close(got_cache, want_cache, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="needs v and slot_mapping"):
+        apply_rotary(*args, kv_cache=got_cache[:, 1])

@@ -108,13 +108,17 @@ class RotaryEmbedding(nn.Module):
         interleaved: bool = False,
         q_out: torch.Tensor | None = None,
         k_out: torch.Tensor | None = None,
+        kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D], positions: [T]. `interleaved`: the rotation pairs sit
         side by side (DeepSeek's `rope_interleave`); the results come deinterleaved, in halves.
-        `q_out`/`k_out` (any strides) receive the results when given."""
+        `q_out`/`k_out` (any strides) receive the results when given. `kv_write` = (one layer's
+        KV cache, v, slot_mapping): the Triton rotation also writes the rotated k and v into
+        their slots (ember/kernels/rotary.py); Triton only."""
         if use_triton(q):
             from ember.kernels.rotary import apply_rotary
 
+            cache, v, slots = kv_write if kv_write is not None else (None, None, None)
             return apply_rotary(
                 q,
                 k,
@@ -124,7 +128,12 @@ class RotaryEmbedding(nn.Module):
                 interleaved=interleaved,
                 q_out=q_out,
                 k_out=k_out,
+                kv_cache=cache,
+                v=v,
+                slot_mapping=slots,
             )
+        if kv_write is not None:
+            raise ValueError("kv_write needs the Triton rotation")
         if interleaved:
             q, k = deinterleave(q), deinterleave(k)
         cos = self.cos_cache[positions].unsqueeze(1)
