@@ -113,10 +113,10 @@ def cached_tokenizer_from_tiktoken(
     added_tokens_decoder: dict[str, dict[str, Any]],
     pattern: str = KIMI_PATTERN,
 ) -> Tokenizer:
-    """tokenizer_from_tiktoken, kept in ember's home (ember/home.py: ~/.cache/ember/tokenizers) as tokenizer.json text
-    named by a hash of the file, the added tokens, the pattern and CONVERSION_VERSION: deriving the
-    merges of Kimi's 163,840 tokens takes ~2 s, and a server loads its tokenizer in several
-    processes; reading the cached JSON back takes a fraction of that."""
+    """tokenizer_from_tiktoken, kept in ember's home (ember/home.py: ~/.cache/ember/tokenizers)
+    as tokenizer.json text named by a hash of the file, the added tokens, the pattern and
+    CONVERSION_VERSION: deriving the merges of Kimi's 163,840 tokens takes ~2 s, and a server
+    loads its tokenizer in several processes; reading the cached JSON back takes a fraction."""
     data = Path(path).read_bytes()
     key = hashlib.sha256(data)
     key.update(
