@@ -16,6 +16,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -29,28 +30,25 @@ from ember.engine.core import EngineCore  # noqa: E402
 from ember.engine.messages import EngineCoreRequest  # noqa: E402
 from ember.sampling_params import SamplingParams  # noqa: E402
 
-LAUNCHES = "(launches) "
-"""Prefix of the per-kernel launch counts (per step) among a table's entries."""
 
-
-def kernels_of(prof: profile, steps: int) -> dict[str, float]:
-    """ms per step of each kernel (by name), LAUNCHES + name its launches per step, and the
-    total launches per step."""
+def kernels_of(prof: profile, steps: int) -> dict[str, dict[str, float]]:
+    """{"kernels": ms per step of each kernel (by name), "launches_by_kernel": its launches per
+    step}, kernels heaviest first."""
     totals: dict[str, float] = defaultdict(float)
     counts: dict[str, float] = defaultdict(float)
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             totals[ev.name[:90]] += ev.device_time_total / 1e3 / steps  # ms per step
-            counts[LAUNCHES + ev.name[:90]] += 1 / steps
-    totals = dict(sorted(totals.items(), key=lambda kv: -kv[1]))
-    return {**totals, **counts, "(kernel launches per step)": sum(counts.values())}
+            counts[ev.name[:90]] += 1 / steps
+    kernels = dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+    return {"kernels": kernels, "launches_by_kernel": dict(counts)}
 
 
 def _vocab(core: EngineCore) -> int:
     return core.runner.config.vocab_size
 
 
-def decode_table(core: EngineCore, batch: int, context: int, steps: int = 8) -> dict[str, float]:
+def decode_table(core: EngineCore, batch: int, context: int, steps: int = 8) -> dict[str, Any]:
     params = SamplingParams(temperature=1.0, max_tokens=steps + 4, ignore_eos=True)
     for i, p in enumerate(random_prompts(batch, context, _vocab(core), batch)):
         core.add_request(EngineCoreRequest(f"p{batch}-{i}", p, params, [], steps + 4))
@@ -67,10 +65,10 @@ def decode_table(core: EngineCore, batch: int, context: int, steps: int = 8) -> 
     wall = (time.perf_counter() - t0) * 1e3 / steps
     while core.has_unfinished_requests():
         core.step()
-    return {"(wall ms per step)": wall, **kernels_of(prof, steps)}
+    return {"wall_ms": wall, **kernels_of(prof, steps)}
 
 
-def prefill_table(core: EngineCore, n: int = 8, length: int = 2048) -> dict[str, float]:
+def prefill_table(core: EngineCore, n: int = 8, length: int = 2048) -> dict[str, Any]:
     params = SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True)
     for rep in ("warm", "run"):
         for i, p in enumerate(random_prompts(n, length, _vocab(core), 100 + len(rep))):
@@ -85,7 +83,7 @@ def prefill_table(core: EngineCore, n: int = 8, length: int = 2048) -> dict[str,
             torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) * 1e3
     prefill_steps = -(-n * length // core.resolved.max_num_batched_tokens)
-    return {"(wall ms per step)": wall / prefill_steps, **kernels_of(prof, prefill_steps)}
+    return {"wall_ms": wall / prefill_steps, **kernels_of(prof, prefill_steps)}
 
 
 def main() -> None:
@@ -102,18 +100,14 @@ def main() -> None:
         "prefill": ("prefill 8 x 2048 in one step", lambda: prefill_table(core)),
     }
     for key, (title, measure) in cases.items():
-        table = measure()
-        wall = table.pop("(wall ms per step)")
-        launches = table.pop("(kernel launches per step)")
-        counts = {k[len(LAUNCHES) :]: table.pop(k) for k in list(table) if k.startswith(LAUNCHES)}
-        total = sum(table.values())
-        result["tables"][key] = {
-            "total_ms": total,
-            "wall_ms": wall,
-            "launches": launches,
-            "kernels": table,
-            "launches_by_kernel": counts,
-        }
+        measured = measure()
+        table, counts, wall = (
+            measured["kernels"],
+            measured["launches_by_kernel"],
+            measured["wall_ms"],
+        )
+        total, launches = sum(table.values()), sum(counts.values())
+        result["tables"][key] = {"total_ms": total, "launches": launches, **measured}
         print(
             f"\n## {title}: {total:.3f} ms of kernels in {wall:.3f} ms of wall time, "
             f"{launches:.0f} launches per step"
