@@ -82,12 +82,16 @@ def model_dir(shape: str) -> Path:
     return d
 
 
+EMBER_VARIANTS = {"ember": [], "ember-warmup": ["--warmup"]}
+"""ember at its defaults, and with the start-up warm-up (`--warmup`) to compare in the same run."""
+
+
 def command(engine: str, model: str, port: int, device: str) -> list[str]:
-    if engine == "ember":
+    if engine in EMBER_VARIANTS:
         cmd = [sys.executable, "-m", "ember.cli", "serve", model, "--device", device]
         if device == "cuda":
             cmd += ["--load-format", "dummy"]
-        return cmd + ["--port", str(port), "--served-model-name", "m"]
+        return cmd + EMBER_VARIANTS[engine] + ["--port", str(port), "--served-model-name", "m"]
     if engine == "vllm":
         return [
             sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
@@ -163,6 +167,13 @@ def run_loads(url: str, out: Path, tag: str, wanted: list[str], loads: Loads) ->
     return result
 
 
+def compile_lines(log: Path, limit: int = 40) -> list[str]:
+    """The server log's lines about Triton compiling (ember's CompileLog: the start-up count and
+    each kernel compiled on the request path), at most `limit`."""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines()]
+    return [line for line in lines if "Triton" in line][:limit]
+
+
 def first_minute(fresh: dict[str, float], warm: dict[str, float]) -> dict[str, float]:
     """Each request's latency on the fresh start over the same request's on the warm start."""
     ratios = sorted(fresh[k] / warm[k] for k in fresh.keys() & warm.keys() if warm[k] > 0)
@@ -207,6 +218,7 @@ def main() -> None:
                 }
             finally:
                 stop_processes([proc], 30.0)
+            runs[start_kind]["compile_log"] = compile_lines(log)
         if "mixed" in wanted:
             runs["first_minute"] = first_minute(
                 runs["fresh"].pop("mixed_latency_s"), runs["warm"].pop("mixed_latency_s")
@@ -246,6 +258,9 @@ def print_table(report: dict) -> None:
                     f"TTFT p50/p90 {s['ttft_ms']['p50']:.0f}/{s['ttft_ms']['p90']:.0f} ms, "
                     f"TPOT p50/p90 {s['tpot_ms']['p50']:.1f}/{s['tpot_ms']['p90']:.1f} ms"
                 )
+        for kind in ("fresh", "warm"):
+            for line in runs[kind].get("compile_log", [])[:6]:
+                print(f"{e} {kind} log: {line[-160:]}")
         fm = runs.get("first_minute") or {}
         if fm:
             print(
