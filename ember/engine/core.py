@@ -33,6 +33,7 @@ from ember.engine.request import Request, RequestStatus
 from ember.engine.sampler import SamplingBatch, make_generator
 from ember.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ember.engine.speculation import Speculator, verify_graph_rows
+from ember.engine.startup_clock import StartupClock
 from ember.engine.structured_output import GrammarCompiler
 from ember.engine.warmup import warm_up, warmup_batches
 from ember.kernels import compile_log
@@ -64,6 +65,7 @@ class EngineCore:
         backend: AttentionBackend | None = None,
     ) -> None:
         self.config = config
+        clock = self.startup = StartupClock()
         self.model_config = model_config or ModelConfig.from_dir(config.model)
         self.resolved: ResolvedConfig = config.resolve(self.model_config)
         r = self.resolved
@@ -79,6 +81,8 @@ class EngineCore:
             # Triton's binaries in ember's home, and a count of what start-up compiles and loads.
             compile_log.use_ember_cache()
             self.compile_log = compile_log.install()
+            self.compile_log.begin()
+        clock.mark("config")
         model = load_model(
             config.model,
             self.model_config,
@@ -96,6 +100,7 @@ class EngineCore:
             backend or default_backend(self.device),
             max_num_seqs=config.max_num_seqs,
         )
+        clock.mark("load")
         spec = config.speculative
         if spec is not None and spec.method == "eagle3" and spec.draft_model:
             from ember.spec.eagle3 import Eagle3Drafter
@@ -117,6 +122,7 @@ class EngineCore:
             if self.runner.drafter is not None:  # its one layer of KV shares the budget
                 per_block = r.kv_block_bytes + self.runner.drafter.kv_block_bytes
                 num_blocks = num_blocks * r.kv_block_bytes // per_block
+        clock.mark("kv sizing")
         self.num_kv_blocks = num_blocks
         self.runner.allocate_kv_cache(num_blocks)
         if self.runner.drafter is not None:
@@ -176,6 +182,7 @@ class EngineCore:
             PrefillClock(self.tiers.cost, config.block_size, on_gpu) if self.tiers else None
         )
         self.grammar = GrammarCompiler.for_model(config.model, self.model_config)
+        clock.mark("kv cache, tiers, scheduler")
         if on_gpu and not config.enforce_eager:
             # The host tier pins its memory in the background: not while graphs are captured.
             paused = self.tiers.growth_paused() if self.tiers else contextlib.nullcontext()
@@ -185,8 +192,8 @@ class EngineCore:
                 k = spec.num_speculative_tokens if spec else 0
                 rows = verify_graph_rows(spec, batch) if spec else 0
                 self.runner.capture_cuda_graphs(batch, r.max_model_len, rows, max_group=k + 1)
+            clock.mark("cuda graphs")
         if on_gpu and config.warmup:
-            t0 = time.perf_counter()
             graph_batch = 0 if config.enforce_eager else config.max_cuda_graph_batch
             ran = warm_up(
                 self.runner,
@@ -198,7 +205,7 @@ class EngineCore:
                     config.block_size,
                 ),
             )
-            log.info("warm-up: %d batch shapes in %.1f s", ran, time.perf_counter() - t0)
+            log.info("warm-up: %d batch shapes in %.1f s", ran, clock.mark("warm-up"))
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
             num_blocks,
@@ -208,6 +215,7 @@ class EngineCore:
         )
         if self.compile_log is not None:
             self.compile_log.ready()
+        clock.report()
 
     def add_request(self, msg: EngineCoreRequest) -> None:
         req = Request(

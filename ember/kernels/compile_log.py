@@ -8,8 +8,8 @@ a second start on the same machine loads what the first compiled.
 
 `CompileLog` listens to every compilation (`triton.knobs.compilation.listener`): how many variants
 were compiled and how many came from the cache, and, once the engine says it is ready, each
-variant still compiled later, on the request path, is logged by name: those are the ones a
-start-up warm-up should reach.
+variant still compiled later, on the request path, is logged by name and specialization: those
+are the ones a start-up warm-up should reach, or a kernel argument that should not specialize.
 """
 
 from __future__ import annotations
@@ -32,15 +32,53 @@ def use_ember_cache() -> str:
     return os.environ["TRITON_CACHE_DIR"]
 
 
+def describe(src: Any) -> str:
+    """A compiled variant by name and what it was specialized on: constexprs and arguments made
+    constants (an int equal to 1), and the arguments Triton took as divisible by 16 (an int or
+    a pointer's address), e.g. `_prefill_kernel(BLOCK_M=64, num_seqs=1; 16 | q_ptr, stride_bt)`."""
+    name = getattr(src, "name", "?")
+    fn = getattr(src, "fn", None)
+    names = list(getattr(fn, "arg_names", []))
+
+    def arg(key: Any) -> str:
+        i = key[0] if isinstance(key, tuple) and key else key
+        return names[i] if isinstance(i, int) and i < len(names) else str(key)
+
+    consts = [f"{arg(k)}={v}" for k, v in getattr(src, "constants", {}).items()]
+    aligned = [
+        arg(k)
+        for k, hints in getattr(src, "attrs", {}).items()
+        if any(h and h[0] == "tt.divisibility" for h in hints)
+    ]
+    return f"{name}({', '.join(consts)}; 16 | {', '.join(aligned)})" if fn else name
+
+
+def _seconds(times: Any) -> float:
+    """A compilation's seconds from Triton's CompileTimes (0 where it gives none)."""
+    if times is None:
+        return 0.0
+    stages = getattr(times, "lowering_stages", []) or []
+    total = getattr(times, "ir_initialization", 0) + getattr(times, "store_results", 0)
+    return (total + sum(d for _, d in stages)) / 1e6  # Triton reports microseconds
+
+
 @dataclass
 class CompileLog:
     compiled: int = 0
-    """Variants compiled (cache misses) since install."""
+    """Variants compiled (cache misses) since the engine's start began."""
     loaded: int = 0
     """Variants loaded from the on-disk cache."""
+    compile_s: float = 0.0
+    """Seconds spent compiling (Triton's own timer), since the start began."""
     late: list[str] = field(default_factory=list)
-    """Kernel names compiled after `ready()` (on the request path)."""
+    """Variants compiled after `ready()` (on the request path), by `describe()`."""
     is_ready: bool = False
+
+    def begin(self) -> None:
+        """An engine's start begins: count its compilations afresh (a process may start more
+        than one engine, one after another)."""
+        self.compiled, self.loaded, self.compile_s, self.late = 0, 0, 0.0, []
+        self.is_ready = False
 
     def __call__(
         self,
@@ -55,17 +93,19 @@ class CompileLog:
             self.loaded += 1
             return
         self.compiled += 1
+        self.compile_s += _seconds(times)
         if self.is_ready:
-            name = getattr(src, "name", "?")
-            self.late.append(name)
-            log.warning("Triton compiled %s on the request path (%d so far)", name, len(self.late))
+            what = describe(src)
+            self.late.append(what)
+            log.warning("Triton compiled %s on the request path (%d so far)", what, len(self.late))
 
     def ready(self) -> None:
         """Start-up is over: say what it compiled and loaded, and log later compilations."""
         self.is_ready = True
         log.info(
-            "Triton kernels at start-up: %d compiled, %d loaded from %s",
+            "Triton kernels at start-up: %d compiled (%.1f s), %d loaded from %s",
             self.compiled,
+            self.compile_s,
             self.loaded,
             os.environ.get("TRITON_CACHE_DIR", "Triton's default cache"),
         )

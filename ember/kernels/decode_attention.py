@@ -65,7 +65,9 @@ def _block_n(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
 
-@triton.jit
+# Sizes that change from batch to batch (and pointers into sliced tensors) do not specialize:
+# one compiled variant serves every batch, so none is compiled on the request path.
+@triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_lb", "stride_lh"])
 def _decode_split_kernel(
     q_ptr,
     kv_ptr,
@@ -169,7 +171,7 @@ def _decode_split_kernel(
         tl.store(lse_ptr + l_rows + heads * stride_lh + split, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_lb", "stride_lh"])
 def _decode_merge_kernel(
     part_ptr,
     lse_ptr,

@@ -38,7 +38,9 @@ every weight is read once either way; at two tokens an expert both chose is read
 when the two blocks run together). Past that, sorting pays: the rows of an expert share its tiles."""
 
 
-@triton.jit
+# Sizes that change from batch to batch (and pointers into sliced tensors) do not specialize:
+# one compiled variant serves every batch, so none is compiled on the request path.
+@triton.jit(do_not_specialize=["n"])
 def _count_kernel(experts_ptr, counts_ptr, rank_ptr, n, BLOCK: tl.constexpr):
     # Each pair's rank among its expert's pairs is the count before it: the atomic's old value.
     # The order within an expert is arbitrary but harmless: every row of the GEMM is computed
@@ -50,7 +52,7 @@ def _count_kernel(experts_ptr, counts_ptr, rank_ptr, n, BLOCK: tl.constexpr):
     tl.store(rank_ptr + offs, rank, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks"])
 def _runs_kernel(
     counts_ptr,
     run_start_ptr,
@@ -76,7 +78,7 @@ def _runs_kernel(
         tl.store(block_experts_ptr + bs, tl.sum(done.to(tl.int32), axis=1), mask=bs < max_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _place_kernel(experts_ptr, rank_ptr, run_start_ptr, pairs_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
@@ -128,7 +130,7 @@ def align_by_expert(
     return sorted_pairs, block_experts
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _moe_gemm_kernel(
     a_ptr,
     b_ptr,

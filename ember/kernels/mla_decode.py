@@ -39,7 +39,9 @@ heads: batch 1 and 8; batch 64 gets 2 where 4 was the best measured). 32 latent 
 (BLOCK_N) beat 16 at every shape but one (within 0.4 us)."""
 
 
-@triton.jit
+# Sizes that change from batch to batch (and pointers into sliced tensors) do not specialize:
+# one compiled variant serves every batch, so none is compiled on the request path.
+@triton.jit(do_not_specialize=["num_splits", "stride_btb", "stride_lb", "stride_lh"])
 def _mla_split_kernel(
     ql_ptr,
     qr_ptr,

@@ -51,7 +51,12 @@ def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
     return lo
 
 
-@triton.jit
+# Sizes that change from batch to batch (and pointers into sliced tensors) do not specialize:
+# one compiled variant serves every batch, so none is compiled on the request path.
+@triton.jit(
+    do_not_specialize=["num_seqs", "stride_bt"],
+    do_not_specialize_on_alignment=["query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr"],
+)
 def _prefill_kernel(
     q_ptr,
     kv_ptr,

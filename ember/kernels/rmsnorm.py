@@ -16,7 +16,9 @@ import triton.language as tl
 MAX_HIDDEN = 32768
 
 
-@triton.jit
+# Sizes that change from batch to batch (and pointers into sliced tensors) do not specialize:
+# one compiled variant serves every batch, so none is compiled on the request path.
+@triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(
     x_ptr,
     res_ptr,

@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from ember.engine.async_llm import AsyncLLM
 from ember.engine.config import EngineConfig
 from ember.engine.core_client import RequestFailedError
+from ember.engine.startup_clock import process_age_s
 from ember.models.resolve import resolve_model
 from ember.server.args import speculative_config_from_args
 from ember.server.connections import guarded_protocol, raise_fd_limit
@@ -277,6 +278,8 @@ async def _start(app: FastAPI, engine: AsyncLLM) -> None:
         if (r := engine.ready) is not None:  # kv_root_hash in hex: raw bytes are noise in a log
             fields = {f: getattr(r, f) for f in r.__struct_fields__}
             log.info("engine ready: %s", fields | {"kv_root_hash": r.kv_root_hash.hex()})
+        if (age := process_age_s()) is not None:
+            log.info("serving %.1f s after the server process started", age)
     except Exception as e:
         app.state.start_error = str(e)
         log.error("engine failed to start: %s", e)
