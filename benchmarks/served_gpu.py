@@ -167,11 +167,14 @@ def run_loads(url: str, out: Path, tag: str, wanted: list[str], loads: Loads) ->
     return result
 
 
-def compile_lines(log: Path, limit: int = 40) -> list[str]:
-    """The server log's lines about Triton compiling (ember's CompileLog: the start-up count and
-    each kernel compiled on the request path), at most `limit`."""
+STARTUP_MARKS = ("Triton", "start-up:", "warm-up:", "serving ", "captured")
+
+
+def startup_lines(log: Path, limit: int = 40) -> list[str]:
+    """The server log's lines about its start (ember's start-up clock, graphs and warm-up) and
+    Triton compiling (the start-up count, and each variant compiled on the request path)."""
     lines = [line.strip() for line in log.read_text(errors="replace").splitlines()]
-    return [line for line in lines if "Triton" in line][:limit]
+    return [line for line in lines if any(m in line for m in STARTUP_MARKS)][:limit]
 
 
 def first_minute(fresh: dict[str, float], warm: dict[str, float]) -> dict[str, float]:
@@ -218,7 +221,7 @@ def main() -> None:
                 }
             finally:
                 stop_processes([proc], 30.0)
-            runs[start_kind]["compile_log"] = compile_lines(log)
+            runs[start_kind]["startup_log"] = startup_lines(log)
         if "mixed" in wanted:
             runs["first_minute"] = first_minute(
                 runs["fresh"].pop("mixed_latency_s"), runs["warm"].pop("mixed_latency_s")
@@ -259,7 +262,7 @@ def print_table(report: dict) -> None:
                     f"TPOT p50/p90 {s['tpot_ms']['p50']:.1f}/{s['tpot_ms']['p90']:.1f} ms"
                 )
         for kind in ("fresh", "warm"):
-            for line in runs[kind].get("compile_log", [])[:6]:
+            for line in runs[kind].get("startup_log", [])[:8]:
                 print(f"{e} {kind} log: {line[-160:]}")
         fm = runs.get("first_minute") or {}
         if fm:

@@ -83,7 +83,7 @@ def warmup_batches(
 
     ctx = min(4 * block_size + 3, max_model_len // 2)  # a cached prefix, off the block edge
     batches: list[list[Run]] = []
-    for n in sorted({1, 2, 15, 16, 17, 100, 256, 1000, max_tokens // 2 + 1, max_tokens}):
+    for n in sorted({1, 2, 15, 16, 17, 40, 100, 256, 1000, max_tokens // 2 + 1, max_tokens}):
         batches.append([(n, 0)])  # a fresh prompt (or chunk) alone
         batches.append([(n, ctx)])  # a chunk over a cached prefix
     batches.append([(max_tokens // 3, 0)] * 3)  # several prompts in one step
