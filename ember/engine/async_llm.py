@@ -40,7 +40,10 @@ LEASE_MARGIN_S = 0.5
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, client: CoreClient | None = None) -> None:
+        """`client`: an engine core already spawned for `config` (a server spawns it first, so the
+        core loads while this process reads the tokenizer and starts its HTTP side); `start()`
+        spawns one otherwise."""
         if not Path(config.model).is_dir():
             raise FileNotFoundError(f"model directory {config.model!r} does not exist")
         self.config = config
@@ -59,7 +62,7 @@ class AsyncLLM:
         self.died = asyncio.Event()
         """Set when the engine core died: the server exits so that a supervisor restarts it."""
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._client: CoreClient | None = None
+        self._client: CoreClient | None = client
         self._loop_task: asyncio.Task[None] | None = None
         self._lease_replies: dict[str, asyncio.Future[bool]] = {}
         self._leases: dict[str, float] = {}
@@ -69,8 +72,9 @@ class AsyncLLM:
         self.kv_event_seq = 0
 
     async def start(self, timeout_s: float = 600.0) -> None:
-        """Spawn the engine core and wait until its model is loaded."""
-        self._client = CoreClient(self.config)
+        """Spawn the engine core (unless it was given) and wait until its model is loaded."""
+        if self._client is None:
+            self._client = CoreClient(self.config)
         try:
             self.ready = await self._client.wait_ready(timeout_s)
         except BaseException:

@@ -76,6 +76,16 @@ class CoreClient:
     def is_alive(self) -> bool:
         return self.proc.is_alive()
 
+    def kill(self) -> None:
+        """Stop the core at once and free the sockets (a start abandoned before the event loop)."""
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5.0)
+        self.input.close(linger=0)
+        self.output.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
     async def shutdown(self, timeout_s: float = 5.0) -> None:
         if self.proc.is_alive():
             with contextlib.suppress(TimeoutError, zmq.ZMQError):

@@ -82,15 +82,25 @@ def warmup_batches(
         )
 
     ctx = min(4 * block_size + 3, max_model_len // 2)  # a cached prefix, off the block edge
+    # Token counts reaching each tile class the kernels choose by count (the prefill kernel's 16
+    # to 128 query rows, the norms' row blocks, the fused MoE's three tile shapes: its largest
+    # needs more than 64 routed rows an expert); variants do not depend on the count otherwise
+    # (batch-dependent ints do not specialize), so no batch needs the full token budget.
+    small = {1, 2, 15, 16, 17, 40, 100}
     batches: list[list[Run]] = []
-    for n in sorted({1, 2, 15, 16, 17, 40, 100, 256, 1000, max_tokens // 2 + 1, max_tokens}):
+    for n in sorted(small | {256, 1000, max_tokens // 2 + 1}):
         batches.append([(n, 0)])  # a fresh prompt (or chunk) alone
+    for n in sorted(small):
         batches.append([(n, ctx)])  # a chunk over a cached prefix
-    batches.append([(max_tokens // 3, 0)] * 3)  # several prompts in one step
+    batches.append([(100, 0)] * 3)  # several prompts in one step
     for d in sorted({1, 7, 16, graph_batch + 1, max_seqs}):
         batches.append([(1, ctx)] * d)  # decode rows alone (eager past the captured graphs)
-        batches.append([(1, ctx)] * d + [(max(2, max_tokens - d), 0)])  # mixed with a chunk
+        batches.append([(1, ctx)] * d + [(100, 0)])  # mixed with a chunk
         batches.append([(1, ctx)] * d + [(17, ctx)])
+    for long in (300, 1000, 2000, 4000, 8000, 16000):
+        # One decode row over a long context: 2 to 64 splits, each merge tile (graphs reach them
+        # too, but not with --enforce-eager).
+        batches.append([(1, min(long, max_model_len - 1))])
     seen, kept = set(), []
     for b in batches:
         b = [(min(n, max_model_len), c) for n, c in b]

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 
 from ember.engine.async_llm import AsyncLLM
 from ember.engine.config import EngineConfig
-from ember.engine.core_client import RequestFailedError
+from ember.engine.core_client import CoreClient, RequestFailedError
 from ember.engine.startup_clock import process_age_s
 from ember.models.resolve import resolve_model
 from ember.server.args import speculative_config_from_args
@@ -361,7 +361,14 @@ def run_server(args: argparse.Namespace) -> int:
         log.error("%s", e)
         return 2
     config = engine_config_from_args(args, secret)
-    engine = AsyncLLM(config)
+    # The core first: it imports, loads and compiles while this process reads the tokenizer and
+    # starts the HTTP side (seconds of a start that would otherwise come one after the other).
+    client = CoreClient(config)
+    try:
+        engine = AsyncLLM(config, client)
+    except BaseException:
+        client.kill()
+        raise
     parser = None if args.tool_call_parser in (None, "", "none") else args.tool_call_parser
     app = build_app(
         engine,

@@ -22,7 +22,14 @@ def test_batches_fit_the_budgets_and_vary_what_kernels_specialize_on() -> None:
         decodes = sum(n == 1 for n, _ in runs)
         assert all(n == 1 for n, _ in runs[:decodes])  # decode rows first
     alone = {runs[0][0] for runs in batches if len(runs) == 1}
-    assert {1, 2, 15, 16, 17, 2048} <= alone  # one token, on and off multiples of 16, a chunk
+    # One token, on and off multiples of 16, each prefill tile class (16 to 128 rows), and past
+    # half the step's budget (the fused MoE's largest tiles); never the whole budget: no variant
+    # depends on it, and a start-up pays each batch's compute.
+    assert {1, 2, 15, 16, 17, 40, 100, 1025} <= alone
+    assert max(sum(n for n, _ in runs) for runs in batches) <= 1025 + 100
+    # A decode row over long contexts: every split count's merge tile, up to the model's length.
+    long_rows = {r[0][1] for r in batches if r[0][0] == 1 and len(r) == 1}
+    assert {300, 1000, 2000, 4000, 4095} <= long_rows and max(long_rows) == 4095
     assert any(len(r) == 1 and r[0][1] > 0 for r in batches)  # a chunk over a cached prefix
     decode_only = {len(r) for r in batches if all(n == 1 for n, _ in r)}
     assert 33 in decode_only and 64 in decode_only  # past the captured graphs, eager
