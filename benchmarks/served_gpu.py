@@ -82,8 +82,9 @@ def model_dir(shape: str) -> Path:
     return d
 
 
-EMBER_VARIANTS = {"ember": [], "ember-warmup": ["--warmup"]}
-"""ember at its defaults, and with the start-up warm-up (`--warmup`) to compare in the same run."""
+EMBER_VARIANTS = {"ember": [], "ember-no-warmup": ["--no-warmup"]}
+"""ember at its defaults, and without the start-up warm-up (`--no-warmup`) to compare in the same
+run."""
 
 
 def command(engine: str, model: str, port: int, device: str) -> list[str]:

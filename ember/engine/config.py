@@ -30,10 +30,10 @@ class EngineConfig:
     enforce_eager: bool = False
     """On a GPU: no CUDA graphs (every kernel launched from Python)."""
     max_cuda_graph_batch: int = 256
-    warmup: bool = False
-    """On a GPU: after the graphs, run the batch shapes serving meets (ember/engine/warmup.py) so
-    that Triton compiles their kernels at start-up instead of on the first requests. Off until
-    its start-up cost is measured (issue 16)."""
+    warmup: bool = True
+    """On a GPU: at start-up, compile the Triton kernel variants of the batch shapes serving meets
+    (ember/engine/warmup.py), in parallel, so that no request waits on a compilation. Off, only
+    the profiled step's and the decode graphs' variants are compiled ahead."""
     async_scheduling: bool | None = None
     """Schedule and launch step N+1 while step N runs; None turns it on for a GPU only (on the CPU
     the forward pass blocks the host, so there is nothing to overlap)."""

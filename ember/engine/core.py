@@ -17,6 +17,7 @@ import torch
 from ember.attention.backend import AttentionBackend
 from ember.attention.torch_backend import TorchAttentionBackend
 from ember.engine.config import EngineConfig, ResolvedConfig
+from ember.engine.cuda_graphs import cuda_graph_sizes
 from ember.engine.kv_connector import KVConnector
 from ember.engine.kv_tiers import PrefillClock, build_tiers, model_fingerprint
 from ember.engine.memory import size_kv_cache
@@ -35,7 +36,7 @@ from ember.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ember.engine.speculation import Speculator, verify_graph_rows
 from ember.engine.startup_clock import StartupClock
 from ember.engine.structured_output import GrammarCompiler
-from ember.engine.warmup import warm_up, warmup_batches
+from ember.engine.warmup import precompile_start_up, profile_runs, warmup_batches
 from ember.kernels import compile_log
 from ember.kv.kv_cache_manager import KVCacheManager
 from ember.models.config import ModelConfig
@@ -116,6 +117,8 @@ class EngineCore:
                 self.runner.backend,
             )
             self.runner.num_draft_tokens = spec.num_speculative_tokens
+        if on_gpu:
+            self._precompile(clock)
         num_blocks = r.num_kv_blocks
         if on_gpu and config.num_kv_blocks is None:
             num_blocks = size_kv_cache(self.runner, r, config, total - free0, total)
@@ -193,19 +196,6 @@ class EngineCore:
                 rows = verify_graph_rows(spec, batch) if spec else 0
                 self.runner.capture_cuda_graphs(batch, r.max_model_len, rows, max_group=k + 1)
             clock.mark("cuda graphs")
-        if on_gpu and config.warmup:
-            graph_batch = 0 if config.enforce_eager else config.max_cuda_graph_batch
-            ran = warm_up(
-                self.runner,
-                warmup_batches(
-                    r.max_num_batched_tokens,
-                    config.max_num_seqs,
-                    r.max_model_len,
-                    graph_batch,
-                    config.block_size,
-                ),
-            )
-            log.info("warm-up: %d batch shapes in %.1f s", ran, clock.mark("warm-up"))
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
             num_blocks,
@@ -216,6 +206,30 @@ class EngineCore:
         if self.compile_log is not None:
             self.compile_log.ready()
         clock.report()
+
+    def _precompile(self, clock: StartupClock) -> None:
+        """Compile, in parallel and before anything runs for real, the Triton variants of the
+        profiled step, the decode graphs' batches and (with the warm-up) the batch shapes serving
+        meets (ember/engine/warmup.py), so no request waits on a compilation."""
+        config, r = self.config, self.resolved
+        batches = [profile_runs(r.max_num_batched_tokens, r.max_model_len, config.max_num_seqs)]
+        graph_batch = 0 if config.enforce_eager else config.max_cuda_graph_batch
+        if config.warmup:
+            batches += warmup_batches(
+                r.max_num_batched_tokens,
+                config.max_num_seqs,
+                r.max_model_len,
+                graph_batch,
+                config.block_size,
+            )
+        graph_sizes = cuda_graph_sizes(min(graph_batch, config.max_num_seqs)) if graph_batch else []
+        n = precompile_start_up(self.runner, batches, graph_sizes, r.max_model_len)
+        log.info(
+            "start-up compile: %d Triton kernel variants from %d batch shapes run dry, in %.1f s",
+            n,
+            len(batches) + len(graph_sizes),
+            clock.mark("precompile"),
+        )
 
     def add_request(self, msg: EngineCoreRequest) -> None:
         req = Request(

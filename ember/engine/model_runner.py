@@ -24,7 +24,7 @@ from ember.engine.cuda_graphs import DecodeGraphs, feed_input_ids, feed_row
 from ember.engine.prompt_logprobs import PromptScoring, plan_prompt_scoring
 from ember.engine.sampler import Sampler, SamplerOutput, score_tokens
 from ember.engine.sampling_rows import sample_rows
-from ember.engine.warmup import dummy_inputs
+from ember.engine.warmup import dummy_inputs, profile_runs
 from ember.spec.eagle3_step import draft_after_step
 from ember.spec.verify import last_rows, num_accepted, verify_rows
 
@@ -414,14 +414,12 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_peak_bytes(self, num_tokens: int, max_model_len: int, max_seqs: int) -> int:
         """Peak bytes a worst-case step takes beyond the weights (activations, logits, sampler)."""
-        seqs = max(1, min(max_seqs, -(-num_tokens // max_model_len)))
-        per_seq = [num_tokens // seqs + (i < num_tokens % seqs) for i in range(seqs)]
-        blocks_per_seq = [-(-n // self.block_size) for n in per_seq]
+        runs = profile_runs(num_tokens, max_model_len, max_seqs)
         saved = self.kv_cache
-        self.allocate_kv_cache(sum(blocks_per_seq))
+        self.allocate_kv_cache(sum(-(-n // self.block_size) for n, _ in runs))
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        ids, pos, md = dummy_inputs(self, [(n, 0) for n in per_seq])
+        ids, pos, md = dummy_inputs(self, runs)
         hidden = self.model(ids, pos, ForwardContext(md, self.kv_cache, self.backend))
         logits = self.model.compute_logits(hidden[: min(max_seqs, num_tokens)])
         torch.softmax(logits, dim=-1)

@@ -1,13 +1,15 @@
 """Dummy forward passes: the profiled worst-case step that sizes the KV cache, and the start-up
-warm-up that runs the batch shapes serving will meet so that Triton compiles their kernel variants
+warm-up that meets the batch shapes serving will meet so that Triton compiles their kernel variants
 before the first request rather than during it (issue 16).
 
 A Triton kernel is compiled once per variant: its constexprs (tile sizes some kernels pick by
-token count) and its integer arguments' specializations (equal to 1, divisible by 16, neither).
-The warm-up's batches vary exactly those: one token and many, counts on and off multiples of 16,
-fresh prompts and prompts over a cached prefix, decode rows alone past the captured graphs and
-mixed with a prefill chunk. `ember/kernels/compile_log.py` names any variant still compiled on the
-request path, which is the list to extend.
+token count) and the specializations of its arguments (ember's kernels keep batch-dependent
+integers and sliced pointers out of them). The warm-up's batches vary what is left: one token and
+many, each tile class, fresh prompts and prompts over a cached prefix, decode rows alone past the
+captured graphs and mixed with a prefill chunk. `precompile_start_up` runs them (with the profiled
+step and the decode graphs' batches) *dry* and compiles every variant they reach in parallel
+(ember/kernels/precompile.py); `ember/kernels/compile_log.py` names any variant still compiled on
+the request path, which is the list to extend.
 """
 
 from __future__ import annotations
@@ -21,10 +23,14 @@ Run = tuple[int, int]
 """One sequence of a dummy batch: (new tokens, tokens already in its KV)."""
 
 
-def dummy_inputs(runner, runs: list[Run]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+def dummy_inputs(
+    runner, runs: list[Run], max_seq_len: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """(input ids, positions, metadata) of a batch of `runs` over consecutive KV blocks from 0 of
     `runner.kv_cache`; single-token runs are decode rows and must come first, as the scheduler
-    orders them. Random token ids; what the blocks held before is overwritten or read as is."""
+    orders them. Random token ids; what the blocks held before is overwritten or read as is.
+    `max_seq_len`: the bound the decode kernel sizes its splits by (a captured graph's is the
+    model's length), the longest run's by default."""
     bs = runner.block_size
     decodes = sum(n == 1 for n, _ in runs)
     if any(n != 1 for n, _ in runs[:decodes]):
@@ -50,7 +56,7 @@ def dummy_inputs(runner, runs: list[Run]) -> tuple[torch.Tensor, torch.Tensor, A
         block_tables=runner._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32),
         slot_mapping=runner._tensor(slots, torch.int64),
         max_query_len=max(n for n, _ in runs),
-        max_seq_len=max(seq_lens),
+        max_seq_len=max_seq_len or max(seq_lens),
         query_start_loc_cpu=qsl,
         seq_lens_cpu=seq_lens,
         num_decodes=decodes,
@@ -61,9 +67,9 @@ def dummy_inputs(runner, runs: list[Run]) -> tuple[torch.Tensor, torch.Tensor, A
 
 
 @torch.inference_mode()
-def dummy_step(runner, runs: list[Run]) -> torch.Tensor:
+def dummy_step(runner, runs: list[Run], max_seq_len: int | None = None) -> torch.Tensor:
     """One forward pass and the logits of each run's last row: [len(runs), vocab]."""
-    ids, pos, md = dummy_inputs(runner, runs)
+    ids, pos, md = dummy_inputs(runner, runs, max_seq_len)
     hidden = runner.model(ids, pos, ForwardContext(md, runner.kv_cache, runner.backend))
     last = torch.tensor(md.query_start_loc_cpu[1:], device=runner.device) - 1
     return runner.model.compute_logits(hidden[last])
@@ -97,10 +103,11 @@ def warmup_batches(
         batches.append([(1, ctx)] * d)  # decode rows alone (eager past the captured graphs)
         batches.append([(1, ctx)] * d + [(100, 0)])  # mixed with a chunk
         batches.append([(1, ctx)] * d + [(17, ctx)])
-    for long in (300, 1000, 2000, 4000, 8000, 16000):
-        # One decode row over a long context: 2 to 64 splits, each merge tile (graphs reach them
-        # too, but not with --enforce-eager).
-        batches.append([(1, min(long, max_model_len - 1))])
+    if graph_batch == 0:
+        # One decode row over a long context: 2 to 64 splits, each merge tile (the graphs'
+        # batches reach them all, but not with --enforce-eager).
+        for long in (300, 1000, 2000, 4000, 8000, 16000):
+            batches.append([(1, min(long, max_model_len - 1))])
     seen, kept = set(), []
     for b in batches:
         b = [(min(n, max_model_len), c) for n, c in b]
@@ -111,14 +118,42 @@ def warmup_batches(
     return kept
 
 
-def warm_up(runner, batches: list[list[Run]]) -> int:
-    """Run each batch that fits the KV cache; returns how many ran."""
-    blocks = runner.kv_cache.shape[0]
-    ran = 0
-    for runs in batches:
-        if sum(-(-(n + c) // runner.block_size) for n, c in runs) <= blocks:
-            dummy_step(runner, runs)
-            ran += 1
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize(runner.device)
-    return ran
+def profile_runs(num_tokens: int, max_model_len: int, max_seqs: int) -> list[Run]:
+    """The worst-case step the KV sizing profiles: the step's whole token budget as fresh prompts,
+    as few as the model's length allows."""
+    seqs = max(1, min(max_seqs, -(-num_tokens // max_model_len)))
+    return [(num_tokens // seqs + (i < num_tokens % seqs), 0) for i in range(seqs)]
+
+
+def _blocks(runs: list[Run], block_size: int) -> int:
+    return sum(-(-(n + c) // block_size) for n, c in runs)
+
+
+def precompile_start_up(
+    runner, batches: list[list[Run]], graph_sizes: list[int], max_model_len: int
+) -> int:
+    """Run `batches` and, for each captured decode size, a decode batch as its graph sees it
+    (splits sized by the model's length), dry, over a temporary KV cache; compile every Triton
+    variant they reach in parallel. Returns how many variants were compiled or loaded."""
+    from ember.kernels.precompile import precompile
+
+    decode = [[(1, 0)] * n for n in graph_sizes]
+    need = max((_blocks(b, runner.block_size) for b in [*batches, *decode]), default=0)
+    if need == 0:
+        return 0
+    saved = runner.kv_cache
+    runner.allocate_kv_cache(need)
+    try:
+
+        def run_dry() -> None:
+            for runs in batches:
+                dummy_step(runner, runs)
+            for runs in decode:
+                dummy_step(runner, runs, max_seq_len=max_model_len)
+
+        return precompile(run_dry)
+    finally:
+        runner.kv_cache = saved
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+            torch.cuda.empty_cache()

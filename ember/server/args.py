@@ -48,8 +48,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
         "--warmup",
-        action="store_true",
-        help="GPU: run the batch shapes serving meets at start-up, so Triton compiles then",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="GPU: compile the kernels of the batch shapes serving meets at start-up, in "
+        "parallel, so no request waits on a compilation (default: on)",
     )
     p.add_argument(
         "--async-scheduling",
