@@ -223,13 +223,19 @@ class EngineCore:
                 config.block_size,
             )
         graph_sizes = cuda_graph_sizes(min(graph_batch, config.max_num_seqs)) if graph_batch else []
-        n = precompile_start_up(self.runner, batches, graph_sizes, r.max_model_len)
-        log.info(
-            "start-up compile: %d Triton kernel variants from %d batch shapes run dry, in %.1f s",
-            n,
-            len(batches) + len(graph_sizes),
-            clock.mark("precompile"),
-        )
+        done = precompile_start_up(self.runner, batches, graph_sizes, r.max_model_len)
+        clock.mark("precompile")
+        if done is not None:
+            log.info(
+                "start-up compile: %d Triton kernel variants from %d batch shapes run dry "
+                "(%.1f s), compiled or loaded in parallel (%.1f s)",
+                done.variants,
+                len(batches) + len(graph_sizes),
+                done.dry_s,
+                done.compile_s,
+            )
+        if self.compile_log is not None:
+            self.compile_log.mark()
 
     def add_request(self, msg: EngineCoreRequest) -> None:
         req = Request(

@@ -18,6 +18,7 @@ import torch
 
 from ember.attention.context import ForwardContext
 from ember.attention.metadata import AttentionMetadata
+from ember.kernels.precompile import Precompiled, precompile
 
 Run = tuple[int, int]
 """One sequence of a dummy batch: (new tokens, tokens already in its KV)."""
@@ -131,16 +132,15 @@ def _blocks(runs: list[Run], block_size: int) -> int:
 
 def precompile_start_up(
     runner, batches: list[list[Run]], graph_sizes: list[int], max_model_len: int
-) -> int:
+) -> Precompiled | None:
     """Run `batches` and, for each captured decode size, a decode batch as its graph sees it
     (splits sized by the model's length), dry, over a temporary KV cache; compile every Triton
-    variant they reach in parallel. Returns how many variants were compiled or loaded."""
-    from ember.kernels.precompile import precompile
+    variant they reach in parallel (None: there was nothing to run)."""
 
     decode = [[(1, 0)] * n for n in graph_sizes]
     need = max((_blocks(b, runner.block_size) for b in [*batches, *decode]), default=0)
     if need == 0:
-        return 0
+        return None
     saved = runner.kv_cache
     runner.allocate_kv_cache(need)
     try:

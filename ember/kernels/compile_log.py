@@ -72,13 +72,20 @@ class CompileLog:
     """Seconds spent compiling (Triton's own timer), since the start began."""
     late: list[str] = field(default_factory=list)
     """Variants compiled after `ready()` (on the request path), by `describe()`."""
+    since_mark: list[str] = field(default_factory=list)
+    """Variants compiled since `mark()`, by `describe()`."""
     is_ready: bool = False
 
     def begin(self) -> None:
         """An engine's start begins: count its compilations afresh (a process may start more
         than one engine, one after another)."""
         self.compiled, self.loaded, self.compile_s, self.late = 0, 0, 0.0, []
+        self.since_mark = []
         self.is_ready = False
+
+    def mark(self) -> None:
+        """Start a list of what is compiled from now on (`since_mark`; `ready()` logs it)."""
+        self.since_mark = []
 
     def __call__(
         self,
@@ -94,8 +101,9 @@ class CompileLog:
             return
         self.compiled += 1
         self.compile_s += _seconds(times)
+        what = describe(src)
+        self.since_mark.append(what)
         if self.is_ready:
-            what = describe(src)
             self.late.append(what)
             log.warning("Triton compiled %s on the request path (%d so far)", what, len(self.late))
 
@@ -109,6 +117,9 @@ class CompileLog:
             self.loaded,
             os.environ.get("TRITON_CACHE_DIR", "Triton's default cache"),
         )
+        if self.since_mark:
+            # Variants the start-up compile did not reach ahead (compiled one by one, later).
+            log.info("Triton compiled after the start-up compile: %s", "; ".join(self.since_mark))
 
 
 _installed: CompileLog | None = None

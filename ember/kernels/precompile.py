@@ -10,9 +10,12 @@ a thread pool through Triton's own asynchronous mode (`AsyncCompileMode` with
 outside the GIL (MLIR passes, ptxas), so the pool scales with the cores. The next real launch of
 each variant finds it compiled in memory; one found in Triton's on-disk cache is only loaded.
 
-A dry run skips the variants it records, so their outputs are whatever memory held: the steps
-run dry must not act on kernel outputs on the host, and may feed garbage only into kernels and
-dense math (ember's GPU steps never read device values on the host: they are graph-safe).
+A dry run launches no Triton kernel of ember's at all: variants already compiled are hidden
+from their kernels' in-memory caches for its length (else they would run on the outputs of
+skipped ones: garbage expert ids are out-of-bounds addresses), and each variant met is filed as a
+no-op until the run ends. So outputs are whatever memory held: the steps run dry must not act on
+kernel outputs on the host, and may feed garbage only into kernels and dense math (ember's GPU
+steps never read device values on the host: they are graph-safe).
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -35,25 +41,79 @@ def default_workers() -> int:
     return max(1, min(32, (os.cpu_count() or 2) - 1))
 
 
+class _Skipped:
+    """What a kernel's cache holds for a variant during a dry run: launching it does nothing."""
+
+    function = None
+    packed_metadata = None
+
+    def launch_metadata(self, *args: Any) -> None:
+        return None
+
+    def run(self, *args: Any) -> None:
+        return None
+
+
+_SKIPPED = _Skipped()
+
+
+def _loaded_kernels() -> list[Any]:
+    """Every Triton kernel of ember's imported so far."""
+    from triton.runtime.jit import JITFunction
+
+    kernels = []
+    for name, module in list(sys.modules.items()):
+        if name.startswith("ember.") and module is not None:
+            kernels += [v for v in vars(module).values() if isinstance(v, JITFunction)]
+    return kernels
+
+
+def _caches(fn: Any) -> list[dict]:
+    return [entry[0] for entry in fn.device_caches.values()]
+
+
 @contextlib.contextmanager
-def recording() -> Iterator[dict[tuple[int, str], Variant]]:
-    """Within: a launch whose variant is not compiled in this process is recorded (once) and
-    skipped, neither compiled nor run. Yields the record, filled as launches happen."""
+def recording(kernels: list[Any] | None = None) -> Iterator[dict[tuple[int, str], Variant]]:
+    """Within: no Triton kernel of ember's runs; each variant a launch meets that was not compiled
+    in this process is recorded, once. Yields the record, filled as launches happen; on exit
+    every kernel's in-memory cache is as it was. `kernels`: those that may hold compiled variants
+    (every one of ember's imported so far by default)."""
     from triton import knobs
 
     found: dict[tuple[int, str], Variant] = {}
+    hidden: dict[int, tuple[Any, list[dict]]] = {}  # id(kernel) -> (kernel, its caches' entries)
 
-    def hook(*, fn: Any, compile: dict[str, Any], **_: Any) -> bool:
+    def hide(fn: Any) -> None:
+        if id(fn) not in hidden:
+            caches = _caches(fn)
+            hidden[id(fn)] = (fn, [dict(c) for c in caches])
+            for c in caches:
+                c.clear()
+
+    def hook(*, key: Any, fn: Any, compile: dict[str, Any], **_: Any) -> bool:
+        kernel = fn.jit_function
+        hide(kernel)  # a kernel first imported during the run
+        compiled = any(key in saved for saved in hidden[id(kernel)][1])
         data = compile["specialization_data"]
-        found.setdefault((id(fn.jit_function), data), (fn.jit_function, data))
+        if not compiled:
+            found.setdefault((id(kernel), data), (kernel, data))
+        kernel.device_caches[compile["device"]][0][key] = _SKIPPED  # later launches: no-ops
         return True  # Triton: skip this compilation, and the launch that needed it
 
+    for kernel in _loaded_kernels() if kernels is None else kernels:
+        hide(kernel)
     previous = knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = hook
     try:
         yield found
     finally:
         knobs.runtime.jit_cache_hook = previous
+        for kernel, saved in hidden.values():
+            caches = _caches(kernel)
+            for c in caches:
+                c.clear()
+            for c, before in zip(caches, saved, strict=False):
+                c.update(before)
 
 
 def compile_all(variants: list[Variant], workers: int | None = None) -> None:
@@ -75,11 +135,23 @@ def compile_all(variants: list[Variant], workers: int | None = None) -> None:
             fn.preload(data)
 
 
-def precompile(run_dry: Callable[[], object], workers: int | None = None) -> int:
+@dataclass(frozen=True)
+class Precompiled:
+    variants: int
+    """Variants the dry run met that were not compiled in this process yet."""
+    dry_s: float
+    """Seconds of the dry run (its dense math, and Python's launches of skipped kernels)."""
+    compile_s: float
+    """Seconds compiling (or loading from the on-disk cache) the variants, in parallel."""
+
+
+def precompile(run_dry: Callable[[], object], workers: int | None = None) -> Precompiled:
     """Run `run_dry` recording the variants it would compile, then compile them in parallel.
-    Returns how many there were (0 where Triton runs in its interpreter: no hook is called, and
-    `run_dry` simply ran)."""
+    (Where Triton runs in its interpreter no hook is called: `run_dry` simply runs, and no
+    variant is found.)"""
+    t0 = time.perf_counter()
     with recording() as found:
         run_dry()
+    t1 = time.perf_counter()
     compile_all(list(found.values()), workers)
-    return len(found)
+    return Precompiled(len(found), t1 - t0, time.perf_counter() - t1)

@@ -30,4 +30,5 @@ def test_served_gpu_runs_ember_fresh_and_warm_on_the_cpu(tmp_path: Path) -> None
         assert run["b1_tpot_ms"] > 0
         assert [s["rate"] for s in run["sweep"]] == [4.0, 8.0]
     assert runs["first_minute"]["requests"] == 8 and runs["first_minute"]["worst"] > 0
+    assert runs["warm_again"]["requests"] == 8 and runs["warm"]["mixed_again"]["completed"] == 8
     assert "| mixed, output tok/s |" in done.stdout

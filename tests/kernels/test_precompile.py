@@ -4,6 +4,9 @@ the next launch of a precompiled variant compiles nothing and computes what a pl
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -15,43 +18,63 @@ from ember.kernels.precompile import compile_all, precompile, recording
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _triton_calls_hook(fn: object, data: str) -> bool:
-    """What Triton does before compiling a variant (JITFunction._call_hook's keywords)."""
+class FakeKernel:
+    """A JITFunction's in-memory caches, one per device: (kernels by key, ...)."""
+
+    def __init__(self, compiled: dict[str, object] | None = None) -> None:
+        self.device_caches = {0: (dict(compiled or {}), None, None, None, None)}
+
+    @property
+    def cache(self) -> dict[str, object]:
+        return self.device_caches[0][0]
+
+
+def _triton_calls_hook(kernel: FakeKernel, key: str) -> bool:
+    """What Triton does before compiling a variant (JITFunction._call_hook's keywords); the key
+    doubles as the serialized specialization here."""
     from triton import knobs
 
     hook = knobs.runtime.jit_cache_hook
     assert hook is not None
     return hook(
-        key=data,
+        key=key,
         repr="kernel[...]",
-        fn=types.SimpleNamespace(module="m", name="k", jit_function=fn),
-        compile={"key": data, "specialization_data": data, "num_warps": 4},
+        fn=types.SimpleNamespace(module="m", name="k", jit_function=kernel),
+        compile={"key": key, "specialization_data": key, "device": 0, "num_warps": 4},
         is_manual_warmup=False,
         already_compiled=False,
     )
 
 
-def test_a_dry_run_records_each_variant_once_and_skips_it() -> None:
+def test_a_dry_run_records_each_new_variant_once_and_launches_nothing() -> None:
     from triton import knobs
 
     before = knobs.runtime.jit_cache_hook
-    a, b = object(), object()
-    with recording() as found:
-        assert _triton_calls_hook(a, '{"v": 1}') is True  # skip: no compile, no launch
-        assert _triton_calls_hook(a, '{"v": 1}') is True
-        assert _triton_calls_hook(a, '{"v": 2}') is True
-        assert _triton_calls_hook(b, '{"v": 1}') is True
-    assert sorted(d for _, d in found.values()) == ['{"v": 1}', '{"v": 1}', '{"v": 2}']
+    a, b = FakeKernel(compiled={"v1": "binary"}), FakeKernel()
+    with recording([a]) as found:  # b: as if first imported during the run
+        # Triton looks in the kernel's cache first: a compiled variant must not be found there
+        # (it would run on the outputs of skipped launches), so the launch reaches the hook.
+        assert a.cache == {}
+        assert _triton_calls_hook(a, "v1") is True  # skipped, and not recorded: compiled
+        assert _triton_calls_hook(a, "v2") is True  # skipped and recorded
+        assert _triton_calls_hook(b, "v1") is True
+        # Each variant met is filed as a no-op: the next launch neither compiles nor runs.
+        assert a.cache["v2"].run(1, 2, 3) is None and set(a.cache) == {"v1", "v2"}
+    assert sorted((k is a, d) for k, d in found.values()) == [(False, "v1"), (True, "v2")]
+    assert a.cache == {"v1": "binary"} and b.cache == {}  # as before the run
     assert knobs.runtime.jit_cache_hook is before  # restored, also for a later engine
 
 
-def test_the_hook_is_restored_when_the_dry_run_fails() -> None:
+def test_the_hook_and_caches_are_restored_when_the_dry_run_fails() -> None:
     from triton import knobs
 
     before = knobs.runtime.jit_cache_hook
-    with pytest.raises(RuntimeError, match="boom"), recording():
+    a = FakeKernel(compiled={"v1": "binary"})
+    with pytest.raises(RuntimeError, match="boom"), recording([a]):
+        _triton_calls_hook(a, "v2")
         raise RuntimeError("boom")
     assert knobs.runtime.jit_cache_hook is before
+    assert a.cache == {"v1": "binary"}
 
 
 def test_recorded_variants_are_preloaded_inside_triton_async_mode() -> None:
@@ -72,8 +95,8 @@ def test_recorded_variants_are_preloaded_inside_triton_async_mode() -> None:
 
 def test_where_no_hook_fires_the_dry_run_simply_runs() -> None:
     ran = []
-    assert precompile(lambda: ran.append(1)) == 0
-    assert ran == [1]
+    done = precompile(lambda: ran.append(1))
+    assert ran == [1] and done.variants == 0 and done.dry_s >= 0 and done.compile_s >= 0
 
 
 @needs_cuda
@@ -101,10 +124,28 @@ def test_a_precompiled_variant_launches_without_compiling_and_computes_the_same(
         for s, y in zip(scales, outs, strict=True):
             _scale[(4,)](x, y, x.numel(), S=s, BLOCK=256)
 
-    assert precompile(launch_all, workers=3) == 3
+    assert precompile(launch_all, workers=3).variants == 3
     assert all((y == 7.0).all() for y in outs)  # the dry launches did not run
     compiled = log.compiled + log.loaded
     launch_all()
     assert log.compiled + log.loaded == compiled  # found in memory: nothing compiled or loaded
     for s, y in zip(scales, outs, strict=True):
         torch.testing.assert_close(y, x * s)
+
+
+def test_every_kernel_of_embers_is_found() -> None:
+    # In a process of its own: these tests run Triton's interpreter, whose kernels cache nothing.
+    code = (
+        "from ember.kernels import decode_attention as d, fused_moe as f\n"
+        "from ember.kernels.precompile import _loaded_kernels\n"
+        "found = _loaded_kernels()\n"
+        "assert d._decode_split_kernel in found and f._moe_gemm_kernel in found, found\n"
+        "assert all(hasattr(k, 'device_caches') for k in found)\n"
+        "print(len(found))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout) >= 5
