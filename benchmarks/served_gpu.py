@@ -134,13 +134,17 @@ def start(cmd: list[str], env: dict[str, str], url: str, log: Path, timeout_s: f
     raise TimeoutError(f"not ready after {timeout_s:.0f} s; see {log}")
 
 
-def bench(url: str, out: Path, name: str, load: tuple[int, int, int], vocab: str, rates=None):
-    """One `ember bench --workload random` run: its JSON document."""
+def bench(
+    url: str, out: Path, name: str, load: tuple[int, int, int], vocab: str, rates=None, seed=0
+):
+    """One `ember bench --workload random` run: its JSON document. The same seed gives the same
+    prompts (on one server, a second run would hit its prefix cache)."""
     n, inp, outp = load
     cmd = [
         sys.executable, "-m", "ember.cli", "bench", "--url", url, "--workload", "random",
         "--num-requests", str(n), "--input-len", str(inp), "--output-len", str(outp),
         "--vocab", vocab, "--out", str(out), "--name", name, "--no-progress",
+        "--seed", str(seed),
     ]  # fmt: skip
     if rates:
         cmd += ["--rates", rates]
@@ -155,7 +159,8 @@ def run_loads(url: str, out: Path, tag: str, wanted: list[str], loads: Loads, ag
     for key in ("mixed", "mixed_again") if again else ("mixed",):
         if "mixed" not in wanted:
             break
-        doc = bench(url, out, f"{tag}-{key}", loads.mixed, loads.vocab)
+        # The second run's prompts differ (another seed): a prefix-cache hit is not speed.
+        doc = bench(url, out, f"{tag}-{key}", loads.mixed, loads.vocab, seed=int(key != "mixed"))
         result[key] = doc["summary"]
         result[f"{key}_latency_s"] = {
             r["request_id"]: r["e2e"] for r in doc["records"] if r.get("e2e") is not None
@@ -167,7 +172,7 @@ def run_loads(url: str, out: Path, tag: str, wanted: list[str], loads: Loads, ag
             tpots.append(doc["summary"]["tpot_ms"]["p50"])
         result["b1_tpot_ms"] = sorted(tpots)[len(tpots) // 2]
     if "sweep" in wanted:
-        doc = bench(url, out, f"{tag}-sweep", loads.mixed, loads.vocab, loads.sweep_rates)
+        doc = bench(url, out, f"{tag}-sweep", loads.mixed, loads.vocab, loads.sweep_rates, seed=100)
         result["sweep"] = [{"rate": s["rate"], **s["summary"]} for s in doc["sweep"] or []]
     return result
 

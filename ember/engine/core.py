@@ -17,7 +17,6 @@ import torch
 from ember.attention.backend import AttentionBackend
 from ember.attention.torch_backend import TorchAttentionBackend
 from ember.engine.config import EngineConfig, ResolvedConfig
-from ember.engine.cuda_graphs import cuda_graph_sizes
 from ember.engine.kv_connector import KVConnector
 from ember.engine.kv_tiers import PrefillClock, build_tiers, model_fingerprint
 from ember.engine.memory import size_kv_cache
@@ -209,8 +208,8 @@ class EngineCore:
 
     def _precompile(self, clock: StartupClock) -> None:
         """Compile, in parallel and before anything runs for real, the Triton variants of the
-        profiled step, the decode graphs' batches and (with the warm-up) the batch shapes serving
-        meets (ember/engine/warmup.py), so no request waits on a compilation."""
+        profiled step and (with the warm-up) of the batch shapes serving meets
+        (ember/engine/warmup.py), so no request waits on a compilation."""
         config, r = self.config, self.resolved
         batches = [profile_runs(r.max_num_batched_tokens, r.max_model_len, config.max_num_seqs)]
         graph_batch = 0 if config.enforce_eager else config.max_cuda_graph_batch
@@ -222,15 +221,14 @@ class EngineCore:
                 graph_batch,
                 config.block_size,
             )
-        graph_sizes = cuda_graph_sizes(min(graph_batch, config.max_num_seqs)) if graph_batch else []
-        done = precompile_start_up(self.runner, batches, graph_sizes, r.max_model_len)
+        done = precompile_start_up(self.runner, batches)
         clock.mark("precompile")
         if done is not None:
             log.info(
                 "start-up compile: %d Triton kernel variants from %d batch shapes run dry "
                 "(%.1f s), compiled or loaded in parallel (%.1f s)",
                 done.variants,
-                len(batches) + len(graph_sizes),
+                len(batches),
                 done.dry_s,
                 done.compile_s,
             )

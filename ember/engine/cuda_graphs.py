@@ -15,6 +15,7 @@ import torch
 
 from ember.attention.context import ForwardContext
 from ember.attention.metadata import AttentionMetadata
+from ember.kernels.precompile import precompile
 
 if TYPE_CHECKING:
     from torch import nn
@@ -199,6 +200,15 @@ class DecodeGraphs:
         self._staged.record()
         self._qsl = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self._max_len = max_model_len
+        done = precompile(lambda: self._run_dry(kv_cache))
+        if done.variants:
+            log.info(
+                "decode graphs: %d Triton kernel variants run dry (%.1f s), compiled or loaded in "
+                "parallel (%.1f s)",
+                done.variants,
+                done.dry_s,
+                done.compile_s,
+            )
         pool = torch.cuda.graph_pool_handle()
         for grouped, sizes, graphs in (
             (True, self.verify_sizes, self.verify_graphs),
@@ -213,6 +223,16 @@ class DecodeGraphs:
             self.sizes[-1],
             len(self.verify_graphs),
         )
+
+    def _run_dry(self, kv_cache: torch.Tensor) -> None:
+        """The forward of the captured sizes that pick each tile class (the powers of two, which
+        reach every split count and row block, and the largest), for precompile(): a size between
+        them that still meets a new variant compiles it when captured."""
+        for grouped, sizes in ((True, self.verify_sizes), (False, self.sizes)):
+            for size in sizes:
+                if size & (size - 1) == 0 or size == sizes[-1]:
+                    ctx = ForwardContext(self._metadata(size, grouped), kv_cache, self.backend)
+                    self._forward(size, ctx)
 
     def _capture(self, size: int, grouped: bool, kv_cache: torch.Tensor, pool: object) -> _Graph:
         ctx = ForwardContext(self._metadata(size, grouped), kv_cache, self.backend)

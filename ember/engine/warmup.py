@@ -130,28 +130,17 @@ def _blocks(runs: list[Run], block_size: int) -> int:
     return sum(-(-(n + c) // block_size) for n, c in runs)
 
 
-def precompile_start_up(
-    runner, batches: list[list[Run]], graph_sizes: list[int], max_model_len: int
-) -> Precompiled | None:
-    """Run `batches` and, for each captured decode size, a decode batch as its graph sees it
-    (splits sized by the model's length), dry, over a temporary KV cache; compile every Triton
-    variant they reach in parallel (None: there was nothing to run)."""
-
-    decode = [[(1, 0)] * n for n in graph_sizes]
-    need = max((_blocks(b, runner.block_size) for b in [*batches, *decode]), default=0)
+def precompile_start_up(runner, batches: list[list[Run]]) -> Precompiled | None:
+    """Run `batches` dry over a temporary KV cache and compile every Triton variant they reach in
+    parallel (None: there was nothing to run). The decode graphs' variants are found the same way
+    when they are captured (their inputs are the graphs' own buffers)."""
+    need = max((_blocks(b, runner.block_size) for b in batches), default=0)
     if need == 0:
         return None
     saved = runner.kv_cache
     runner.allocate_kv_cache(need)
     try:
-
-        def run_dry() -> None:
-            for runs in batches:
-                dummy_step(runner, runs)
-            for runs in decode:
-                dummy_step(runner, runs, max_seq_len=max_model_len)
-
-        return precompile(run_dry)
+        return precompile(lambda: [dummy_step(runner, runs) for runs in batches])
     finally:
         runner.kv_cache = saved
         if runner.device.type == "cuda":

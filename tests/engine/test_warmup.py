@@ -72,7 +72,7 @@ def test_a_warmed_up_engine_answers_as_a_cold_one(tiny_model_dir) -> None:
     cache = core.runner.kv_cache
     # On the CPU no Triton hook fires: the batches run for real, over a cache of their own.
     batches = warmup_batches(64, 256, 128, 0, 4)
-    assert precompile_start_up(core.runner, batches, [1, 2, 8], 128).variants == 0
+    assert precompile_start_up(core.runner, batches).variants == 0
     assert core.runner.kv_cache is cache  # the engine's own cache is back, untouched
     got = [o.outputs[0].token_ids for o in warm.generate(prompts, params)]
     assert got == want
