@@ -236,8 +236,9 @@ class DecodeGraphs:
 
     def _capture(self, size: int, grouped: bool, kv_cache: torch.Tensor, pool: object) -> _Graph:
         ctx = ForwardContext(self._metadata(size, grouped), kv_cache, self.backend)
-        for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
-            self._forward(size, ctx)
+        # One run outside the capture: lazy set-up (cuBLAS workspaces, a variant the dry run
+        # missed) must not happen inside it. ember's kernels are not autotuned, so one is enough.
+        self._forward(size, ctx)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):

@@ -104,11 +104,10 @@ def warmup_batches(
         batches.append([(1, ctx)] * d)  # decode rows alone (eager past the captured graphs)
         batches.append([(1, ctx)] * d + [(100, 0)])  # mixed with a chunk
         batches.append([(1, ctx)] * d + [(17, ctx)])
-    if graph_batch == 0:
-        # One decode row over a long context: 2 to 64 splits, each merge tile (the graphs'
-        # batches reach them all, but not with --enforce-eager).
-        for long in (300, 1000, 2000, 4000, 8000, 16000):
-            batches.append([(1, min(long, max_model_len - 1))])
+    # One decode row over a long context: 2 to 64 splits, each merge tile, eagerly (the graphs'
+    # batches reach the tiles too, but their inputs are of other types: other variants).
+    for long in (300, 1000, 2000, 4000, 8000, 16000):
+        batches.append([(1, min(long, max_model_len - 1))])
     seen, kept = set(), []
     for b in batches:
         b = [(min(n, max_model_len), c) for n, c in b]

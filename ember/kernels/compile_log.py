@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from ember.home import ember_home
 
 log = logging.getLogger(__name__)
+
+PRECOMPILE_THREADS = "triton-compile"
+"""The name prefix of ember/kernels/precompile.py's compile threads."""
 
 
 def use_ember_cache() -> str:
@@ -73,7 +77,8 @@ class CompileLog:
     late: list[str] = field(default_factory=list)
     """Variants compiled after `ready()` (on the request path), by `describe()`."""
     since_mark: list[str] = field(default_factory=list)
-    """Variants compiled since `mark()`, by `describe()`."""
+    """Variants compiled at their first launch since `mark()` (not ahead, by precompile's
+    threads), by `describe()`."""
     is_ready: bool = False
 
     def begin(self) -> None:
@@ -102,7 +107,8 @@ class CompileLog:
         self.compiled += 1
         self.compile_s += _seconds(times)
         what = describe(src)
-        self.since_mark.append(what)
+        if not threading.current_thread().name.startswith(PRECOMPILE_THREADS):
+            self.since_mark.append(what)  # compiled at its first launch, not ahead
         if self.is_ready:
             self.late.append(what)
             log.warning("Triton compiled %s on the request path (%d so far)", what, len(self.late))

@@ -30,6 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from ember.kernels.compile_log import PRECOMPILE_THREADS
+
 log = logging.getLogger(__name__)
 
 Variant = tuple[Any, str]
@@ -127,7 +129,7 @@ def compile_all(variants: list[Variant], workers: int | None = None) -> None:
     # files each result in its kernel's cache (on this thread).
     with (
         ThreadPoolExecutor(
-            workers or default_workers(), thread_name_prefix="triton-compile"
+            workers or default_workers(), thread_name_prefix=PRECOMPILE_THREADS
         ) as pool,
         AsyncCompileMode(pool),
     ):

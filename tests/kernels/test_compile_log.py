@@ -98,3 +98,17 @@ def test_a_new_variant_is_compiled_once_then_served_from_memory(tmp_path: Path) 
     _fill[(1,)](x, V=value)
     assert x.item() == value
     assert log.compiled + log.loaded == before + 1
+
+
+def test_variants_compiled_ahead_by_precompile_threads_are_not_listed_as_missed() -> None:
+    import threading
+
+    log = CompileLog()
+    log.mark()
+    worker = threading.Thread(
+        target=_compile, args=(log, "_ahead", False), name=f"{compile_log.PRECOMPILE_THREADS}_0"
+    )
+    worker.start()
+    worker.join()
+    _compile(log, "_at_first_launch", hit=False)
+    assert log.compiled == 2 and log.since_mark == ["_at_first_launch"]
