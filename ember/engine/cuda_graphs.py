@@ -15,6 +15,7 @@ import torch
 
 from ember.attention.context import ForwardContext
 from ember.attention.metadata import AttentionMetadata
+from ember.engine.warmup import one_layer_of_each_kind
 from ember.kernels.precompile import precompile
 
 if TYPE_CHECKING:
@@ -200,7 +201,8 @@ class DecodeGraphs:
         self._staged.record()
         self._qsl = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self._max_len = max_model_len
-        done = precompile(lambda: self._run_dry(kv_cache))
+        with one_layer_of_each_kind(self.model):
+            done = precompile(lambda: self._run_dry(kv_cache))
         if done.variants:
             log.info(
                 "decode graphs: %d Triton kernel variants run dry (%.1f s), compiled or loaded in "

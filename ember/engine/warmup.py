@@ -14,6 +14,8 @@ the request path, which is the list to extend.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ember.attention.context import ForwardContext
@@ -118,6 +120,13 @@ def warmup_batches(
     return kept
 
 
+def one_layer_of_each_kind(model) -> contextlib.AbstractContextManager:
+    """The model's decoder with one layer of each kind (a dry run's cut), where it knows how."""
+    decoder = getattr(model, "model", None)
+    cut = getattr(decoder, "one_layer_of_each_kind", None)
+    return cut() if cut is not None else contextlib.nullcontext()
+
+
 def profile_runs(num_tokens: int, max_model_len: int, max_seqs: int) -> list[Run]:
     """The worst-case step the KV sizing profiles: the step's whole token budget as fresh prompts,
     as few as the model's length allows."""
@@ -139,7 +148,8 @@ def precompile_start_up(runner, batches: list[list[Run]]) -> Precompiled | None:
     saved = runner.kv_cache
     runner.allocate_kv_cache(need)
     try:
-        return precompile(lambda: [dummy_step(runner, runs) for runs in batches])
+        with one_layer_of_each_kind(runner.model):
+            return precompile(lambda: [dummy_step(runner, runs) for runs in batches])
     finally:
         runner.kv_cache = saved
         if runner.device.type == "cuda":

@@ -5,7 +5,8 @@ They differ only in those two switches, read from the config, so one file serves
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -122,6 +123,27 @@ class DecoderModel(nn.Module):
         num_hidden_layers the last layer's output before the final norm (vLLM's convention)."""
         self.aux_hidden: torch.Tensor | None = None
         """After a forward with `aux_layers` set: those states concatenated, [T, len * hidden]."""
+
+    @contextlib.contextmanager
+    def one_layer_of_each_kind(self) -> Iterator[None]:
+        """Within: the forward runs one layer of each kind (its class, its attention's and its
+        MLP's: DeepSeek's dense first layers and MoE ones are two kinds), not all of them. A dry
+        run (ember/kernels/precompile.py) meets every kernel variant of the model this way, in a
+        fraction of the time: the layers of one kind launch the same variants."""
+        kinds: dict[tuple[type, ...], nn.Module] = {}
+        for layer in self.layers:
+            key = (
+                type(layer),
+                type(getattr(layer, "self_attn", None)),
+                type(getattr(layer, "mlp", None)),
+            )
+            kinds.setdefault(key, layer)
+        layers, aux_layers = self.layers, self.aux_layers
+        self.layers, self.aux_layers = nn.ModuleList(kinds.values()), ()
+        try:
+            yield
+        finally:
+            self.layers, self.aux_layers = layers, aux_layers
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext

@@ -87,3 +87,22 @@ def test_after_the_warm_up_a_mixed_workload_compiles_nothing(tiny_model_dir) -> 
     llm.generate(prompts[:2], params)  # a prompt again: over its cached prefix
     assert log.late == []
     llm.close()
+
+
+@pytest.mark.parametrize(("arch", "kinds"), [("llama", 1), ("deepseek_v3", 2)])
+def test_a_dry_run_cut_keeps_one_layer_of_each_kind(tiny_model_dir, arch: str, kinds: int) -> None:
+    from ember.engine.warmup import dummy_step, one_layer_of_each_kind
+
+    llm = LLM(str(tiny_model_dir(arch)), num_kv_blocks=16, block_size=4, max_model_len=64)
+    runner = llm.engine.core.runner
+    decoder = runner.model.model
+    layers = decoder.layers
+    assert len(layers) > kinds
+    with one_layer_of_each_kind(runner.model):
+        cut = list(decoder.layers)
+        assert len(cut) == kinds  # DeepSeek: its dense first layer and one MoE layer
+        assert len({type(layer.mlp) for layer in cut}) == kinds
+        assert all(any(layer is orig for orig in layers) for layer in cut)
+        assert dummy_step(runner, [(1, 3), (5, 0)]).shape[0] == 2  # still a whole forward
+    assert decoder.layers is layers
+    llm.close()
