@@ -82,9 +82,13 @@ def model_dir(shape: str) -> Path:
     return d
 
 
-EMBER_VARIANTS = {"ember": [], "ember-no-warmup": ["--no-warmup"]}
-"""ember at its defaults, and without the start-up warm-up (`--no-warmup`) to compare in the same
-run."""
+EMBER_VARIANTS = {
+    "ember": [],
+    "ember-no-warmup": ["--no-warmup"],
+    "ember-no-host-tier": ["--kv-host-gb", "0"],
+}
+"""ember at its defaults, and without the start-up warm-up or the host KV tier (whose memory is
+pinned in the background while the first requests run) to compare in the same run."""
 
 
 def command(engine: str, model: str, port: int, device: str) -> list[str]:

@@ -36,6 +36,8 @@ import torch
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 64 << 20
+GROWTH_IDLE_RATIO = 2.0
+"""The background growth rests this many times as long as each chunk took (a third of a core)."""
 Allocate = Callable[[int], torch.Tensor]
 """Allocates a flat uint8 CPU tensor of the given number of bytes (tests gate it)."""
 
@@ -103,7 +105,10 @@ def _unpin_released() -> None:
 def _pinned(nbytes: int) -> torch.Tensor:
     _unpin_released()  # a dropped memory's pages may come back from the allocator now
     t = torch.empty(nbytes, dtype=torch.uint8)
-    t.fill_(0)  # fault the pages in on the CPU, outside the driver
+    # Fault the pages in on the CPU, outside the driver, on this thread alone: torch's fill_
+    # would spread over every core of the intra-op pool, beside the engine's own host work.
+    # ctypes releases the GIL for the call.
+    ctypes.memset(t.data_ptr(), 0, nbytes)
     _host_register(t)
     return t
 
@@ -264,6 +269,7 @@ class HostMemory:
                 if self._closed or self.full:
                     break
                 _Growth.allocating += 1
+            started = time.perf_counter()
             try:
                 self._add_chunk()
             except (RuntimeError, MemoryError) as e:  # out of pinnable memory: keep what we have
@@ -275,6 +281,9 @@ class HostMemory:
                 with _Growth.cond:
                     _Growth.allocating -= 1
                     _Growth.cond.notify_all()
+            # A duty cycle: the growth overlaps the first requests (25 GiB take ~11 s), whose
+            # steps share the host's memory bandwidth and the driver with it.
+            time.sleep((time.perf_counter() - started) * GROWTH_IDLE_RATIO)
         if self.full:
             log.info(
                 "KV host tier: %.2f GiB %s in %.1f s",
