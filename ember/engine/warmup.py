@@ -15,12 +15,15 @@ the request path, which is the list to extend.
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 
 from ember.attention.context import ForwardContext
 from ember.attention.metadata import AttentionMetadata
 from ember.kernels.precompile import Precompiled, precompile
+
+log = logging.getLogger(__name__)
 
 Run = tuple[int, int]
 """One sequence of a dummy batch: (new tokens, tokens already in its KV)."""
@@ -146,10 +149,14 @@ def precompile_start_up(runner, batches: list[list[Run]]) -> Precompiled | None:
     if need == 0:
         return None
     saved = runner.kv_cache
-    runner.allocate_kv_cache(need)
     try:
+        runner.allocate_kv_cache(need)
         with one_layer_of_each_kind(runner.model):
             return precompile(lambda: [dummy_step(runner, runs) for runs in batches])
+    except torch.OutOfMemoryError as e:
+        # A model that barely fits: its kernels then compile at their first launch, as before.
+        log.warning("start-up compile skipped (%d temporary KV blocks do not fit): %s", need, e)
+        return None
     finally:
         runner.kv_cache = saved
         if runner.device.type == "cuda":

@@ -106,3 +106,19 @@ def test_a_dry_run_cut_keeps_one_layer_of_each_kind(tiny_model_dir, arch: str, k
         assert dummy_step(runner, [(1, 3), (5, 0)]).shape[0] == 2  # still a whole forward
     assert decoder.layers is layers
     llm.close()
+
+
+def test_a_start_up_compile_that_does_not_fit_is_skipped_and_leaves_the_cache(
+    tiny_model_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=16, block_size=4, max_model_len=64)
+    runner = llm.engine.core.runner
+    cache = runner.kv_cache
+
+    def no_room(num_blocks: int) -> None:
+        raise torch.OutOfMemoryError(f"{num_blocks} blocks")
+
+    monkeypatch.setattr(runner, "allocate_kv_cache", no_room)
+    assert precompile_start_up(runner, [[(5, 0)], [(1, 3)]]) is None
+    assert runner.kv_cache is cache
+    llm.close()
