@@ -12,6 +12,9 @@ the same memory; their decode rooflines count only the experts a batch hits. Pri
 $OUT (or benchmarks/results/) named with the GPU.
 
     python benchmarks/engine_gpu.py [--shapes llama,qwen3,moonlight,qwen3_moe] [--skip-hf] [--quick]
+
+A shape named with ":unfused" (`--shapes llama,llama:unfused`) runs with the rotation and the KV
+write as two launches, the baseline of their fusion in the same run.
 """
 
 from __future__ import annotations
@@ -595,11 +598,23 @@ def bench_hf(path: Path, cfg: dict, out: dict, args: argparse.Namespace) -> dict
     return state
 
 
+UNFUSED = ":unfused"
+"""A shape name's suffix: the same shape with the attention backend's fused rotation + KV write
+turned off (the separate scatter), the baseline of that fusion in the same run."""
+
+
 def child(task: str, args: argparse.Namespace) -> dict[str, object]:
-    """One task in a process of its own: "ceilings", or a shape's name."""
+    """One task in a process of its own: "ceilings", or a shape's name (+ UNFUSED)."""
     if task == "ceilings":
         return {"gpu": torch.cuda.get_device_name(), "ceilings": ceilings()}
-    return bench_shape(task, args, json.loads(args.ceilings))
+    name = task.removesuffix(UNFUSED)
+    if name != task:
+        from ember.attention.triton_backend import TritonAttentionBackend
+
+        TritonAttentionBackend.fuses_kv_write = False
+    out = bench_shape(name, args, json.loads(args.ceilings))
+    out["fused_kv_write"] = name == task
+    return out
 
 
 def run_child(task: str, args: argparse.Namespace, ceil: dict | None) -> dict:
