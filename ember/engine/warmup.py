@@ -7,9 +7,9 @@ token count) and the specializations of its arguments (ember's kernels keep batc
 integers and sliced pointers out of them). The warm-up's batches vary what is left: one token and
 many, each tile class, fresh prompts and prompts over a cached prefix, decode rows alone past the
 captured graphs and mixed with a prefill chunk. `precompile_start_up` runs them (with the profiled
-step and the decode graphs' batches) *dry* and compiles every variant they reach in parallel
-(ember/kernels/precompile.py); `ember/kernels/compile_log.py` names any variant still compiled on
-the request path, which is the list to extend.
+step) *dry* and compiles every variant they reach in parallel (ember/kernels/precompile.py; the
+decode graphs find theirs the same way when captured); `ember/kernels/compile_log.py` names any
+variant still compiled on the request path, which is the list to extend.
 """
 
 from __future__ import annotations

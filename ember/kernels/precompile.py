@@ -6,8 +6,9 @@ that in series. Here a start-up first runs its dummy batches *dry*: Triton's `ji
 (called before every compilation) records each variant a launch would compile and tells Triton
 to skip it, so the launch neither compiles nor runs. The recorded variants are then compiled in
 a thread pool through Triton's own asynchronous mode (`AsyncCompileMode` with
-`JITFunction.preload`, the path PyTorch uses to load kernels ahead): most of a compilation runs
-outside the GIL (MLIR passes, ptxas), so the pool scales with the cores. The next real launch of
+`JITFunction.preload`, which rebuilds a variant from its serialized specialization): most of a
+compilation runs outside the GIL (MLIR passes, ptxas), so the pool scales with the cores (two
+threads compiled two prefill variants in 0.92 s where one took 1.64 s, on a 2-core machine). The next real launch of
 each variant finds it compiled in memory; one found in Triton's on-disk cache is only loaded.
 
 A dry run launches no Triton kernel of ember's at all: variants already compiled are hidden
