@@ -81,10 +81,7 @@ class CoreClient:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(5.0)
-        self.input.close(linger=0)
-        self.output.close(linger=0)
-        self.ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._close()
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
         if self.proc.is_alive():
@@ -94,6 +91,10 @@ class CoreClient:
             if self.proc.is_alive():
                 self.proc.kill()
                 self.proc.join(timeout_s)
+        self._close()
+
+    def _close(self) -> None:
+        """Free the sockets and the IPC directory (the core is gone)."""
         self.input.close(linger=0)
         self.output.close(linger=0)
         self.ctx.term()

@@ -24,7 +24,7 @@ from ember.engine.cuda_graphs import DecodeGraphs, feed_input_ids, feed_row
 from ember.engine.prompt_logprobs import PromptScoring, plan_prompt_scoring
 from ember.engine.sampler import Sampler, SamplerOutput, score_tokens
 from ember.engine.sampling_rows import sample_rows
-from ember.engine.warmup import dummy_inputs, profile_runs
+from ember.engine.warmup import blocks_of, dummy_inputs, profile_runs
 from ember.spec.eagle3_step import draft_after_step
 from ember.spec.verify import last_rows, num_accepted, verify_rows
 
@@ -416,7 +416,7 @@ class ModelRunner:
         """Peak bytes a worst-case step takes beyond the weights (activations, logits, sampler)."""
         runs = profile_runs(num_tokens, max_model_len, max_seqs)
         saved = self.kv_cache
-        self.allocate_kv_cache(sum(-(-n // self.block_size) for n, _ in runs))
+        self.allocate_kv_cache(blocks_of(runs, self.block_size))
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         ids, pos, md = dummy_inputs(self, runs)

@@ -137,7 +137,8 @@ def profile_runs(num_tokens: int, max_model_len: int, max_seqs: int) -> list[Run
     return [(num_tokens // seqs + (i < num_tokens % seqs), 0) for i in range(seqs)]
 
 
-def _blocks(runs: list[Run], block_size: int) -> int:
+def blocks_of(runs: list[Run], block_size: int) -> int:
+    """KV blocks a dummy batch of `runs` takes (dummy_inputs gives each run its own)."""
     return sum(-(-(n + c) // block_size) for n, c in runs)
 
 
@@ -145,7 +146,7 @@ def precompile_start_up(runner, batches: list[list[Run]]) -> Precompiled | None:
     """Run `batches` dry over a temporary KV cache and compile every Triton variant they reach in
     parallel (None: there was nothing to run). The decode graphs' variants are found the same way
     when they are captured (their inputs are the graphs' own buffers)."""
-    need = max((_blocks(b, runner.block_size) for b in batches), default=0)
+    need = max((blocks_of(b, runner.block_size) for b in batches), default=0)
     if need == 0:
         return None
     saved = runner.kv_cache
