@@ -274,3 +274,72 @@ def test_pinned_memory_dropped_without_close_is_unpinned(monkeypatch: pytest.Mon
     del closed
     gc.collect()
     assert len(unpinned) == 5  # the second memory's one chunk, at close, once
+
+
+def test_a_tier_takes_over_a_memory_already_growing() -> None:
+    """An engine starts its tier's memory before it loads the model; the tier built later finds
+    every chunk that arrived meanwhile and each one after, none twice."""
+    from ember.kv.tiers.host_memory import HostMemory
+
+    alloc = GatedAllocator(open_first=2)
+    memory = HostMemory(
+        LAYOUT.nbytes, 8, pin=False, chunk_bytes=CHUNK, background=True, allocate=alloc
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while memory.num_rows < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert memory.num_rows == 4  # two chunks before the tier exists
+        host = HostTier(LAYOUT, 8, pin=False, memory=memory)
+        assert host.memory is memory and host.capacity_blocks == 4
+        slots = [put(host, key(i), i) for i in range(4)]
+        assert sorted(slots) == [0, 1, 2, 3] and host.stats().evictions == 0
+        for gate in alloc.gates:
+            gate.set()
+        assert memory.wait_full(timeout_s=30) and host.capacity_blocks == 8
+        new = [put(host, key(i), i) for i in range(4, 8)]
+        assert sorted(new) == [4, 5, 6, 7] and host.stats().evictions == 0  # each slot once
+        assert host.reserve([key(99)]) != [None] and host.stats().evictions == 1
+        with pytest.raises(ValueError, match="rows of"):
+            HostTier(LAYOUT, 7, pin=False, memory=memory)  # not the memory it was sized for
+    finally:
+        memory.close()
+
+
+def test_the_growth_rests_as_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No rests while the engine starts (idle_ratio 0), rests once it serves: the pace is read
+    before every rest."""
+    from ember.kv.tiers import host_memory
+
+    rests: list[float] = []
+    sleep = time.sleep
+
+    def rest(s: float) -> None:  # the growth thread's rests recorded, not taken
+        if threading.current_thread().name == "ember-kv-host":
+            rests.append(s)
+        else:
+            sleep(s)
+
+    monkeypatch.setattr(host_memory.time, "sleep", rest)
+    alloc = GatedAllocator(open_first=3)
+    memory = host_memory.HostMemory(
+        LAYOUT.nbytes,
+        10,
+        pin=False,
+        chunk_bytes=CHUNK,
+        background=True,
+        allocate=alloc,
+        idle_ratio=0.0,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while len(rests) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rests == [0.0, 0.0]  # chunks 2 and 3, then held at the fourth gate
+        memory.idle_ratio = 1000.0
+        for gate in alloc.gates:
+            gate.set()
+        assert memory.wait_full(timeout_s=30)
+        assert len(rests) == 4 and all(r > 0 for r in rests[2:])
+    finally:
+        memory.close()
