@@ -181,7 +181,15 @@ def run_loads(url: str, out: Path, tag: str, wanted: list[str], loads: Loads, ag
     return result
 
 
-STARTUP_MARKS = ("Triton", "start-up:", "warm-up:", "serving ", "captured")
+STARTUP_MARKS = (
+    "Triton",
+    "start-up:",
+    "warm-up:",
+    "serving ",
+    "captured",
+    "KV host tier",
+    "KV tiers:",
+)
 
 
 def startup_lines(log: Path, limit: int = 40) -> list[str]:
