@@ -18,12 +18,7 @@ from ember.attention.backend import AttentionBackend
 from ember.attention.torch_backend import TorchAttentionBackend
 from ember.engine.config import EngineConfig, ResolvedConfig
 from ember.engine.kv_connector import KVConnector
-from ember.engine.kv_tiers import (
-    PrefillClock,
-    build_tiers,
-    model_fingerprint,
-    start_host_memory,
-)
+from ember.engine.kv_tiers import PrefillClock, build_tiers, model_fingerprint
 from ember.engine.memory import size_kv_cache
 from ember.engine.messages import (
     EngineCoreOutput,
@@ -43,7 +38,6 @@ from ember.engine.structured_output import GrammarCompiler
 from ember.engine.warmup import precompile_start_up, profile_runs, warmup_batches
 from ember.kernels import compile_log
 from ember.kv.kv_cache_manager import KVCacheManager
-from ember.kv.tiers.host_memory import GROWTH_IDLE_RATIO, HostMemory
 from ember.models.config import ModelConfig
 from ember.models.loader import load_model
 
@@ -81,7 +75,6 @@ class EngineCore:
         if on_gpu and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.compile_log = None
-        free0 = total = 0
         if on_gpu:
             torch.cuda.set_device(self.device)
             free0, total = torch.cuda.mem_get_info(self.device)
@@ -89,32 +82,7 @@ class EngineCore:
             compile_log.use_ember_cache()
             self.compile_log = compile_log.install()
             self.compile_log.begin()
-        # The host KV tier pins its memory from now on, beside the load and the compiles (only
-        # its rests wait for the engine to serve); it is closed if the engine fails to start.
-        host_memory = (
-            start_host_memory(config, self.device, r.kv_block_bytes, r.max_model_len)
-            if on_gpu
-            else None
-        )
         clock.mark("config")
-        try:
-            self._build(clock, host_memory, backend, free0, total)
-        except BaseException:
-            if host_memory is not None:
-                host_memory.close()
-            raise
-
-    def _build(
-        self,
-        clock: StartupClock,
-        host_memory: HostMemory | None,
-        backend: AttentionBackend | None,
-        free0: int,
-        total: int,
-    ) -> None:
-        """The rest of the start: model, compiles, KV cache, tiers, scheduler, graphs."""
-        config, r = self.config, self.resolved
-        on_gpu = self.device.type == "cuda"
         model = load_model(
             config.model,
             self.model_config,
@@ -167,9 +135,7 @@ class EngineCore:
         namespace = (
             f"{self.model_config.architecture}|{fingerprint}|{r.dtype}|bs={config.block_size}"
         )
-        self.tiers = build_tiers(
-            config, self.runner.kv_cache, fingerprint, r.max_model_len, host_memory
-        )
+        self.tiers = build_tiers(config, self.runner.kv_cache, fingerprint, r.max_model_len)
         self.kv = KVCacheManager(
             num_blocks,
             config.block_size,
@@ -238,8 +204,6 @@ class EngineCore:
         )
         if self.compile_log is not None:
             self.compile_log.ready()
-        if self.tiers is not None:  # serving now: the tier's growth rests between chunks
-            self.tiers.host.memory.idle_ratio = GROWTH_IDLE_RATIO
         clock.report()
 
     def _precompile(self, clock: StartupClock) -> None:

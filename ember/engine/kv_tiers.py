@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from ember.kv.tiers import BlockLayout, CostModel, DiskTier, HostTier, Tier, TierManager
-from ember.kv.tiers.host_memory import GROWTH_IDLE_RATIO, HostMemory
 from ember.models.loader import safetensors_files
 
 if TYPE_CHECKING:
@@ -30,7 +29,7 @@ HOST_TIER_RAM_SHARE = 0.2
 """On a GPU the host tier takes min(32 GiB, 20% of RAM) unless told: ~80k tokens of an 8B model's
 KV per 10 GiB, while weights loading, pinned staging and the OS keep the rest. Pinning it takes
 time (25 GiB took 17 s on an H100 machine with 128 GiB of RAM): it grows in the background, one
-chunk at a time, usable from the first, from before the model loads (ember/kv/tiers/host_memory.py)."""
+chunk at a time, usable from the first (ember/kv/tiers/host_memory.py)."""
 MIN_DEFAULT_HOST_BYTES = 1 * GiB
 """Less than this left of the process's default host-tier budget: the default tier is off."""
 STAGING_BYTES = (64 << 20, 4 * GiB)
@@ -80,87 +79,40 @@ def host_tier_bytes(config: EngineConfig, device: torch.device) -> int:
     return left
 
 
-def _claim_default(config: EngineConfig, memory: HostMemory, nbytes: int) -> None:
-    """Count a default-sized tier's memory against the process's budget until it is collected."""
+def _claim_default(config: EngineConfig, host: HostTier, nbytes: int) -> None:
+    """Count a default-sized tier against the process's budget until it is collected."""
     if config.kv_host_gb is None:
-        _default_claims[id(memory)] = nbytes
-        weakref.finalize(memory, _default_claims.pop, id(memory), None)
-
-
-def _lower_on(config: EngineConfig) -> bool:
-    return config.kv_disk_dir is not None or config.kv_store is not None
-
-
-def host_tier_plan(
-    config: EngineConfig, device: torch.device, block_bytes: int, max_model_len: int
-) -> tuple[int, int] | None:
-    """(blocks, bytes of the process's default budget it takes) of the host tier, or None when
-    no tier is on. With disk or store on it is at least their staging area."""
-    host_bytes = host_tier_bytes(config, device)
-    if not host_bytes and not _lower_on(config):
-        return None
-    num_blocks = host_bytes // block_bytes
-    if _lower_on(config):
-        sequences = STAGING_SEQUENCES * -(-max_model_len // config.block_size) * block_bytes
-        staging = min(max(sequences, STAGING_BYTES[0]), STAGING_BYTES[1])
-        num_blocks = max(num_blocks, staging // block_bytes)
-    if num_blocks < 1:
-        raise ValueError(
-            f"kv_host_gb={config.kv_host_gb} holds no KV block of {block_bytes} bytes; "
-            "raise it or set 0 to turn the host tier off"
-        )
-    return num_blocks, host_bytes
-
-
-def start_host_memory(
-    config: EngineConfig,
-    device: torch.device,
-    block_bytes: int,
-    max_model_len: int,
-    idle_ratio: float = 0.0,
-) -> HostMemory | None:
-    """The host tier's memory, growing from now on (a GPU engine calls this before it loads
-    its model, with no rests, so that the pinning runs beside the start-up; set `idle_ratio`
-    once the engine serves); None when no tier is on. `build_tiers` takes it."""
-    if not config.enable_prefix_caching:
-        return None  # build_tiers says why
-    plan = host_tier_plan(config, device, block_bytes, max_model_len)
-    if plan is None:
-        return None
-    num_blocks, host_bytes = plan
-    memory = HostMemory(block_bytes, num_blocks, pin=device.type == "cuda", idle_ratio=idle_ratio)
-    _claim_default(config, memory, host_bytes)
-    return memory
+        _default_claims[id(host)] = nbytes
+        weakref.finalize(host, _default_claims.pop, id(host), None)
 
 
 def build_tiers(
-    config: EngineConfig,
-    kv_cache: torch.Tensor,
-    model: str,
-    max_model_len: int,
-    memory: HostMemory | None = None,
+    config: EngineConfig, kv_cache: torch.Tensor, model: str, max_model_len: int
 ) -> TierManager | None:
     """The TierManager over `kv_cache` (block-major), or None when no tier is on. `model` is the
-    model fingerprint that disk entries and store keys carry. `memory`: the host tier's memory
-    from `start_host_memory` (closed here if the tiers fail); else it starts here."""
-    device = kv_cache.device
+    model fingerprint that disk entries and store keys carry."""
+    lower_on = config.kv_disk_dir is not None or config.kv_store is not None
+    host_bytes = host_tier_bytes(config, kv_cache.device)
+    if not host_bytes and not lower_on:
+        return None
     if not config.enable_prefix_caching:
-        if memory is not None:
-            memory.close()
-        if host_tier_bytes(config, device) or _lower_on(config):
-            log.warning("KV tiers are off: they key blocks by the prefix cache's hashes")
+        log.warning("KV tiers are off: they key blocks by the prefix cache's hashes")
         return None
     layout = BlockLayout.from_kv_cache(kv_cache, model)
-    if memory is None:
-        memory = start_host_memory(
-            config, device, layout.nbytes, max_model_len, idle_ratio=GROWTH_IDLE_RATIO
+    num_blocks = host_bytes // layout.nbytes
+    if lower_on:
+        sequences = STAGING_SEQUENCES * -(-max_model_len // config.block_size) * layout.nbytes
+        staging = min(max(sequences, STAGING_BYTES[0]), STAGING_BYTES[1])
+        num_blocks = max(num_blocks, staging // layout.nbytes)
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_host_gb={config.kv_host_gb} holds no KV block of {layout.nbytes} bytes; "
+            "raise it or set 0 to turn the host tier off"
         )
-        if memory is None:
-            return None
-    num_blocks = memory.target_rows
+    host = HostTier(layout, num_blocks, pin=kv_cache.is_cuda)
+    _claim_default(config, host, host_bytes)
+    lower: list[Tier] = []
     try:
-        host = HostTier(layout, num_blocks, pin=kv_cache.is_cuda, memory=memory)
-        lower: list[Tier] = []
         if config.kv_disk_dir is not None:
             lower.append(DiskTier(config.kv_disk_dir, int(config.kv_disk_gb * GiB), layout))
         if config.kv_store is not None:
@@ -175,11 +127,11 @@ def build_tiers(
                 )
             )
     except BaseException:
-        memory.close()  # stop its growth: the engine is not starting
+        host.close()  # stop its growth: the engine is not starting
         raise
     gpu_blocks = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
     log.info(
-        "KV tiers: host %d blocks (%.2f GiB, %.2f GiB so far)%s%s",
+        "KV tiers: host %d blocks (%.2f GiB, growing from %.2f GiB)%s%s",
         num_blocks,
         num_blocks * layout.nbytes / GiB,
         host.capacity_blocks * layout.nbytes / GiB,

@@ -35,12 +35,9 @@ class HostTier:
         chunk_bytes: int = CHUNK_BYTES,
         background: bool | None = None,
         allocate: Allocate | None = None,
-        memory: HostMemory | None = None,
     ) -> None:
         """`capacity_blocks`: the size it grows to; `pin`, `chunk_bytes`, `background` and
-        `allocate`: how its memory is allocated (see HostMemory). `memory`: one already growing
-        (started before the engine knew its KV cache), of `capacity_blocks` rows of the layout's
-        bytes; the other memory arguments are then unused."""
+        `allocate`: how its memory is allocated (see HostMemory)."""
         if capacity_blocks < 1:
             raise ValueError(f"the host tier needs at least 1 block, got {capacity_blocks}")
         self.layout = layout
@@ -53,17 +50,9 @@ class HostTier:
         self._stats = TierStats()
         self.events = EventLog("cpu")
         """Commits ("stored") and evictions ("removed"), when the manager turns them on."""
-        if memory is None:
-            memory = HostMemory(
-                layout.nbytes, capacity_blocks, pin, chunk_bytes, background, allocate
-            )
-        elif (memory.row_bytes, memory.target_rows) != (layout.nbytes, capacity_blocks):
-            raise ValueError(
-                f"the host memory holds {memory.target_rows} rows of {memory.row_bytes} bytes, "
-                f"the tier wants {capacity_blocks} blocks of {layout.nbytes}"
-            )
-        self.memory = memory
-        memory.attach(self._grown)
+        self.memory = HostMemory(
+            layout.nbytes, capacity_blocks, pin, chunk_bytes, background, allocate, self._grown
+        )
 
     @property
     def capacity_blocks(self) -> int:

@@ -18,11 +18,6 @@ So pages are faulted in by the CPU and only locked and mapped by the driver, one
 chunk, with the GIL released (ctypes); the chunks are unregistered at `close`. `paused()` keeps
 the thread off the driver while the engine captures CUDA graphs (another thread's driver calls
 would invalidate the capture).
-
-An engine starts its tier's memory before it loads the model (`idle_ratio` 0: no rests), so the
-pinning runs beside the load and the start-up's compiles, then turns the rests on once it serves
-(`idle_ratio` GROWTH_IDLE_RATIO): growing beside the first requests cost them 2-5% on an H200.
-The tier built later takes the memory and `attach`es to its chunks.
 """
 
 from __future__ import annotations
@@ -42,8 +37,7 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 64 << 20
 GROWTH_IDLE_RATIO = 2.0
-"""The background growth rests this many times as long as each chunk took (a third of a core),
-once the engine serves."""
+"""The background growth rests this many times as long as each chunk took (a third of a core)."""
 Allocate = Callable[[int], torch.Tensor]
 """Allocates a flat uint8 CPU tensor of the given number of bytes (tests gate it)."""
 
@@ -146,12 +140,10 @@ class HostMemory:
         background: bool | None = None,
         allocate: Allocate | None = None,
         on_grow: Callable[[int, int], None] | None = None,
-        idle_ratio: float = GROWTH_IDLE_RATIO,
     ) -> None:
         """`pin`: page-locked memory (only when CUDA is available). `background`: grow in a
         thread after the first chunk (default: when pinned; plain memory is allocated lazily by
-        the OS, at once). `on_grow(first_row, num_rows)` is called as each chunk arrives (see
-        `attach`). `idle_ratio`: the growth rests this many times each chunk's time after it."""
+        the OS, at once). `on_grow(first_row, num_rows)` is called as each chunk arrives."""
         if row_bytes < 1 or target_rows < 1:
             raise ValueError(f"need rows of >= 1 byte and >= 1 row, got {row_bytes}, {target_rows}")
         if chunk_bytes < 1:
@@ -164,10 +156,7 @@ class HostMemory:
         """uint8 [rows, row_bytes] each: DMA targets of GPU copies, sources of lower tiers."""
         self._registered = allocate is None and self.pinned  # chunks to unregister at close
         self._allocate = allocate or (_pinned if self.pinned else _plain)
-        self.idle_ratio = idle_ratio
-        """Read before every rest: set it while the memory grows to change the pace."""
         self._on_grow = on_grow
-        self._grow_lock = threading.Lock()  # a chunk's arrival against `attach`
         self._num_rows = 0
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -185,15 +174,6 @@ class HostMemory:
         elif self._num_rows < target_rows:
             self._thread = threading.Thread(target=self._grow, name="ember-kv-host", daemon=True)
             self._thread.start()
-
-    def attach(self, on_grow: Callable[[int, int], None]) -> None:
-        """Call `on_grow(first_row, num_rows)` for the chunks already here, then for each one
-        that arrives (replacing any callback given before): a tier built over a memory that
-        started growing without it."""
-        with self._grow_lock:
-            self._on_grow = on_grow
-            if self._num_rows:
-                on_grow(0, self._num_rows)
 
     @property
     def num_rows(self) -> int:
@@ -274,12 +254,11 @@ class HostMemory:
     def _add_chunk(self) -> None:
         rows = min(self.rows_per_chunk, self.target_rows - self._num_rows)
         chunk = self._allocate(rows * self.row_bytes).view(rows, self.row_bytes)
-        with self._grow_lock:
-            first = self._num_rows
-            self.chunks.append(chunk)  # before the rows are counted: there once handed out
-            self._num_rows += rows
-            if self._on_grow is not None:
-                self._on_grow(first, rows)
+        first = self._num_rows
+        self.chunks.append(chunk)  # before the rows are counted, so they are there once handed out
+        self._num_rows += rows
+        if self._on_grow is not None:
+            self._on_grow(first, rows)
 
     def _grow(self) -> None:
         t0 = time.perf_counter()
@@ -302,9 +281,9 @@ class HostMemory:
                 with _Growth.cond:
                     _Growth.allocating -= 1
                     _Growth.cond.notify_all()
-            # A duty cycle once the engine serves: the growth may overlap requests, whose steps
-            # share the host's memory bandwidth and the driver with it.
-            time.sleep((time.perf_counter() - started) * self.idle_ratio)
+            # A duty cycle: the growth overlaps the first requests (25 GiB take ~11 s), whose
+            # steps share the host's memory bandwidth and the driver with it.
+            time.sleep((time.perf_counter() - started) * GROWTH_IDLE_RATIO)
         if self.full:
             log.info(
                 "KV host tier: %.2f GiB %s in %.1f s",
