@@ -3,7 +3,12 @@ shape (32 query heads, 8 KV heads, head_dim 128, bf16, block size 16):
 
 - prefill: 8 sequences x 2048 tokens, causal, TFLOP/s of ember's kernel (each tile config tried)
   against torch's scaled_dot_product_attention (flash) on the same, unpaged, tensors;
-- decode: batch 1 x 512, 1 x 4096, 64 x 1024 and 128 x 1024 contexts: GB/s of K/V read.
+- decode: batch 1 x 512, 1 x 4096, 64 x 1024 and 128 x 1024 contexts: GB/s of K/V read;
+- a mixed step's prefill rows (the mixed load's: one chunk continuing a prompt, then fresh
+  prompts of 1,024): ember's paged kernel over every row, against the paged kernel for the
+  continuing chunk and flash attention for the fresh rows (one SDPA call per row, or one varlen
+  call), in us per layer (32 layers back to back); and each flash route's first call on a
+  prompt length it has not seen (cuDNN builds a plan per shape).
 
 Prints tables and writes JSON to $OUT (or benchmarks/results/), named with the GPU.
 """
@@ -12,7 +17,9 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -77,6 +84,116 @@ def prefill_rows(out: dict) -> None:
         print(f"| {k} | {v if isinstance(v, str) else f'{v:.0f}'} |")
 
 
+def _varlen_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, m: int):
+    return torch.ops.aten._flash_attention_forward(
+        q, k, v, cu, cu, m, m, 0.0, True, False, scale=D**-0.5
+    )[0]
+
+
+def _per_row_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int]):
+    out = torch.empty_like(q)
+    for s, e in zip(starts, starts[1:], strict=False):
+        o = F.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1).unsqueeze(0),
+            k[s:e].transpose(0, 1).unsqueeze(0),
+            v[s:e].transpose(0, 1).unsqueeze(0),
+            is_causal=True,
+            scale=D**-0.5,
+            enable_gqa=True,
+        )
+        out[s:e] = o[0].transpose(0, 1)
+    return out
+
+
+def mixed_step_rows(out: dict) -> None:
+    """16 prefill rows of a 16k-token step: a chunk of 924 new tokens over a 1,024 context, then
+    15 fresh prompts of 1,024."""
+    layers, fresh, L, chunk = 32, 15, 1024, 924
+    cache, table = paged([L] * (fresh + 1))
+    total = chunk + fresh * L
+    starts = [0, chunk] + [chunk + L * (i + 1) for i in range(fresh)]
+    q = torch.randn(total, HQ, D, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(total, HKV, D, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(total, HKV, D, dtype=torch.bfloat16, device="cuda")
+    qsl = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    lens = torch.full((fresh + 1,), L, dtype=torch.int32, device="cuda")
+    cu = (qsl[1:] - chunk).to(torch.int32)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32, device="cuda"), cu])
+    scale = D**-0.5
+
+    def paged_all() -> None:
+        for _ in range(layers):
+            prefill_attention(q, cache, qsl, lens, table, scale, L)
+
+    def chunk_only() -> None:
+        prefill_attention(q, cache, qsl[:2], lens[:1], table[:1], scale, L)
+
+    def split_sdpa() -> None:
+        for _ in range(layers):
+            chunk_only()
+            _per_row_sdpa(q[chunk:], k[chunk:], v[chunk:], [s - chunk for s in starts[1:]])
+
+    def split_varlen() -> None:
+        for _ in range(layers):
+            chunk_only()
+            _varlen_flash(q[chunk:], k[chunk:], v[chunk:], cu, L)
+
+    rows: dict[str, float | str] = {}
+    for name, fn in (
+        ("paged kernel, all 16 rows", paged_all),
+        ("paged chunk + SDPA per fresh row", split_sdpa),
+        ("paged chunk + one varlen flash call", split_varlen),
+    ):
+        try:
+            rows[name] = bench(fn) * 1e6 / layers
+        except Exception as e:  # an op this torch lacks
+            rows[name] = f"failed: {type(e).__name__}: {str(e)[:80]}"
+    # A prompt length never seen: the first call's host time (cuDNN plans per shape).
+    first: dict[str, float | str] = {}
+    for name, call in (
+        ("SDPA (default backend)", lambda n, t: _per_row_sdpa(t, t[:, :HKV], t[:, :HKV], [0, n])),
+        ("varlen flash", None),
+    ):
+        times = []
+        try:
+            for n in range(301, 309):
+                t = torch.randn(n, HQ, D, dtype=torch.bfloat16, device="cuda")
+                kk = t[:, :HKV].contiguous()
+                c = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                if call is None:
+                    _varlen_flash(t, kk, kk, c, n)
+                else:
+                    call(n, t)
+                torch.cuda.synchronize()
+                first_ms = (time.perf_counter() - t0) * 1e3
+                t0 = time.perf_counter()
+                if call is None:
+                    _varlen_flash(t, kk, kk, c, n)
+                else:
+                    call(n, t)
+                torch.cuda.synchronize()
+                times.append((first_ms, (time.perf_counter() - t0) * 1e3))
+            first[name] = {
+                "first_ms_median": statistics.median(a for a, _ in times),
+                "again_ms_median": statistics.median(b for _, b in times),
+            }
+        except Exception as e:
+            first[name] = f"failed: {type(e).__name__}: {str(e)[:80]}"
+    out["mixed_step_us_per_layer"] = rows
+    out["new_length_first_call"] = first
+    print("\n| mixed step's prefill rows (1 chunk + 15 fresh x 1024) | us per layer |\n|---|---|")
+    for name, val in rows.items():
+        print(f"| {name} | {val if isinstance(val, str) else f'{val:.0f}'} |")
+    print("\n| a new prompt length | first call ms | again ms |\n|---|---|---|")
+    for name, val in first.items():
+        if isinstance(val, str):
+            print(f"| {name} | {val} | |")
+        else:
+            print(f"| {name} | {val['first_ms_median']:.2f} | {val['again_ms_median']:.2f} |")
+
+
 def decode_rows(out: dict, bw: float) -> None:
     rows = {}
     print("\n| decode | us | K/V GB/s | of copy bandwidth |\n|---|---|---|---|")
@@ -135,6 +252,7 @@ def main() -> None:
     out: dict = {"gpu": gpu, "copy_bytes_per_s": bw}
     print(f"GPU: {gpu}; copy {bw / 1e9:.0f} GB/s")
     prefill_rows(out)
+    mixed_step_rows(out)
     decode_rows(out, bw)
     decode_graph_rows(out)
     dest = Path(os.environ.get("OUT") or "benchmarks/results")

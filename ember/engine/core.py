@@ -204,6 +204,7 @@ class EngineCore:
         )
         if self.compile_log is not None:
             self.compile_log.ready()
+        self._pace_host_tier()  # no work yet: it grows
         clock.report()
 
     def _precompile(self, clock: StartupClock) -> None:
@@ -273,6 +274,7 @@ class EngineCore:
         self.scheduler.add_request(req)
         if self.spec is not None:
             self.spec.add_request(req)
+        self._pace_host_tier()
 
     def _check_sampleable(self, req: Request) -> None:
         """Build this request's sampling row alone, on the host: a value the sampler cannot
@@ -454,8 +456,24 @@ class EngineCore:
             outputs += self._collect()
         if self.tiers is not None:
             self.tiers.step_done()
+            self._pace_host_tier()
         self._outputs, self._batches = [], []
         return outputs
+
+    def _pace_host_tier(self) -> None:
+        """The host tier's memory grows while the engine has no work, and beside requests only
+        once the GPU cache evicts (the tier then starts to hold what the GPU lost) or disk and
+        store need it to stage their copies: pinning beside requests slowed them by up to a
+        quarter (ember/kv/tiers/host_memory.py)."""
+        t = self.tiers
+        if t is None or t.host.memory.full:
+            return
+        if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
+            t.host.memory.pace = "idle"
+        elif t.lower or self.kv.pool.num_evictions:
+            t.host.memory.pace = "busy"
+        else:
+            t.host.memory.pace = "hold"
 
     def _offloading(self) -> bool:
         return self.tiers is not None and self.tiers.pending_offloads > 0

@@ -29,7 +29,8 @@ HOST_TIER_RAM_SHARE = 0.2
 """On a GPU the host tier takes min(32 GiB, 20% of RAM) unless told: ~80k tokens of an 8B model's
 KV per 10 GiB, while weights loading, pinned staging and the OS keep the rest. Pinning it takes
 time (25 GiB took 17 s on an H100 machine with 128 GiB of RAM): it grows in the background, one
-chunk at a time, usable from the first (ember/kv/tiers/host_memory.py)."""
+chunk at a time, usable from the first, while the engine is idle or its GPU cache evicts
+(ember/kv/tiers/host_memory.py, EngineCore._pace_host_tier)."""
 MIN_DEFAULT_HOST_BYTES = 1 * GiB
 """Less than this left of the process's default host-tier budget: the default tier is off."""
 STAGING_BYTES = (64 << 20, 4 * GiB)
@@ -109,7 +110,9 @@ def build_tiers(
             f"kv_host_gb={config.kv_host_gb} holds no KV block of {layout.nbytes} bytes; "
             "raise it or set 0 to turn the host tier off"
         )
-    host = HostTier(layout, num_blocks, pin=kv_cache.is_cuda)
+    # Held until the engine has started (and then paced by it), unless disk or store stage
+    # their copies through it from the first request on.
+    host = HostTier(layout, num_blocks, pin=kv_cache.is_cuda, pace="busy" if lower_on else "hold")
     _claim_default(config, host, host_bytes)
     lower: list[Tier] = []
     try:

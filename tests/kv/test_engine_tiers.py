@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from ember.engine.config import EngineConfig
 from ember.engine.core import EngineCore
@@ -253,3 +255,71 @@ def test_prefill_speed_counts_unwaited_chunks_with_the_next_waited_step(
         assert 0 < core.tiers.cost.prefill_tok_s <= 4096 / 0.05
     finally:
         llm.close()
+
+
+def test_the_host_tier_grows_while_idle_and_under_eviction_only(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine paces its host tier's growth: held while it serves requests its GPU cache
+    holds, on while it is idle, on (with rests) once the GPU cache evicts."""
+    from ember.engine import kv_tiers
+    from ember.kv.tiers.host import HostTier
+    from ember.kv.tiers.host_memory import Pace
+
+    gate = threading.Event()
+
+    def allocate(nbytes: int) -> torch.Tensor:
+        """The first chunk at once; the growth then waits inside the second until the end."""
+        if allocated:
+            gate.wait(30)
+        allocated.append(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    allocated: list[int] = []
+
+    def growing_tier(layout: Any, blocks: int, pin: bool, pace: Pace = "busy") -> HostTier:
+        # As on a GPU: grown in the background (the CPU allocates plain memory at once).
+        return HostTier(
+            layout,
+            blocks,
+            pin,
+            chunk_bytes=layout.nbytes,
+            background=True,
+            allocate=allocate,
+            pace=pace,
+        )
+
+    monkeypatch.setattr(kv_tiers, "HostTier", growing_tier)
+    core = EngineCore(
+        EngineConfig(
+            model=str(model),
+            max_model_len=MAX_LEN,
+            num_kv_blocks=POOL,
+            cpu_threads=1,
+            kv_host_gb=POOL * 4 * 2**-20,
+        )
+    )
+    memory = core.tiers.host.memory
+    try:
+        assert not memory.full and memory.pace == "idle"  # started, no work: it grows
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        core.add_request(EngineCoreRequest("a", A[:200], params, [], 4))
+        assert memory.pace == "hold"  # a request its GPU cache holds: no growth beside it
+        while core.has_unfinished_requests():
+            core.step()
+            if core.has_unfinished_requests():
+                assert memory.pace == "hold"
+        assert memory.pace == "idle" and core.kv.pool.num_evictions == 0
+        # Two long sessions do not fit the device pool: it evicts, and the tier grows beside them.
+        core.add_request(EngineCoreRequest("b", A, params, [], 4))
+        while core.has_unfinished_requests():
+            core.step()
+        core.add_request(EngineCoreRequest("c", B, params, [], 4))
+        core.step()
+        assert core.kv.pool.num_evictions > 0 and memory.pace == "busy"
+        while core.has_unfinished_requests():
+            core.step()
+        assert memory.pace == "idle"
+    finally:
+        gate.set()
+        core.close()

@@ -274,3 +274,43 @@ def test_pinned_memory_dropped_without_close_is_unpinned(monkeypatch: pytest.Mon
     del closed
     gc.collect()
     assert len(unpinned) == 5  # the second memory's one chunk, at close, once
+
+
+def test_the_growth_goes_at_the_pace_it_is_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ "hold": no chunk; "idle": chunks without rests; "busy": a rest after each chunk. An engine
+    sets it (held beside requests until its GPU cache evicts: pinning slowed them)."""
+    from ember.kv.tiers import host_memory
+
+    rests: list[float] = []
+    sleep = time.sleep
+
+    def rest(s: float) -> None:  # the growth thread's rests are recorded, not taken
+        if threading.current_thread().name == "ember-kv-host":
+            rests.append(s)
+        else:
+            sleep(s)
+
+    monkeypatch.setattr(host_memory.time, "sleep", rest)
+    alloc = GatedAllocator(open_first=16)
+    host = HostTier(
+        LAYOUT, 10, pin=False, chunk_bytes=CHUNK, background=True, allocate=alloc, pace="hold"
+    )
+    try:
+        time.sleep(0.05)  # time to grow, were it not held
+        assert host.capacity_blocks == 2 and len(alloc.bytes) == 1  # the first chunk only
+        assert not host.memory.wait_full(timeout_s=0.05)
+        host.memory.pace = "idle"
+        deadline = time.monotonic() + 30
+        while host.capacity_blocks < 6 and time.monotonic() < deadline:
+            sleep(0.001)
+        host.memory.pace = "hold"
+        with host.memory.paused():  # waits out a chunk under way
+            held = host.capacity_blocks
+        assert held >= 6 and rests == []  # no rests while idle
+        time.sleep(0.05)
+        assert host.capacity_blocks == held  # held again
+        host.memory.pace = "busy"
+        assert host.memory.wait_full(timeout_s=30) and host.capacity_blocks == 10
+        assert len(rests) == (10 - held) // 2 and all(r > 0 for r in rests)
+    finally:
+        host.close()

@@ -21,7 +21,7 @@ from ember.kv.tiers.base import BlockLayout, EventLog, Medium, TierStats
 from ember.kv.tiers.host_memory import CHUNK_BYTES, HostMemory
 
 if TYPE_CHECKING:
-    from ember.kv.tiers.host_memory import Allocate
+    from ember.kv.tiers.host_memory import Allocate, Pace
 
 
 class HostTier:
@@ -35,9 +35,10 @@ class HostTier:
         chunk_bytes: int = CHUNK_BYTES,
         background: bool | None = None,
         allocate: Allocate | None = None,
+        pace: Pace = "busy",
     ) -> None:
-        """`capacity_blocks`: the size it grows to; `pin`, `chunk_bytes`, `background` and
-        `allocate`: how its memory is allocated (see HostMemory)."""
+        """`capacity_blocks`: the size it grows to; `pin`, `chunk_bytes`, `background`,
+        `allocate` and `pace`: how its memory is allocated (see HostMemory)."""
         if capacity_blocks < 1:
             raise ValueError(f"the host tier needs at least 1 block, got {capacity_blocks}")
         self.layout = layout
@@ -51,7 +52,14 @@ class HostTier:
         self.events = EventLog("cpu")
         """Commits ("stored") and evictions ("removed"), when the manager turns them on."""
         self.memory = HostMemory(
-            layout.nbytes, capacity_blocks, pin, chunk_bytes, background, allocate, self._grown
+            layout.nbytes,
+            capacity_blocks,
+            pin,
+            chunk_bytes,
+            background,
+            allocate,
+            self._grown,
+            pace,
         )
 
     @property

@@ -18,6 +18,13 @@ So pages are faulted in by the CPU and only locked and mapped by the driver, one
 chunk, with the GIL released (ctypes); the chunks are unregistered at `close`. `paused()` keeps
 the thread off the driver while the engine captures CUDA graphs (another thread's driver calls
 would invalidate the capture).
+
+Growing beside requests costs them: on an H200 the 8B shape's decode steps took 24% longer
+(inter-token p50 20.3 against 16.4 ms) while the tier pinned, even resting twice each chunk's
+time, and a fresh server's first mixed load ran 2-13% slower. So an engine sets the growth's
+`pace` (ember/engine/core.py): "idle" while it has no work (no rests), "busy" once its GPU cache
+evicts, when the tier starts to matter (rests), "hold" otherwise: a tier that only duplicates
+what the GPU still holds waits for the next idle moment.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from typing import Literal
 
 import torch
 
@@ -37,7 +45,9 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 64 << 20
 GROWTH_IDLE_RATIO = 2.0
-"""The background growth rests this many times as long as each chunk took (a third of a core)."""
+"""At the "busy" pace the growth rests this many times as long as each chunk took."""
+Pace = Literal["hold", "idle", "busy"]
+"""How the background growth goes on: not at all, without rests, or resting between chunks."""
 Allocate = Callable[[int], torch.Tensor]
 """Allocates a flat uint8 CPU tensor of the given number of bytes (tests gate it)."""
 
@@ -140,10 +150,12 @@ class HostMemory:
         background: bool | None = None,
         allocate: Allocate | None = None,
         on_grow: Callable[[int, int], None] | None = None,
+        pace: Pace = "busy",
     ) -> None:
         """`pin`: page-locked memory (only when CUDA is available). `background`: grow in a
         thread after the first chunk (default: when pinned; plain memory is allocated lazily by
-        the OS, at once). `on_grow(first_row, num_rows)` is called as each chunk arrives."""
+        the OS, at once). `on_grow(first_row, num_rows)` is called as each chunk arrives.
+        `pace`: the background growth's, until set again (see `pace`)."""
         if row_bytes < 1 or target_rows < 1:
             raise ValueError(f"need rows of >= 1 byte and >= 1 row, got {row_bytes}, {target_rows}")
         if chunk_bytes < 1:
@@ -157,6 +169,7 @@ class HostMemory:
         self._registered = allocate is None and self.pinned  # chunks to unregister at close
         self._allocate = allocate or (_pinned if self.pinned else _plain)
         self._on_grow = on_grow
+        self._pace: Pace = pace
         self._num_rows = 0
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -174,6 +187,19 @@ class HostMemory:
         elif self._num_rows < target_rows:
             self._thread = threading.Thread(target=self._grow, name="ember-kv-host", daemon=True)
             self._thread.start()
+
+    @property
+    def pace(self) -> Pace:
+        return self._pace
+
+    @pace.setter
+    def pace(self, pace: Pace) -> None:
+        """Hold the background growth, or let it go on without or with rests; a chunk under way
+        is finished first."""
+        if pace != self._pace:
+            with _Growth.cond:
+                self._pace = pace
+                _Growth.cond.notify_all()
 
     @property
     def num_rows(self) -> int:
@@ -231,7 +257,8 @@ class HostMemory:
                 _Growth.cond.notify_all()
 
     def wait_full(self, timeout_s: float | None = None) -> bool:
-        """Whether every row is allocated (waiting up to `timeout_s`); False if growth stopped."""
+        """Whether every row is allocated (waiting up to `timeout_s`); False if growth stopped.
+        A memory held (`pace` "hold") does not grow while it waits."""
         thread = self._thread
         if thread is not None:
             thread.join(timeout_s)
@@ -264,7 +291,7 @@ class HostMemory:
         t0 = time.perf_counter()
         while True:
             with _Growth.cond:
-                while _Growth.paused and not self._closed:
+                while (_Growth.paused or self._pace == "hold") and not self._closed:
                     _Growth.cond.wait()
                 if self._closed or self.full:
                     break
@@ -281,9 +308,10 @@ class HostMemory:
                 with _Growth.cond:
                     _Growth.allocating -= 1
                     _Growth.cond.notify_all()
-            # A duty cycle: the growth overlaps the first requests (25 GiB take ~11 s), whose
-            # steps share the host's memory bandwidth and the driver with it.
-            time.sleep((time.perf_counter() - started) * GROWTH_IDLE_RATIO)
+            # A duty cycle beside requests, whose steps share the host's memory bandwidth and
+            # the driver with the growth.
+            if self._pace == "busy":
+                time.sleep((time.perf_counter() - started) * GROWTH_IDLE_RATIO)
         if self.full:
             log.info(
                 "KV host tier: %.2f GiB %s in %.1f s",
