@@ -78,6 +78,11 @@ def prefill_rows(out: dict) -> None:
     vd = torch.randn(n, HKV, L, D, dtype=torch.bfloat16, device="cuda")
     t = bench(lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True))
     rows["torch sdpa (unpaged, causal)"] = flops / t / 1e12
+    qv = torch.randn(n * L, HQ, D, dtype=torch.bfloat16, device="cuda")
+    kv = torch.randn(n * L, HKV, D, dtype=torch.bfloat16, device="cuda")
+    cu = torch.arange(0, (n + 1) * L, L, dtype=torch.int32, device="cuda")
+    t = bench(lambda: _varlen_flash(qv, kv, kv, cu, L))
+    rows["torch varlen flash (unpaged, causal)"] = flops / t / 1e12
     out["prefill_tflops"] = rows
     print("\n| prefill 8 x 2048 causal | TFLOP/s |\n|---|---|")
     for k, v in rows.items():

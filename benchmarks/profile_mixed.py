@@ -75,15 +75,21 @@ def add(core: EngineCore, prompts: list[list[int]], out_len: int, tag: str) -> N
 def phases(core: EngineCore) -> dict[str, Any]:
     """Step until done; the wall time and steps of each phase (a step counts as prefill when it
     was scheduled while some prompt was still unprefilled)."""
-    out = {"prefill": {"wall_s": 0.0, "steps": 0}, "decode": {"wall_s": 0.0, "steps": 0}}
+    out: dict[str, Any] = {
+        p: {"wall_s": 0.0, "steps": 0, "host_busy_s": 0.0} for p in ("prefill", "decode")
+    }
     generated = 0
+    runner = core.runner
     t0 = time.perf_counter()
     while core.has_unfinished_requests():
         phase = "prefill" if in_prefill(core) else "decode"
-        s0 = time.perf_counter()
+        s0, waited0 = time.perf_counter(), runner.sync_wait_s
         generated += len(core.step())
-        out[phase]["wall_s"] += time.perf_counter() - s0
+        wall = time.perf_counter() - s0
+        out[phase]["wall_s"] += wall
         out[phase]["steps"] += 1
+        # The host's own time: the step's wall time less its waits for the GPU.
+        out[phase]["host_busy_s"] += wall - (runner.sync_wait_s - waited0)
     out["wall_s"] = time.perf_counter() - t0
     out["generated"] = generated
     return out
@@ -150,9 +156,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--out-len", type=int, default=256)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--kv-host-gb", type=float, default=None, help="the host KV tier (0: off)")
     args = ap.parse_args()
     ceil = ceilings()
-    core = EngineCore(engine_config(shape_dir(args.shape)))
+    core = EngineCore(engine_config(shape_dir(args.shape), kv_host_gb=args.kv_host_gb))
     vocab = core.model_config.vocab_size
     n, length, out_len = args.prompts, args.prompt_len, args.out_len
     add(core, random_prompts(n, length, vocab, 1), 16, "warm")  # compile, fill the allocator
@@ -168,6 +175,7 @@ def main() -> None:
         "gpu": gpu,
         "shape": args.shape,
         "load": {"prompts": n, "prompt_len": length, "out_len": out_len},
+        "kv_host_gb": args.kv_host_gb,
         "ceilings": ceil,
         "unprofiled": plain,
         "output_tok_s": plain["generated"] / plain["wall_s"],
@@ -185,7 +193,8 @@ def main() -> None:
         f"prefill phase {pre['wall_s']:.2f} s in {pre['steps']} steps "
         f"({result['prefill_phase_tok_s']:,.0f} prompt tok/s, "
         f"{result['prefill_phase_matmul_frac']:.2f} of the matmul peak); decode phase "
-        f"{plain['decode']['wall_s']:.2f} s in {plain['decode']['steps']} steps"
+        f"{plain['decode']['wall_s']:.2f} s in {plain['decode']['steps']} steps; host busy "
+        f"{pre['host_busy_s']:.2f} s / {plain['decode']['host_busy_s']:.2f} s of them"
     )
     for phase, p in prof.items():
         print(
