@@ -73,6 +73,19 @@ def prefill_rows(out: dict) -> None:
         except Exception as e:  # a config that does not fit shared memory
             rows[f"BLOCK_N={bn} warps={warps} stages={stages}"] = f"failed: {type(e).__name__}"
     pa._tile_config = base
+    kf = torch.randn(n * L, HKV, D, dtype=torch.bfloat16, device="cuda")
+    vf = torch.randn(n * L, HKV, D, dtype=torch.bfloat16, device="cuda")
+    t = bench(lambda: prefill_attention(q, cache, qsl, lens, table, D**-0.5, L, k=kf, v=vf))
+    rows["ember fresh (this step's K/V rows, default tiles)"] = flops / t / 1e12
+    for bn, warps, stages in ((128, 8, 3), (64, 4, 3), (128, 8, 2)):
+        pa._tile_config = lambda h, m, bn=bn, w=warps, s=stages: (128, bn, w, s)
+        name = f"ember fresh, BLOCK_N={bn} warps={warps} stages={stages}"
+        try:
+            t = bench(lambda: prefill_attention(q, cache, qsl, lens, table, D**-0.5, L, k=kf, v=vf))
+            rows[name] = flops / t / 1e12
+        except Exception as e:
+            rows[name] = f"failed: {type(e).__name__}"
+    pa._tile_config = base
     qd = torch.randn(n, HQ, L, D, dtype=torch.bfloat16, device="cuda")
     kd = torch.randn(n, HKV, L, D, dtype=torch.bfloat16, device="cuda")
     vd = torch.randn(n, HKV, L, D, dtype=torch.bfloat16, device="cuda")
@@ -143,9 +156,15 @@ def mixed_step_rows(out: dict) -> None:
             chunk_only()
             _varlen_flash(q[chunk:], k[chunk:], v[chunk:], cu, L)
 
+    def split_fresh() -> None:
+        for _ in range(layers):
+            chunk_only()
+            prefill_attention(q, cache, qsl[1:], lens[1:], table[1:], scale, L, k=k, v=v)
+
     rows: dict[str, float | str] = {}
     for name, fn in (
         ("paged kernel, all 16 rows", paged_all),
+        ("paged chunk + ember fresh kernel (what the engine does)", split_fresh),
         ("paged chunk + SDPA per fresh row", split_sdpa),
         ("paged chunk + one varlen flash call", split_varlen),
     ):

@@ -1,5 +1,6 @@
 """Paged attention on the GPU with ember's Triton kernels: one scatter of the step's K/V into the
-cache, split-K flash decoding for the single-token rows, and varlen flash attention for the rest.
+cache, split-K flash decoding for the single-token rows, and varlen flash attention for the rest:
+through the cache for sequences with a cached prefix, from this step's K and V for fresh ones.
 
 The batch arrives with its decode rows first (`metadata.num_decodes`); the decode path reads no
 host data, so a decode-only step can be captured in a CUDA graph.
@@ -8,16 +9,12 @@ host data, so a decode-only step can be captured in a CUDA graph.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ember.attention.backend import AttentionBackend
 from ember.attention.metadata import AttentionMetadata
 from ember.kernels.decode_attention import decode_attention
 from ember.kernels.kv_write import write_kv
 from ember.kernels.prefill_attention import prefill_attention
-
-FLASH_MIN_TOKENS = 256
-"""Fresh prefills at least this long go through torch's flash attention instead of the paged kernel."""
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -51,54 +48,32 @@ class TritonAttentionBackend(AttentionBackend):
                 row_groups=None if groups is None else groups[:nd],
                 max_group=metadata.max_decode_group,
             )
-        if nd < metadata.num_seqs and self._all_fresh(metadata, nd):
-            self._flash_fresh(q, k, v, out, metadata, nd, scale)
-        elif nd < metadata.num_seqs:
+        for first, end, fresh in self._prefill_runs(metadata, nd):
             # The prefill rows keep their absolute offsets into q and out.
             prefill_attention(
                 q,
                 kv_cache,
-                metadata.query_start_loc[nd:],
-                metadata.seq_lens[nd:],
-                metadata.block_tables[nd:],
+                metadata.query_start_loc[first : end + 1],
+                metadata.seq_lens[first:end],
+                metadata.block_tables[first:end],
                 scale,
                 max_query_len=metadata.max_query_len,
                 out=out,
+                k=k if fresh else None,
+                v=v if fresh else None,
             )
         return out
 
     @staticmethod
-    def _all_fresh(md: AttentionMetadata, nd: int) -> bool:
-        """Every prefill row starts its sequence (no cached prefix) and is long enough to pay a
-        launch per sequence."""
+    def _prefill_runs(md: AttentionMetadata, nd: int) -> list[tuple[int, int, bool]]:
+        """The prefill rows as runs [first, end) of fresh sequences (no cached prefix: their
+        keys are this step's k and v rows) and of the others (read through the cache)."""
         qsl, lens = md.query_start_loc_cpu, md.seq_lens_cpu
-        return all(
-            lens[i] == qsl[i + 1] - qsl[i] and lens[i] >= FLASH_MIN_TOKENS
-            for i in range(nd, md.num_seqs)
-        )
-
-    @staticmethod
-    def _flash_fresh(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        md: AttentionMetadata,
-        nd: int,
-        scale: float,
-    ) -> None:
-        """Fresh prefills attend only to their own new tokens: plain causal attention, which
-        torch's flash kernel does at about twice our paged kernel's rate (measured on an H100:
-        512 against 259-275 TFLOP/s at 8 x 2048, docs/performance.md)."""
-        qsl = md.query_start_loc_cpu
+        runs: list[tuple[int, int, bool]] = []
         for i in range(nd, md.num_seqs):
-            s, e = qsl[i], qsl[i + 1]
-            o = F.scaled_dot_product_attention(
-                q[s:e].transpose(0, 1).unsqueeze(0),
-                k[s:e].transpose(0, 1).unsqueeze(0),
-                v[s:e].transpose(0, 1).unsqueeze(0),
-                is_causal=True,
-                scale=scale,
-                enable_gqa=True,
-            )
-            out[s:e] = o[0].transpose(0, 1)
+            fresh = lens[i] == qsl[i + 1] - qsl[i]
+            if runs and runs[-1][2] == fresh:
+                runs[-1] = (runs[-1][0], i + 1, fresh)
+            else:
+                runs.append((i, i + 1, fresh))
+        return runs

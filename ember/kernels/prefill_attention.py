@@ -10,6 +10,12 @@ flops ~= 4 * Hq * D * q_len * (L - q_len / 2); bytes = q and out (2 * q_len * Hq
 plus K and V (2 * L * Hkv * D * itemsize) once per query tile and head (mostly L2 hits between
 the heads of one KV group). For q_len in the hundreds this is compute-bound on the tensor cores;
 at q_len 1 it degenerates to decode, memory-bound, without decode's GQA packing.
+
+Fresh sequences (no cached prefix: every key is one of this step's new tokens) can skip the
+cache: given this step's `k` and `v`, the kernel reads their rows at the queries' own offsets,
+contiguous and with no block table (FRESH). That is what torch's SDPA did for them before, one
+call per sequence; but its cuDNN kernel is built per sequence length at run time: 43-55 ms for
+each length not seen before (an H200), on the request path of every new prompt length.
 """
 
 from __future__ import annotations
@@ -60,6 +66,8 @@ def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
 def _prefill_kernel(
     q_ptr,
     kv_ptr,
+    k_ptr,  # FRESH: this step's K and V rows [T, Hkv, D] (kv_ptr and the table unused)
+    v_ptr,
     out_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
@@ -75,6 +83,10 @@ def _prefill_kernel(
     stride_cache_tok,
     stride_cache_head,
     stride_bt,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -83,6 +95,7 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FRESH: tl.constexpr,
 ):
     # Heads vary fastest, so the heads of one KV group run together and share K/V through L2.
     # Tiles go last to first: under the causal mask a sequence's later tiles see more keys, and
@@ -118,19 +131,27 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     kv_base = kv_ptr + (head // GROUP) * stride_cache_head
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_ptr + (head // GROUP) * stride_kh
+    v_base = v_ptr + (head // GROUP) * stride_vh
 
     # Keys before full_end are visible to every row of the tile: no causal or bounds mask.
     full_end = (first_pos + m0 + 1) // BLOCK_N * BLOCK_N
     for n0 in range(0, full_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
-        block = tl.load(table + pos // PAGE_SIZE).to(tl.int64)
-        ptrs = (
-            kv_base + (block * stride_cache_block + (pos % PAGE_SIZE) * stride_cache_tok)[:, None]
-        )
-        k = tl.load(ptrs + d[None, :], mask=d_mask[None, :], other=0.0).to(q.dtype)
-        v = tl.load(ptrs + stride_cache_kv + d[None, :], mask=d_mask[None, :], other=0.0).to(
-            q.dtype
-        )
+        if FRESH:
+            krows = (q_start + pos).to(tl.int64)
+            k = tl.load(k_base + krows[:, None] * stride_kt + d[None, :], mask=d_mask[None, :])
+            v = tl.load(v_base + krows[:, None] * stride_vt + d[None, :], mask=d_mask[None, :])
+        else:
+            block = tl.load(table + pos // PAGE_SIZE).to(tl.int64)
+            ptrs = (
+                kv_base
+                + (block * stride_cache_block + (pos % PAGE_SIZE) * stride_cache_tok)[:, None]
+            )
+            k = tl.load(ptrs + d[None, :], mask=d_mask[None, :], other=0.0)
+            v = tl.load(ptrs + stride_cache_kv + d[None, :], mask=d_mask[None, :], other=0.0)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -144,13 +165,21 @@ def _prefill_kernel(
     for n0 in range(full_end, kv_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         n_mask = pos < kv_end
-        block = tl.load(table + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        ptrs = (
-            kv_base + (block * stride_cache_block + (pos % PAGE_SIZE) * stride_cache_tok)[:, None]
-        )
         mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(ptrs + d[None, :], mask=mask, other=0.0).to(q.dtype)
-        v = tl.load(ptrs + stride_cache_kv + d[None, :], mask=mask, other=0.0).to(q.dtype)
+        if FRESH:
+            krows = (q_start + pos).to(tl.int64)
+            k = tl.load(k_base + krows[:, None] * stride_kt + d[None, :], mask=mask, other=0.0)
+            v = tl.load(v_base + krows[:, None] * stride_vt + d[None, :], mask=mask, other=0.0)
+        else:
+            block = tl.load(table + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+            ptrs = (
+                kv_base
+                + (block * stride_cache_block + (pos % PAGE_SIZE) * stride_cache_tok)[:, None]
+            )
+            k = tl.load(ptrs + d[None, :], mask=mask, other=0.0)
+            v = tl.load(ptrs + stride_cache_kv + d[None, :], mask=mask, other=0.0)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         # Key 0 is in the first tile visited and visible to every row, so no row is all -inf
         # by the time it gets here, and alpha is never NaN.
@@ -180,8 +209,14 @@ def prefill_attention(
     scale: float,
     max_query_len: int,
     out: torch.Tensor | None = None,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its whole paged context.
+
+    With `k` and `v` (this step's K and V, [T, Hkv, D] like q) every sequence must be fresh
+    (seq_lens[i] == its query count: no cached prefix, which the caller checks): its keys are
+    read from their rows, at the queries' offsets, not through the cache (block_tables unused).
 
     q: [T, Hq, D], sequence i's rows query_start_loc[i]:query_start_loc[i+1] ([B + 1]); kv_cache:
     one layer's view [num_blocks, 2, block_size, Hkv, D] already holding this step's K and V;
@@ -217,6 +252,17 @@ def prefill_attention(
             raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
     if q.stride(-1) != 1 or kv_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
         raise ValueError("q, kv_cache and block_tables must be contiguous in their last dim")
+    fresh = k is not None or v is not None
+    if fresh:
+        if k is None or v is None:
+            raise ValueError("a fresh prefill needs both k and v")
+        want = (num_tokens, num_kv_heads, head_dim)
+        if tuple(k.shape) != want or tuple(v.shape) != want:
+            raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be {want}")
+        if k.stride(-1) != 1 or v.stride(-1) != 1:
+            raise ValueError("k and v must be contiguous in their last dim")
+    else:
+        k = v = q  # unused by the paged variant
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     elif out.shape != q.shape or out.stride(-1) != 1:
@@ -230,6 +276,8 @@ def prefill_attention(
     _prefill_kernel[(num_tiles * num_heads,)](
         q,
         kv_cache,
+        k,
+        v,
         out,
         query_start_loc,
         seq_lens,
@@ -245,6 +293,10 @@ def prefill_attention(
         kv_cache.stride(2),
         kv_cache.stride(3),
         block_tables.stride(0),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
         NUM_HEADS=num_heads,
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
@@ -253,6 +305,7 @@ def prefill_attention(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         PAGE_SIZE=block_size,
         DOT_PRECISION=dot_precision(q.dtype),
+        FRESH=fresh,
         num_warps=num_warps,
         num_stages=num_stages,
     )

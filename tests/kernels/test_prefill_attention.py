@@ -204,3 +204,131 @@ def test_prefill_llama3_8b(make_paged_batch, attention_reference, assert_rel_clo
         seed,
         1e-2,
     )
+
+
+# -- fresh prefills: keys from this step's K and V rows, not the cache --------------------------
+
+
+def _fresh_check(
+    make_paged_batch,
+    attention_reference,
+    assert_rel_close,
+    shapes,
+    heads,
+    dtype,
+    device,
+    seed,
+    tol,
+    front: int = 0,
+) -> None:
+    """Every sequence after the first `front` (decode rows, given their own output) is fresh;
+    k and v are strided views of one fused [T, Hq + 2 Hkv, D] projection, as in the engine, and
+    the cache is poisoned with NaN once they are built: the fresh variant must not read it."""
+    batch = make_paged_batch(shapes, *heads, 16, dtype, device, seed)
+    md, (hq, hkv, d) = batch.metadata, heads
+    scale = d**-0.5
+    ref = attention_reference(batch, scale)
+    qkv = torch.empty(batch.q.shape[0], hq + 2 * hkv, d, dtype=dtype, device=device)
+    qkv[:, :hq] = batch.q
+    qsl, lens = md.query_start_loc.tolist(), md.seq_lens.tolist()
+    for i in range(front, len(shapes)):
+        for pos in range(lens[i]):
+            block = int(md.block_tables[i, pos // 16])
+            qkv[qsl[i] + pos, hq : hq + hkv] = batch.kv_cache[block, 0, pos % 16]
+            qkv[qsl[i] + pos, hq + hkv :] = batch.kv_cache[block, 1, pos % 16]
+    batch.kv_cache.fill_(float("nan"))
+    q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+    out = torch.full_like(batch.q, float("nan"))
+    out[:front] = 0.0
+    got = prefill_attention(
+        q,
+        batch.kv_cache,
+        md.query_start_loc[front:],
+        md.seq_lens[front:],
+        md.block_tables[front:],
+        scale,
+        md.max_query_len,
+        out=out,
+        k=k,
+        v=v,
+    )
+    assert got is out and torch.equal(out[:front].float().cpu(), torch.zeros_like(ref[:front]))
+    assert_rel_close(out[front:], ref[front:], tol)
+
+
+FRESH = {
+    # A partial tile, one row, a whole 64-key run then a diagonal, two query tiles.
+    "short": [(0, 37), (0, 1), (0, 64), (0, 9)],
+    "long": [(0, 150), (0, 3)],
+}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("heads", [(2, 2, 16), (4, 1, 64)], ids=["gqa1-d16", "gqa4-d64"])
+@pytest.mark.parametrize("case", list(FRESH))
+def test_fresh_prefill_reads_this_steps_rows(
+    make_paged_batch, attention_reference, assert_rel_close, seed, heads, case, device
+) -> None:
+    _fresh_check(
+        make_paged_batch,
+        attention_reference,
+        assert_rel_close,
+        FRESH[case],
+        heads,
+        torch.float32,
+        device,
+        seed,
+        1e-5,
+    )
+
+
+def test_fresh_prefill_after_decode_rows(
+    make_paged_batch, attention_reference, assert_rel_close, device
+) -> None:
+    shapes = [(5, 1), (20, 1), (0, 30), (0, 17)]
+    _fresh_check(
+        make_paged_batch,
+        attention_reference,
+        assert_rel_close,
+        shapes,
+        (2, 1, 16),
+        torch.float32,
+        device,
+        3,
+        1e-5,
+        front=2,
+    )
+
+
+def test_fresh_prefill_rejects_bad_k_v(device: str) -> None:
+    cache = torch.zeros(4, 2, 16, 1, 16, device=device)
+    q = torch.zeros(3, 2, 16, device=device)
+    lens = torch.tensor([3], dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, 3], dtype=torch.int32, device=device)
+    k = torch.zeros(3, 1, 16, device=device)
+    with pytest.raises(ValueError, match="both k and v"):
+        prefill_attention(q, cache, qsl, lens, lens[:, None], 1.0, 3, k=k)
+    with pytest.raises(ValueError, match="must be"):
+        prefill_attention(q, cache, qsl, lens, lens[:, None], 1.0, 3, k=k, v=k[:2])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fresh_prefill_llama3_8b(
+    make_paged_batch, attention_reference, assert_rel_close, seed, dtype
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(0, int(n)) for n in torch.randint(1, 1500, (6,), generator=g)] + [(0, 2048)]
+    _fresh_check(
+        make_paged_batch,
+        attention_reference,
+        assert_rel_close,
+        shapes,
+        (32, 8, 128),
+        dtype,
+        "cuda",
+        seed,
+        1e-2,
+    )

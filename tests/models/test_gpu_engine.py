@@ -94,7 +94,7 @@ def test_bf16_prefill_logits_close_to_transformers(tiny_model_dir) -> None:
 def test_long_fresh_prefill_path_matches_transformers(
     tiny_model_dir, chunk: int | None, arch: str
 ) -> None:
-    """Prompts past FLASH_MIN_TOKENS take the flash path when fresh, the paged kernel after;
+    """Fresh prompts read their own K and V rows, chunks after the first the paged cache;
     MLA expands runs of EXPAND_MIN_QUERY tokens and more (fresh and over a prefix) and attends
     the 100-token tail of the chunked 700 in the latent space; the MoE runs at 300-700 rows."""
     from transformers import AutoModelForCausalLM
