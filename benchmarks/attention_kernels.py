@@ -66,7 +66,7 @@ def prefill_rows(out: dict) -> None:
     base = pa._tile_config
     rows = {}
     for bn, warps, stages in ((64, 8, 3), (128, 8, 2), (64, 4, 3), (128, 8, 3), (64, 8, 2)):
-        pa._tile_config = lambda h, m, bn=bn, w=warps, s=stages: (128, bn, w, s)
+        pa._tile_config = lambda h, m, f=False, bn=bn, w=warps, s=stages: (128, bn, w, s)
         try:
             t = bench(lambda: prefill_attention(q, cache, qsl, lens, table, D**-0.5, L))
             rows[f"BLOCK_N={bn} warps={warps} stages={stages}"] = flops / t / 1e12
@@ -78,7 +78,7 @@ def prefill_rows(out: dict) -> None:
     t = bench(lambda: prefill_attention(q, cache, qsl, lens, table, D**-0.5, L, k=kf, v=vf))
     rows["ember fresh (this step's K/V rows, default tiles)"] = flops / t / 1e12
     for bn, warps, stages in ((128, 8, 3), (64, 4, 3), (128, 8, 2)):
-        pa._tile_config = lambda h, m, bn=bn, w=warps, s=stages: (128, bn, w, s)
+        pa._tile_config = lambda h, m, f=False, bn=bn, w=warps, s=stages: (128, bn, w, s)
         name = f"ember fresh, BLOCK_N={bn} warps={warps} stages={stages}"
         try:
             t = bench(lambda: prefill_attention(q, cache, qsl, lens, table, D**-0.5, L, k=kf, v=vf))

@@ -29,7 +29,9 @@ from ember.kernels.dispatch import dot_precision
 _LOG2E = 1.4426950408889634
 
 
-def _tile_config(head_dim: int, max_query_len: int) -> tuple[int, int, int, int]:
+def _tile_config(
+    head_dim: int, max_query_len: int, fresh: bool = False
+) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for H100/H200."""
     # Short query runs (extend, spec decode, q_len-1 rows) waste less in a smaller tile.
     block_m = min(128, max(16, triton.next_power_of_2(max(max_query_len, 1))))
@@ -38,6 +40,10 @@ def _tile_config(head_dim: int, max_query_len: int) -> tuple[int, int, int, int]
     # 128 x 128 fp32 accumulator over 8 warps is 64 registers a thread; K and V tiles of
     # 64 x 128 bf16 are 16 KB each, so 3 stages fit shared memory with room for q.
     num_warps = 8 if block_m == 128 and head_dim >= 128 else 4
+    if fresh and block_m == 128 and head_dim <= 128:
+        # Contiguous K and V rows take a 128-key tile (two 32 KB tiles a stage, two stages):
+        # 8 x 2048 causal on an H200, 328 TFLOP/s against 313 with the paged tiles.
+        return block_m, 128, num_warps, 2
     return block_m, 64, num_warps, 3
 
 
@@ -270,7 +276,7 @@ def prefill_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
 
-    block_m, block_n, num_warps, num_stages = _tile_config(head_dim, max_query_len)
+    block_m, block_n, num_warps, num_stages = _tile_config(head_dim, max_query_len, fresh)
     # Enough for every sequence's tiles when query_start_loc[-1] <= T (see _find_seq).
     num_tiles = num_tokens // block_m + num_seqs
     _prefill_kernel[(num_tiles * num_heads,)](
