@@ -15,6 +15,7 @@ Prints tables and writes JSON to $OUT (or benchmarks/results/), named with the G
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -218,6 +219,56 @@ def mixed_step_rows(out: dict) -> None:
             print(f"| {name} | {val['first_ms_median']:.2f} | {val['again_ms_median']:.2f} |")
 
 
+def _mla_sdpa_row(backend: object, h: int, dqk: int, dv: int, n: int) -> dict[str, float]:
+    from torch.nn.attention import sdpa_kernel
+
+    def call(length: int, timed: bool = False) -> float:
+        q = torch.randn(1, h, length, dqk, dtype=torch.bfloat16, device="cuda")
+        k = torch.randn(1, h, length, dqk, dtype=torch.bfloat16, device="cuda")
+        v = torch.randn(1, h, length, dv, dtype=torch.bfloat16, device="cuda")
+        ctx = sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext()
+        with ctx:
+            if timed:
+                return bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            torch.cuda.synchronize()
+            return (time.perf_counter() - t0) * 1e3
+
+    t = call(n, timed=True)
+    flops = 2 * h * (n * n / 2) * (dqk + dv)
+    firsts = [call(length) for length in range(1301, 1306)]
+    return {"tflops": flops / t / 1e12, "new_length_ms": statistics.median(firsts)}
+
+
+def mla_sdpa_rows(out: dict) -> None:
+    """MLA's expanded prefill (ember/attention/mla.py): torch SDPA over per-head K [qk 192] and
+    V [128], 16 heads (Moonlight's shape), one fresh causal sequence per call, through each
+    backend torch has for it: TFLOP/s at 2,048 tokens, and the first call on new lengths."""
+    from torch.nn.attention import SDPBackend
+
+    rows: dict[str, object] = {}
+    for name, backend in (
+        ("default", None),
+        ("cudnn", SDPBackend.CUDNN_ATTENTION),
+        ("flash", SDPBackend.FLASH_ATTENTION),
+        ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+    ):
+        try:
+            rows[name] = _mla_sdpa_row(backend, 16, 192, 128, 2048)
+        except Exception as e:
+            rows[name] = f"failed: {type(e).__name__}: {str(e)[:80]}"
+    out["mla_sdpa"] = rows
+    print("\n| MLA expanded prefill, 16 heads, qk 192 / v 128 | TFLOP/s | new length, ms |")
+    print("|---|---|---|")
+    for name, r in rows.items():
+        if isinstance(r, str):
+            print(f"| {name} | {r} | |")
+        else:
+            print(f"| {name} | {r['tflops']:.0f} | {r['new_length_ms']:.2f} |")
+
+
 def decode_rows(out: dict, bw: float) -> None:
     rows = {}
     print("\n| decode | us | K/V GB/s | of copy bandwidth |\n|---|---|---|---|")
@@ -275,8 +326,13 @@ def main() -> None:
     bw = copy_bandwidth()
     out: dict = {"gpu": gpu, "copy_bytes_per_s": bw}
     print(f"GPU: {gpu}; copy {bw / 1e9:.0f} GB/s")
+    if "--mla-only" in sys.argv:
+        mla_sdpa_rows(out)
+        print(json.dumps(out["mla_sdpa"]))
+        return
     prefill_rows(out)
     mixed_step_rows(out)
+    mla_sdpa_rows(out)
     decode_rows(out, bw)
     decode_graph_rows(out)
     dest = Path(os.environ.get("OUT") or "benchmarks/results")
