@@ -219,20 +219,26 @@ def mixed_step_rows(out: dict) -> None:
             print(f"| {name} | {val['first_ms_median']:.2f} | {val['again_ms_median']:.2f} |")
 
 
-def _mla_sdpa_row(backend: object, h: int, dqk: int, dv: int, n: int) -> dict[str, float]:
+def _mla_sdpa_row(
+    backend: object, h: int, dqk: int, dv: int, n: int, hkv: int | None = None
+) -> dict[str, float]:
+    """One SDPA backend on one fresh causal sequence of `n` (GQA when `hkv` < `h`)."""
     from torch.nn.attention import sdpa_kernel
+
+    hk = hkv or h
 
     def call(length: int, timed: bool = False) -> float:
         q = torch.randn(1, h, length, dqk, dtype=torch.bfloat16, device="cuda")
-        k = torch.randn(1, h, length, dqk, dtype=torch.bfloat16, device="cuda")
-        v = torch.randn(1, h, length, dv, dtype=torch.bfloat16, device="cuda")
+        k = torch.randn(1, hk, length, dqk, dtype=torch.bfloat16, device="cuda")
+        v = torch.randn(1, hk, length, dv, dtype=torch.bfloat16, device="cuda")
         ctx = sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext()
+        gqa = {"enable_gqa": True} if hk != h else {}
         with ctx:
             if timed:
-                return bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+                return bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa))
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
             torch.cuda.synchronize()
             return (time.perf_counter() - t0) * 1e3
 
@@ -259,6 +265,11 @@ def mla_sdpa_rows(out: dict) -> None:
             rows[name] = _mla_sdpa_row(backend, 16, 192, 128, 2048)
         except Exception as e:
             rows[name] = f"failed: {type(e).__name__}: {str(e)[:80]}"
+        # The Llama-3-8B shape (32 heads over 8 KV heads, d 128) the same way.
+        try:
+            rows[f"llama {name}"] = _mla_sdpa_row(backend, 32, 128, 128, 2048, hkv=8)
+        except Exception as e:
+            rows[f"llama {name}"] = f"failed: {type(e).__name__}: {str(e)[:80]}"
     out["mla_sdpa"] = rows
     print("\n| MLA expanded prefill, 16 heads, qk 192 / v 128 | TFLOP/s | new length, ms |")
     print("|---|---|---|")
