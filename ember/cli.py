@@ -103,10 +103,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from ember.cluster import check_ports
-    from ember.server.api_server import run_server
+    from ember.engine.core_spawn import serve_core_main, spawn_core
+    from ember.server.args import prepare_serve
 
     check_ports(args.host, [args.port])  # now, not after the model has loaded
-    return run_server(args)
+    # The engine core starts before this process imports torch and FastAPI: both import and
+    # set up at once (ember/engine/core_spawn.py). Only torch-free modules above this line.
+    prepared = prepare_serve(args)
+    core_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
+    spawned = spawn_core(serve_core_main, core_args, prepared[1])
+    try:
+        from ember.server.api_server import run_server
+    except BaseException:
+        spawned.kill()
+        raise
+    return run_server(args, prepared, spawned)
 
 
 def cmd_router(args: argparse.Namespace) -> int:

@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import multiprocessing
-import os
 import shutil
-import tempfile
-from multiprocessing.process import BaseProcess
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from ember.engine.config import EngineConfig
 from ember.engine.core_proc import engine_core_main
+from ember.engine.core_spawn import SpawnedCore, spawn_core
 from ember.engine.messages import (
     CoreInput,
     CoreOutput,
@@ -34,24 +30,15 @@ class RequestFailedError(RuntimeError):
 
 
 class CoreClient:
-    def __init__(self, config: EngineConfig) -> None:
-        self._dir = tempfile.mkdtemp(prefix="ember-ipc-")
-        input_addr, output_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
-        self.ctx = zmq.asyncio.Context()
-        self.input = self.ctx.socket(zmq.PUSH)
-        self.input.bind(input_addr)
-        self.output = self.ctx.socket(zmq.PULL)
-        self.output.bind(output_addr)
+    def __init__(self, config: EngineConfig, spawned: SpawnedCore | None = None) -> None:
+        """Spawn an engine core for `config`, or adopt `spawned`, one started for the same
+        config before this process imported torch (`ember serve`: ember/engine/core_spawn.py)."""
+        self.config = config
+        core = spawned or spawn_core(engine_core_main, config)
+        self._dir = core.ipc_dir
+        self.ctx, self.input, self.output, self.proc = core.ctx, core.input, core.output, core.proc
         self.enc = msgspec.msgpack.Encoder()
         self.dec = msgspec.msgpack.Decoder(CoreOutput)
-        # spawn, not fork: the parent may hold threads (uvloop, torch) that fork would break.
-        self.proc: BaseProcess = multiprocessing.get_context("spawn").Process(
-            target=engine_core_main,
-            args=(config, input_addr, output_addr, os.getpid()),
-            name="ember-engine-core",
-            daemon=True,
-        )
-        self.proc.start()
 
     async def wait_ready(self, timeout_s: float = 600.0) -> EngineCoreReady:
         loop = asyncio.get_running_loop()

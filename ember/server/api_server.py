@@ -20,11 +20,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from ember.engine.async_llm import AsyncLLM
-from ember.engine.config import EngineConfig
 from ember.engine.core_client import CoreClient, RequestFailedError
+from ember.engine.core_spawn import SpawnedCore
 from ember.engine.startup_clock import process_age_s
-from ember.models.resolve import resolve_model
-from ember.server.args import speculative_config_from_args
+from ember.server.args import engine_config_from_args, prepare_serve
 from ember.server.connections import guarded_protocol, raise_fd_limit
 from ember.server.errors import APIError, error_from_status, validation_error
 from ember.server.kv_params import kv_peer_urls
@@ -35,7 +34,7 @@ from ember.server.serving import ServingContext
 from ember.server.serving_chat import ChatHandler
 from ember.server.serving_completion import CompletionHandler
 from ember.server.serving_tokenize import TokenizeHandler
-from ember.trust import TenantKeys, new_secret, resolve_secret
+from ember.trust import TenantKeys, new_secret
 
 log = logging.getLogger("ember.server")
 
@@ -310,60 +309,35 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def engine_config_from_args(args: argparse.Namespace, cluster_secret: str = "") -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        load_format=args.load_format,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        enable_prefix_caching=not args.no_prefix_caching,
-        seed=args.seed,
-        cpu_threads=args.cpu_threads,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=args.enforce_eager,
-        warmup=args.warmup,
-        async_scheduling=args.async_scheduling,
-        kv_role=args.role,
-        kv_transport=args.kv_transport,
-        kv_host=args.kv_host,
-        kv_lease_s=args.kv_lease_s,
-        kv_timeout_s=args.kv_timeout,
-        kv_events=True,
-        kv_host_gb=args.kv_host_gb,
-        kv_disk_dir=args.kv_disk_dir,
-        kv_disk_gb=args.kv_disk_gb,
-        kv_store=args.kv_store,
-        kv_store_gb=args.kv_store_gb,
-        speculative=speculative_config_from_args(args),
-        cluster_secret=cluster_secret,
-    )
-
-
-def run_server(args: argparse.Namespace) -> int:
+def run_server(
+    args: argparse.Namespace,
+    prepared: tuple[str, str, bool] | None = None,
+    spawned: SpawnedCore | None = None,
+) -> int:
+    """Serve until shut down. `prepared` and `spawned`: what `ember serve` settled and the core
+    it spawned before this module was imported (ember/engine/core_spawn.py); else both here."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    given = args.model  # a .gguf file is imported once and served under the name given
-    args.model = resolve_model(given)
-    secret, configured = resolve_secret(args.cluster_secret)
-    if not configured and args.role != "both":
-        log.warning(
-            "no cluster secret (--cluster-secret or EMBER_CLUSTER_SECRET): the router and the "
-            "other engines cannot reach this engine's internal routes, nor trust its KV"
-        )
     try:
-        keys = TenantKeys.load(args.api_key or (), args.api_keys_file, args.shared_cache)
-        kv_peer_urls(args.kv_peers)
-    except ValueError as e:
-        log.error("%s", e)
-        return 2
-    config = engine_config_from_args(args, secret)
-    # The core first: it imports, loads and compiles while this process reads the tokenizer and
-    # starts the HTTP side (seconds of a start that would otherwise come one after the other).
-    client = CoreClient(config)
+        given, secret, configured = prepared or prepare_serve(args)
+        if not configured and args.role != "both":
+            log.warning(
+                "no cluster secret (--cluster-secret or EMBER_CLUSTER_SECRET): the router and "
+                "the other engines cannot reach this engine's internal routes, nor trust its KV"
+            )
+        try:
+            keys = TenantKeys.load(args.api_key or (), args.api_keys_file, args.shared_cache)
+            kv_peer_urls(args.kv_peers)
+        except ValueError as e:
+            log.error("%s", e)
+            return 2
+        config = engine_config_from_args(args, secret)
+        # The core first (unless it was started already): it imports, loads and compiles while
+        # this process reads the tokenizer and starts the HTTP side.
+        client = CoreClient(config, spawned)
+        spawned = None  # the client owns it now
+    finally:
+        if spawned is not None:
+            spawned.kill()
     try:
         engine = AsyncLLM(config, client)
     except BaseException:

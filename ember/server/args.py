@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ember.spec.config import METHODS, SpeculativeConfig
+
+if TYPE_CHECKING:
+    from ember.engine.config import EngineConfig
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -250,3 +254,54 @@ def add_trust_args(p: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="a decode engine reads KV only from these prefill engines (their base URLs)",
     )
+
+
+def engine_config_from_args(args: argparse.Namespace, cluster_secret: str = "") -> EngineConfig:
+    """The engine's settings from `ember serve`'s arguments (the API process and, in its own
+    process, the engine core build the same from the same arguments)."""
+    from ember.engine.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        load_format=args.load_format,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        enable_prefix_caching=not args.no_prefix_caching,
+        seed=args.seed,
+        cpu_threads=args.cpu_threads,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        warmup=args.warmup,
+        async_scheduling=args.async_scheduling,
+        kv_role=args.role,
+        kv_transport=args.kv_transport,
+        kv_host=args.kv_host,
+        kv_lease_s=args.kv_lease_s,
+        kv_timeout_s=args.kv_timeout,
+        kv_events=True,
+        kv_host_gb=args.kv_host_gb,
+        kv_disk_dir=args.kv_disk_dir,
+        kv_disk_gb=args.kv_disk_gb,
+        kv_store=args.kv_store,
+        kv_store_gb=args.kv_store_gb,
+        speculative=speculative_config_from_args(args),
+        cluster_secret=cluster_secret,
+    )
+
+
+def prepare_serve(args: argparse.Namespace) -> tuple[str, str, bool]:
+    """What `ember serve` settles before its engine core starts (torch-free): the model's path
+    (a .gguf is imported once; `args.model` becomes its directory) and the cluster secret.
+    Returns (the model name as given, the secret, whether it was configured)."""
+    from ember.models.resolve import resolve_model
+    from ember.trust import resolve_secret
+
+    given = args.model
+    args.model = resolve_model(given)
+    secret, configured = resolve_secret(args.cluster_secret)
+    return given, secret, configured

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ember.server.api_server import engine_config_from_args
-from ember.server.args import add_serve_args
+from ember.server.args import add_serve_args, engine_config_from_args
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -15,8 +15,8 @@ from typing import Any, cast
 import httpx
 import pytest
 
-from ember.server.api_server import build_app, engine_config_from_args
-from ember.server.args import add_serve_args
+from ember.server.api_server import build_app
+from ember.server.args import add_serve_args, engine_config_from_args
 from ember.server.middleware import INTERNAL_PATHS, OPEN_PATHS, PUBLIC_PATHS
 from ember.trust import TENANT_HEADER, TenantKeys, internal_headers, sign_kv_params
 from tests.server.conftest import Server

@@ -1,0 +1,77 @@
+"""Spawning the engine-core process, without importing torch: `ember serve` starts its core first
+thing, so that the core's imports, CUDA set-up, load and compiles overlap the API process's own
+imports (torch, FastAPI) and set-up. On an H200 the API process spent ~3.6 s before it spawned
+the core, one after the other with the core's ~8 s (docs/performance.md).
+
+Nothing here may import torch at module level; the child's entry points import what they need.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+
+@dataclass(slots=True)
+class SpawnedCore:
+    """A running engine-core process and the API side's two bound sockets to it."""
+
+    ipc_dir: str
+    ctx: zmq.asyncio.Context
+    input: zmq.asyncio.Socket  # PUSH: requests, aborts, shutdown
+    output: zmq.asyncio.Socket  # PULL: outputs, ready, failed
+    proc: BaseProcess
+
+    def kill(self) -> None:
+        """Stop the core at once and free the sockets and the IPC directory (a start abandoned
+        before a CoreClient adopted it)."""
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5.0)
+        self.input.close(linger=0)
+        self.output.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def spawn_core(target: Callable[..., None], *args: Any) -> SpawnedCore:
+    """Bind the sockets, then start `target(*args, input_addr, output_addr, parent_pid)` in a
+    spawned process (not forked: the parent may hold threads, uvloop's or torch's, that a fork
+    would break). The parent-death signal follows the spawning thread: call this on the thread
+    that lives as long as the process (the main one)."""
+    ipc_dir = tempfile.mkdtemp(prefix="ember-ipc-")
+    input_addr, output_addr = f"ipc://{ipc_dir}/input", f"ipc://{ipc_dir}/output"
+    ctx = zmq.asyncio.Context()
+    inp = ctx.socket(zmq.PUSH)
+    inp.bind(input_addr)
+    out = ctx.socket(zmq.PULL)
+    out.bind(output_addr)
+    proc = multiprocessing.get_context("spawn").Process(
+        target=target,
+        args=(*args, input_addr, output_addr, os.getpid()),
+        name="ember-engine-core",
+        daemon=True,
+    )
+    proc.start()
+    return SpawnedCore(ipc_dir, ctx, inp, out, proc)
+
+
+def serve_core_main(
+    args: argparse.Namespace, secret: str, input_addr: str, output_addr: str, parent_pid: int
+) -> None:
+    """The core of `ember serve`, built in the child from the command line's arguments (the
+    parent builds the same EngineConfig from them, after it spawned this)."""
+    from ember.engine.core_proc import engine_core_main
+    from ember.server.args import engine_config_from_args
+
+    engine_core_main(engine_config_from_args(args, secret), input_addr, output_addr, parent_pid)

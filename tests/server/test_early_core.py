@@ -1,0 +1,45 @@
+"""`ember serve` spawns its engine core before it imports torch or FastAPI, so that the two
+processes start at once: the path up to the spawn must stay torch-free, and a start that fails
+after the spawn must stop that core and free its sockets."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.servers import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_path_to_the_spawn_imports_no_torch() -> None:
+    code = (
+        "import sys\n"
+        "import ember.cli, ember.cluster, ember.engine.core_spawn, ember.server.args\n"
+        "import ember.models.resolve, ember.trust, ember.kv.tiers.store_master\n"
+        "heavy = sorted(m for m in ('torch', 'fastapi', 'transformers') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+        # The names of the tiers package still load, lazily.
+        "from ember.kv.tiers import HostTier, TierManager\n"
+        "assert 'torch' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+
+
+def test_a_start_that_fails_after_the_spawn_stops_its_core(tiny_model_dir, tmp_path) -> None:
+    """A missing API keys file is found after the core was spawned: serve exits 2 at once (not
+    after the core has loaded), and leaves no IPC directory behind."""
+    ipc = tmp_path / "tmp"
+    ipc.mkdir()
+    env = {**os.environ, "TMPDIR": str(ipc), "EMBER_LOG_LEVEL": "WARNING"}
+    cmd = [sys.executable, "-m", "ember.cli", "serve", str(tiny_model_dir("llama"))]
+    cmd += ["--port", str(free_port()), "--api-keys-file", str(tmp_path / "missing")]
+    t0 = time.monotonic()
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "cannot read the API keys file" in done.stderr
+    assert time.monotonic() - t0 < 60
+    assert not list(ipc.glob("ember-ipc-*")), "the spawned core's IPC directory was left behind"
