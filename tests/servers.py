@@ -7,7 +7,7 @@ import random
 import socket
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +67,11 @@ class Server:
 
 
 def start_server(
-    model_dir: Path, *extra: str, api_key: str | None = None, wait: bool = True
+    model_dir: Path,
+    *extra: str,
+    api_key: str | None = None,
+    wait: bool = True,
+    env: Mapping[str, str] | None = None,
 ) -> Server:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -77,7 +81,8 @@ def start_server(
     ]  # fmt: skip
     if api_key:
         args += ["--api-key", api_key]
-    proc = spawn("serve", url, args, {"EMBER_LOG_LEVEL": "WARNING", SECRET_ENV: SECRET}).popen
+    env = {"EMBER_LOG_LEVEL": "WARNING", SECRET_ENV: SECRET, **(env or {})}
+    proc = spawn("serve", url, args, env).popen
     server = Server(url, "tiny", proc, api_key)
     if wait:
         wait_healthy(server)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from ember.models.config import ModelConfig, parse_dtype
 from ember.spec.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True)
@@ -101,6 +103,8 @@ class EngineConfig:
 
     def resolve(self, model_config: ModelConfig) -> ResolvedConfig:
         """Fill in what depends on the model: dtype, context length, token budget, KV blocks."""
+        import torch  # here, not at the top: the config is built before torch is imported
+
         dtype = parse_dtype(self.dtype, default=model_config.dtype)
         max_len = self.max_model_len or model_config.max_position_embeddings
         budget = self.max_num_batched_tokens or default_token_budget(self.device, max_len)

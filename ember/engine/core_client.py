@@ -10,8 +10,7 @@ import msgspec
 import zmq
 
 from ember.engine.config import EngineConfig
-from ember.engine.core_proc import engine_core_main
-from ember.engine.core_spawn import SpawnedCore, spawn_core
+from ember.engine.core_spawn import SpawnedCore, engine_core_entry, spawn_core
 from ember.engine.messages import (
     CoreInput,
     CoreOutput,
@@ -34,7 +33,7 @@ class CoreClient:
         """Spawn an engine core for `config`, or adopt `spawned`, one started for the same
         config before this process imported torch (`ember serve`: ember/engine/core_spawn.py)."""
         self.config = config
-        core = spawned or spawn_core(engine_core_main, config)
+        core = spawned or spawn_core(engine_core_entry, config)
         self._dir = core.ipc_dir
         self.ctx, self.input, self.output, self.proc = core.ctx, core.input, core.output, core.proc
         self.enc = msgspec.msgpack.Encoder()

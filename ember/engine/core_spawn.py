@@ -8,7 +8,6 @@ Nothing here may import torch at module level; the child's entry points import w
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import os
 import shutil
@@ -16,10 +15,13 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
+
+if TYPE_CHECKING:
+    from ember.engine.config import EngineConfig
 
 
 @dataclass(slots=True)
@@ -66,12 +68,10 @@ def spawn_core(target: Callable[..., None], *args: Any) -> SpawnedCore:
     return SpawnedCore(ipc_dir, ctx, inp, out, proc)
 
 
-def serve_core_main(
-    args: argparse.Namespace, secret: str, input_addr: str, output_addr: str, parent_pid: int
+def engine_core_entry(
+    config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int
 ) -> None:
-    """The core of `ember serve`, built in the child from the command line's arguments (the
-    parent builds the same EngineConfig from them, after it spawned this)."""
+    """The spawned process's entry: imports the engine (torch) there, not in the parent."""
     from ember.engine.core_proc import engine_core_main
-    from ember.server.args import engine_config_from_args
 
-    engine_core_main(engine_config_from_args(args, secret), input_addr, output_addr, parent_pid)
+    engine_core_main(config, input_addr, output_addr, parent_pid)

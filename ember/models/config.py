@@ -5,19 +5,22 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
+# Names, not torch's dtypes: this module is imported on `ember serve`'s way to spawning its engine
+# core, which must not wait for torch's import (ember/engine/core_spawn.py).
 _DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
 }
 
 
@@ -29,15 +32,17 @@ def read_config_json(directory: str | Path, what: str) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def parse_dtype(
-    value: str | torch.dtype | None, default: torch.dtype = torch.float32
-) -> torch.dtype:
+def parse_dtype(value: str | torch.dtype | None, default: torch.dtype | None = None) -> torch.dtype:
+    """A dtype from its name ("bf16", "torch.float16", ...) or itself; `default` (float32 when
+    None) for None or "auto"."""
+    import torch
+
     if value is None or value == "auto":
-        return default
+        return torch.float32 if default is None else default
     if isinstance(value, torch.dtype):
         return value
     try:
-        return _DTYPES[str(value).removeprefix("torch.")]
+        return getattr(torch, _DTYPES[str(value).removeprefix("torch.")])
     except KeyError:
         raise ValueError(
             f"unsupported dtype {value!r}; use one of float32, float16, bfloat16"

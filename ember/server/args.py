@@ -257,8 +257,8 @@ def add_trust_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace, cluster_secret: str = "") -> EngineConfig:
-    """The engine's settings from `ember serve`'s arguments (the API process and, in its own
-    process, the engine core build the same from the same arguments)."""
+    """The engine's settings from `ember serve`'s arguments (torch-free: built, and so checked,
+    before the engine core is spawned with them)."""
     from ember.engine.config import EngineConfig
 
     return EngineConfig(

@@ -14,9 +14,13 @@ def server_factory(tiny_model_dir) -> Iterator[Callable[..., Server]]:
     started: list[Server] = []
 
     def make(
-        *extra: str, arch: str = "qwen3", api_key: str | None = None, wait: bool = True
+        *extra: str,
+        arch: str = "qwen3",
+        api_key: str | None = None,
+        wait: bool = True,
+        env: dict[str, str] | None = None,
     ) -> Server:
-        s = start_server(tiny_model_dir(arch), *extra, api_key=api_key, wait=wait)
+        s = start_server(tiny_model_dir(arch), *extra, api_key=api_key, wait=wait, env=env)
         started.append(s)
         return s
 

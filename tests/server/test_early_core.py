@@ -20,6 +20,10 @@ def test_the_path_to_the_spawn_imports_no_torch() -> None:
         "import sys\n"
         "import ember.cli, ember.cluster, ember.engine.core_spawn, ember.server.args\n"
         "import ember.models.resolve, ember.trust, ember.kv.tiers.store_master\n"
+        "import argparse\n"
+        "from ember.server.args import add_serve_args, engine_config_from_args\n"
+        "p = argparse.ArgumentParser(); add_serve_args(p)\n"
+        "engine_config_from_args(p.parse_args(['m', '--speculative', 'ngram']), 's')\n"
         "heavy = sorted(m for m in ('torch', 'fastapi', 'transformers') if m in sys.modules)\n"
         "assert not heavy, heavy\n"
         # The names of the tiers package still load, lazily.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import time
@@ -113,8 +114,15 @@ def test_sigterm_drains_in_flight_streams_then_exits(server_factory) -> None:
     assert s.proc.wait(30) in (0, -signal.SIGTERM)
 
 
-def test_health_is_503_while_loading(server_factory) -> None:
-    s: Server = server_factory(wait=False)
+def test_health_is_503_while_loading(server_factory, tmp_path) -> None:
+    # The engine core starts with the API process (ember/engine/core_spawn.py) and the tiny
+    # model loads before HTTP is up: hold the core back 3 s (a sitecustomize that only the
+    # spawned process, started with --multiprocessing-fork, acts on).
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys, time\nif '--multiprocessing-fork' in sys.argv:\n    time.sleep(3)\n"
+    )
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    s: Server = server_factory(wait=False, env={"PYTHONPATH": path})
     seen = set()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
