@@ -104,14 +104,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from ember.cluster import check_ports
     from ember.engine.core_spawn import engine_core_entry, spawn_core
-    from ember.server.args import engine_config_from_args, prepare_serve
+    from ember.server.args import prepare_serve
 
     check_ports(args.host, [args.port])  # now, not after the model has loaded
     # The engine core starts before this process imports torch and FastAPI: both import and
     # set up at once (ember/engine/core_spawn.py). Only torch-free modules above this line; a
     # bad flag fails here, in one line, before anything starts.
     prepared = prepare_serve(args)
-    spawned = spawn_core(engine_core_entry, engine_config_from_args(args, prepared[1]))
+    spawned = spawn_core(engine_core_entry, prepared.config)
     try:
         from ember.server.api_server import run_server
     except BaseException:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
 
 import msgspec
 import zmq
@@ -32,10 +31,8 @@ class CoreClient:
     def __init__(self, config: EngineConfig, spawned: SpawnedCore | None = None) -> None:
         """Spawn an engine core for `config`, or adopt `spawned`, one started for the same
         config before this process imported torch (`ember serve`: ember/engine/core_spawn.py)."""
-        self.config = config
-        core = spawned or spawn_core(engine_core_entry, config)
-        self._dir = core.ipc_dir
-        self.ctx, self.input, self.output, self.proc = core.ctx, core.input, core.output, core.proc
+        self._core = spawned or spawn_core(engine_core_entry, config)
+        self.input, self.output, self.proc = self._core.input, self._core.output, self._core.proc
         self.enc = msgspec.msgpack.Encoder()
         self.dec = msgspec.msgpack.Decoder(CoreOutput)
 
@@ -64,24 +61,11 @@ class CoreClient:
 
     def kill(self) -> None:
         """Stop the core at once and free the sockets (a start abandoned before the event loop)."""
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5.0)
-        self._close()
+        self._core.kill()
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
         if self.proc.is_alive():
             with contextlib.suppress(TimeoutError, zmq.ZMQError):
                 await asyncio.wait_for(self.send(Shutdown()), 1.0)
             await asyncio.to_thread(self.proc.join, timeout_s)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join(timeout_s)
-        self._close()
-
-    def _close(self) -> None:
-        """Free the sockets and the IPC directory (the core is gone)."""
-        self.input.close(linger=0)
-        self.output.close(linger=0)
-        self.ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._core.kill()  # if it did not stop by itself; then the sockets go

@@ -35,11 +35,14 @@ class SpawnedCore:
     proc: BaseProcess
 
     def kill(self) -> None:
-        """Stop the core at once and free the sockets and the IPC directory (a start abandoned
-        before a CoreClient adopted it)."""
+        """Stop the core at once and free the sockets and the IPC directory."""
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(5.0)
+        self.close()
+
+    def close(self) -> None:
+        """Free the sockets and the IPC directory (the core is gone)."""
         self.input.close(linger=0)
         self.output.close(linger=0)
         self.ctx.term()

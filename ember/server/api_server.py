@@ -23,7 +23,7 @@ from ember.engine.async_llm import AsyncLLM
 from ember.engine.core_client import CoreClient, RequestFailedError
 from ember.engine.core_spawn import SpawnedCore
 from ember.engine.startup_clock import process_age_s
-from ember.server.args import engine_config_from_args, prepare_serve
+from ember.server.args import Prepared, prepare_serve
 from ember.server.connections import guarded_protocol, raise_fd_limit
 from ember.server.errors import APIError, error_from_status, validation_error
 from ember.server.kv_params import kv_peer_urls
@@ -311,15 +311,17 @@ class _Server(uvicorn.Server):
 
 def run_server(
     args: argparse.Namespace,
-    prepared: tuple[str, str, bool] | None = None,
+    prepared: Prepared | None = None,
     spawned: SpawnedCore | None = None,
 ) -> int:
     """Serve until shut down. `prepared` and `spawned`: what `ember serve` settled and the core
-    it spawned before this module was imported (ember/engine/core_spawn.py); else both here."""
+    it spawned with `prepared.config` before this module was imported
+    (ember/engine/core_spawn.py); else both here."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
-        given, secret, configured = prepared or prepare_serve(args)
-        if not configured and args.role != "both":
+        prepared = prepared or prepare_serve(args)
+        given, secret, config = prepared.given, prepared.secret, prepared.config
+        if not prepared.configured and args.role != "both":
             log.warning(
                 "no cluster secret (--cluster-secret or EMBER_CLUSTER_SECRET): the router and "
                 "the other engines cannot reach this engine's internal routes, nor trust its KV"
@@ -330,7 +332,6 @@ def run_server(
         except ValueError as e:
             log.error("%s", e)
             return 2
-        config = engine_config_from_args(args, secret)
         # The core first (unless it was started already): it imports, loads and compiles while
         # this process reads the tokenizer and starts the HTTP side.
         client = CoreClient(config, spawned)

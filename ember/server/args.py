@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -294,14 +295,24 @@ def engine_config_from_args(args: argparse.Namespace, cluster_secret: str = "") 
     )
 
 
-def prepare_serve(args: argparse.Namespace) -> tuple[str, str, bool]:
-    """What `ember serve` settles before its engine core starts (torch-free): the model's path
-    (a .gguf is imported once; `args.model` becomes its directory) and the cluster secret.
-    Returns (the model name as given, the secret, whether it was configured)."""
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """What `ember serve` settles before its engine core starts."""
+
+    given: str  # the model as named on the command line (a .gguf is served under that name)
+    secret: str
+    configured: bool  # whether the secret came from a flag or the environment
+    config: EngineConfig
+
+
+def prepare_serve(args: argparse.Namespace) -> Prepared:
+    """Settle, torch-free, what the engine core starts from: the model's path (a .gguf is
+    imported once; `args.model` becomes its directory), the cluster secret, and the engine's
+    config (a bad flag raises ValueError here, before anything starts)."""
     from ember.models.resolve import resolve_model
     from ember.trust import resolve_secret
 
     given = args.model
     args.model = resolve_model(given)
     secret, configured = resolve_secret(args.cluster_secret)
-    return given, secret, configured
+    return Prepared(given, secret, configured, engine_config_from_args(args, secret))
