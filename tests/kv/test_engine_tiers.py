@@ -24,8 +24,7 @@ from ember.engine.request import RequestStatus
 from ember.entrypoints.llm import LLM
 from ember.outputs import RequestOutput
 from ember.sampling_params import SamplingParams
-from ember.server.api_server import engine_config_from_args
-from ember.server.args import add_serve_args
+from ember.server.args import add_serve_args, engine_config_from_args
 
 BLOCK = 16
 POOL = 48  # device blocks: one session of ~38 blocks fits, two do not
