@@ -7,7 +7,8 @@ graphs as an engine without speculation (same kernels, same numerics, same speed
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -135,6 +136,22 @@ class _Graph:
     """The target's aux hidden states (EAGLE-3) the graph writes, when a draft head reads them."""
 
 
+@dataclass(slots=True)
+class CaptureClock:
+    """Seconds spent capturing, by part: each graph's eager run before it, and the capture
+    itself (torch.cuda.graph: its set-up, the forward recorded, the graph instantiated)."""
+
+    parts: dict[str, float] = field(default_factory=lambda: {"eager runs": 0.0, "captures": 0.0})
+
+    def add(self, part: str, since: float) -> float:
+        now = time.perf_counter()
+        self.parts[part] += now - since
+        return now
+
+    def summary(self) -> str:
+        return ", ".join(f"{name} {s:.2f} s" for name, s in self.parts.items())
+
+
 class DecodeGraphs:
     """Captured decode steps and their static inputs (ids, positions, slots, context lengths, the
     feed index of async scheduling, block tables)."""
@@ -212,18 +229,23 @@ class DecodeGraphs:
                 done.compile_s,
             )
         pool = torch.cuda.graph_pool_handle()
+        clock = CaptureClock()
+        t0 = time.perf_counter()
         for grouped, sizes, graphs in (
             (True, self.verify_sizes, self.verify_graphs),
             (False, self.sizes, self.graphs),
         ):
             for size in reversed(sizes):
-                graphs[size] = self._capture(size, grouped, kv_cache, pool)
+                graphs[size] = self._capture(size, grouped, kv_cache, pool, clock)
         torch.cuda.synchronize()
         log.info(
-            "captured %d CUDA graphs for decode batches up to %d rows and %d for verify batches",
+            "captured %d CUDA graphs for decode batches up to %d rows and %d for verify batches "
+            "in %.1f s (%s)",
             len(self.graphs),
             self.sizes[-1],
             len(self.verify_graphs),
+            time.perf_counter() - t0,
+            clock.summary(),
         )
 
     def _run_dry(self, kv_cache: torch.Tensor) -> None:
@@ -236,15 +258,25 @@ class DecodeGraphs:
                     ctx = ForwardContext(self._metadata(size, grouped), kv_cache, self.backend)
                     self._forward(size, ctx)
 
-    def _capture(self, size: int, grouped: bool, kv_cache: torch.Tensor, pool: object) -> _Graph:
+    def _capture(
+        self,
+        size: int,
+        grouped: bool,
+        kv_cache: torch.Tensor,
+        pool: object,
+        clock: CaptureClock,
+    ) -> _Graph:
+        t = time.perf_counter()
         ctx = ForwardContext(self._metadata(size, grouped), kv_cache, self.backend)
         # One run outside the capture: lazy set-up (cuBLAS workspaces, a variant the dry run
         # missed) must not happen inside it. ember's kernels are not autotuned, so one is enough.
         self._forward(size, ctx)
         torch.cuda.synchronize()
+        t = clock.add("eager runs", t)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             logits = self._forward(size, ctx)
+        clock.add("captures", t)
         return _Graph(graph, logits, getattr(self.model.model, "aux_hidden", None))
 
     def _forward(self, size: int, ctx: ForwardContext) -> torch.Tensor:
