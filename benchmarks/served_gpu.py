@@ -88,15 +88,20 @@ EMBER_VARIANTS = {
     "ember-no-host-tier": ["--kv-host-gb", "0"],
 }
 """ember at its defaults, and without the start-up warm-up or the host KV tier (whose memory is
-pinned in the background while the first requests run) to compare in the same run."""
+pinned in the background while the first requests run) to compare in the same run. A variant
+named `VARIANT@DIR` runs the ember package of another tree (an earlier commit's files, e.g.
+`git archive HEAD~1 ember | tar -x -C .ab/base` for `ember@.ab/base`): a change's baseline in the
+same call."""
 
 
 def command(engine: str, model: str, port: int, device: str) -> list[str]:
-    if engine in EMBER_VARIANTS:
-        cmd = [sys.executable, "-m", "ember.cli", "serve", model, "--device", device]
+    variant = engine.split("@")[0]
+    if variant in EMBER_VARIANTS:
+        # -P: not the working directory's ember first (a `@DIR` tree leads PYTHONPATH).
+        cmd = [sys.executable, "-P", "-m", "ember.cli", "serve", model, "--device", device]
         if device == "cuda":
             cmd += ["--load-format", "dummy"]
-        return cmd + EMBER_VARIANTS[engine] + ["--port", str(port), "--served-model-name", "m"]
+        return cmd + EMBER_VARIANTS[variant] + ["--port", str(port), "--served-model-name", "m"]
     if engine == "vllm":
         return [
             sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
@@ -108,6 +113,9 @@ def command(engine: str, model: str, port: int, device: str) -> list[str]:
 def environment(engine: str, caches: Path) -> dict[str, str]:
     """The engine's compile caches under `caches` (empty: a fresh machine's first start)."""
     env = {**os.environ, "TRITON_CACHE_DIR": str(caches / "triton")}
+    if "@" in engine:
+        tree = str(Path(engine.split("@", 1)[1]).resolve())
+        env["PYTHONPATH"] = os.pathsep.join([tree, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     if engine == "vllm":
         site = os.environ.get("VLLM_SITE", "/tmp/vllm_site")
         env |= {
@@ -228,12 +236,13 @@ def main() -> None:
     shape = "tiny-qwen3" if args.device == "cpu" else args.shape
     report: dict = {"gpu": gpu, "shape": shape, "loads": loads.__dict__, "engines": {}}
     for engine in args.engines.split(","):
-        caches = work / f"{engine}-caches"  # empty at the first start, kept for the second
+        slug = engine.replace("/", "_")
+        caches = work / f"{slug}-caches"  # empty at the first start, kept for the second
         runs = {}
         for start_kind in ("fresh", "warm"):
             port = free_port("127.0.0.1")
             url = f"http://127.0.0.1:{port}"
-            log = work / f"{engine}-{start_kind}.log"
+            log = work / f"{slug}-{start_kind}.log"
             cmd = command(engine, model, port, args.device)
             proc, ready_s = start(cmd, environment(engine, caches), url, log, args.ready_timeout)
             try:
@@ -242,7 +251,7 @@ def main() -> None:
                     **run_loads(
                         url,
                         work / "bench",
-                        f"{engine}-{start_kind}",
+                        f"{slug}-{start_kind}",
                         wanted,
                         loads,
                         again=start_kind == "warm",
