@@ -174,6 +174,7 @@ class DecodeGraphs:
         self.verify_graphs: dict[int, _Graph] = {}
         self.verify_sizes: list[int] = []
         self.max_group = 1
+        self._capture_stream: torch.cuda.Stream | None = None
 
     def size_for(self, n: int, verifying: bool = False) -> int | None:
         """The captured size a decode batch (or a verify batch) of `n` rows pads up to; None if
@@ -229,6 +230,10 @@ class DecodeGraphs:
                 done.compile_s,
             )
         pool = torch.cuda.graph_pool_handle()
+        # A capture records from a side stream (as torch.cuda.graph does), after one release of
+        # the cached memory for all graphs: the first capture's pool serves the rest.
+        self._capture_stream = torch.cuda.Stream(self.device)
+        torch.cuda.empty_cache()
         clock = CaptureClock()
         t0 = time.perf_counter()
         for grouped, sizes, graphs in (
@@ -274,8 +279,16 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         t = clock.add("eager runs", t)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            logits = self._forward(size, ctx)
+        # Not `with torch.cuda.graph(...)`: that releases the allocator's cached device and pinned
+        # host memory before every capture (empty_cache), so each of the next graph's eager run
+        # and capture allocates it again from the driver. The graphs share one pool and are
+        # captured largest first, so the first capture's memory serves every later one.
+        with torch.cuda.stream(self._capture_stream):
+            graph.capture_begin(pool=pool)
+            try:
+                logits = self._forward(size, ctx)
+            finally:
+                graph.capture_end()
         clock.add("captures", t)
         return _Graph(graph, logits, getattr(self.model.model, "aux_hidden", None))
 
