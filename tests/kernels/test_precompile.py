@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ember.kernels import compile_log
+from ember.kernels.compile_log import PRECOMPILE_THREADS
 from ember.kernels.precompile import compile_all, precompile, recording
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -83,6 +84,8 @@ def test_recorded_variants_are_preloaded_inside_triton_async_mode() -> None:
     seen: list[tuple[str, bool]] = []
 
     class Kernel:
+        device_caches: dict = {}
+
         def preload(self, data: str) -> None:
             seen.append((data, _async_compile.active_mode.get() is not None))
 
@@ -91,6 +94,44 @@ def test_recorded_variants_are_preloaded_inside_triton_async_mode() -> None:
     assert seen == [("x", True), ("y", True)]
     assert _async_compile.active_mode.get() is None
     compile_all([])  # nothing to do: no pool
+
+
+def test_compiled_variants_are_loaded_in_the_pool_on_their_device(monkeypatch) -> None:
+    """After compiling, each variant not yet loaded builds its launcher and loads its binary in
+    a pool thread, on its kernel's device; loaded ones and the dry run's no-ops are left alone."""
+    import threading
+
+    from ember.kernels import precompile as pc
+
+    devices: dict[str, int] = {}
+    monkeypatch.setattr(
+        pc, "_set_device", lambda d: devices.__setitem__(threading.current_thread().name, d)
+    )
+    loads: list[tuple[str, str]] = []
+
+    class Compiled:
+        def __init__(self, name: str, module: object = None) -> None:
+            self.name, self.module = name, module
+
+        def _init_handles(self) -> None:
+            loads.append((self.name, threading.current_thread().name))
+            if self.name == "too-big":
+                raise RuntimeError("out of shared memory")  # left for the launch to raise
+
+    class Kernel:
+        def __init__(self) -> None:
+            self.device_caches = {}
+
+        def preload(self, data: str) -> None:
+            cache = self.device_caches.setdefault(3, ({}, None))[0]
+            cache |= {data: Compiled(data), "old": Compiled("old", module=object())}
+            cache["skipped"] = pc._SKIPPED
+
+    k1, k2 = Kernel(), Kernel()
+    compile_all([(k1, "a"), (k2, "b"), (k2, "too-big")], workers=2)
+    assert sorted(name for name, _ in loads) == ["a", "b", "too-big"]
+    assert all(t.startswith(PRECOMPILE_THREADS) for _, t in loads)
+    assert devices and set(devices.values()) == {3}
 
 
 def test_where_no_hook_fires_the_dry_run_simply_runs() -> None:
@@ -126,6 +167,8 @@ def test_a_precompiled_variant_launches_without_compiling_and_computes_the_same(
 
     assert precompile(launch_all, workers=3).variants == 3
     assert all((y == 7.0).all() for y in outs)  # the dry launches did not run
+    variants = [c for cache, *_ in _scale.device_caches.values() for c in cache.values()]
+    assert len(variants) == 3 and all(c.module is not None for c in variants)  # loaded ahead
     compiled = log.compiled + log.loaded
     launch_all()
     assert log.compiled + log.loaded == compiled  # found in memory: nothing compiled or loaded
