@@ -157,17 +157,29 @@ def main() -> None:
     ap.add_argument("--out-len", type=int, default=256)
     ap.add_argument("--tag", default="")
     ap.add_argument("--kv-host-gb", type=float, default=None, help="the host KV tier (0: off)")
+    ap.add_argument(
+        "--blas", choices=["cublas", "cublaslt"], help="torch's BLAS library (default: torch's)"
+    )
+    ap.add_argument("--passes", type=int, default=1, help="unprofiled passes (each on new prompts)")
+    ap.add_argument("--no-profile", action="store_true", help="skip the profiled pass")
     args = ap.parse_args()
+    if args.blas:
+        torch.backends.cuda.preferred_blas_library(args.blas)
     ceil = ceilings()
     core = EngineCore(engine_config(shape_dir(args.shape), kv_host_gb=args.kv_host_gb))
     vocab = core.model_config.vocab_size
     n, length, out_len = args.prompts, args.prompt_len, args.out_len
     add(core, random_prompts(n, length, vocab, 1), 16, "warm")  # compile, fill the allocator
     phases(core)
-    add(core, random_prompts(n, length, vocab, 13), out_len, "run")
-    plain = phases(core)
-    add(core, random_prompts(n, length, vocab, 14), out_len, "prof")
-    prof = profiled_phases(core)
+    passes = []
+    for i in range(args.passes):
+        add(core, random_prompts(n, length, vocab, 13 + 100 * i), out_len, f"run{i}-")
+        passes.append(phases(core))
+    plain = passes[0]
+    prof: dict[str, Any] = {}
+    if not args.no_profile:
+        add(core, random_prompts(n, length, vocab, 14), out_len, "prof")
+        prof = profiled_phases(core)
     gpu = torch.cuda.get_device_name()
     flops = 2 * active_params(SHAPES[args.shape]) * n * length
     pre = plain["prefill"]
@@ -176,8 +188,10 @@ def main() -> None:
         "shape": args.shape,
         "load": {"prompts": n, "prompt_len": length, "out_len": out_len},
         "kv_host_gb": args.kv_host_gb,
+        "blas": str(torch.backends.cuda.preferred_blas_library()),
         "ceilings": ceil,
         "unprofiled": plain,
+        "passes": passes,
         "output_tok_s": plain["generated"] / plain["wall_s"],
         "prefill_phase_tok_s": n * length / pre["wall_s"],
         "prefill_phase_matmul_frac": flops / pre["wall_s"] / ceil["matmul_flops"],
@@ -196,6 +210,11 @@ def main() -> None:
         f"{plain['decode']['wall_s']:.2f} s in {plain['decode']['steps']} steps; host busy "
         f"{pre['host_busy_s']:.2f} s / {plain['decode']['host_busy_s']:.2f} s of them"
     )
+    for i, p in enumerate(passes[1:], 1):
+        print(
+            f"pass {i}: {p['generated'] / p['wall_s']:,.0f} output tok/s, {p['wall_s']:.2f} s; "
+            f"prefill phase {p['prefill']['wall_s']:.2f} s, decode {p['decode']['wall_s']:.2f} s"
+        )
     for phase, p in prof.items():
         print(
             f"\n### profiled {phase} phase: {p['steps']} steps, wall {p['wall_ms']:.0f} ms, "
