@@ -189,11 +189,7 @@ class EngineCore:
             # The host tier pins its memory in the background: not while graphs are captured.
             paused = self.tiers.growth_paused() if self.tiers else contextlib.nullcontext()
             with paused:
-                batch = min(config.max_cuda_graph_batch, config.max_num_seqs)
-                spec = config.speculative
-                k = spec.num_speculative_tokens if spec else 0
-                rows = verify_graph_rows(spec, batch) if spec else 0
-                self.runner.capture_cuda_graphs(batch, r.max_model_len, rows, max_group=k + 1)
+                self.runner.capture_cuda_graphs(*self._graph_plan())
             clock.mark("cuda graphs")
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
@@ -206,6 +202,15 @@ class EngineCore:
             self.compile_log.ready()
         self._pace_host_tier()  # no work yet: it grows
         clock.report()
+
+    def _graph_plan(self) -> tuple[int, int, int, int]:
+        """The decode graphs' (max batch, max model length, verify rows, rows a request)."""
+        config = self.config
+        batch = min(config.max_cuda_graph_batch, config.max_num_seqs)
+        spec = config.speculative
+        k = spec.num_speculative_tokens if spec else 0
+        rows = verify_graph_rows(spec, batch) if spec else 0
+        return batch, self.resolved.max_model_len, rows, k + 1
 
     def _precompile(self, clock: StartupClock) -> None:
         """Compile, in parallel and before anything runs for real, the Triton variants of the
@@ -222,7 +227,10 @@ class EngineCore:
                 graph_batch,
                 config.block_size,
             )
-        done = precompile_start_up(self.runner, batches)
+        graphs_dry = None
+        if not config.enforce_eager:
+            graphs_dry = self.runner.prepare_cuda_graphs(*self._graph_plan())
+        done = precompile_start_up(self.runner, batches, graphs_dry)
         clock.mark("precompile")
         if done is not None:
             log.info(

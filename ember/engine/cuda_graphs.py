@@ -175,6 +175,9 @@ class DecodeGraphs:
         self.verify_sizes: list[int] = []
         self.max_group = 1
         self._capture_stream: torch.cuda.Stream | None = None
+        self._prepared: tuple[int, int, int, int] = (0, 0, 0, 0)
+        self.compiled_at_capture = 0
+        """Triton variants the start-up compile left to the capture (none, where it ran dry)."""
 
     def size_for(self, n: int, verifying: bool = False) -> int | None:
         """The captured size a decode batch (or a verify batch) of `n` rows pads up to; None if
@@ -184,18 +187,14 @@ class DecodeGraphs:
                 return size
         return None
 
-    @torch.inference_mode()
-    def capture(
-        self,
-        kv_cache: torch.Tensor,
-        max_batch: int,
-        max_model_len: int,
-        max_rows: int = 0,
-        max_group: int = 1,
+    def prepare(
+        self, max_batch: int, max_model_len: int, max_rows: int = 0, max_group: int = 1
     ) -> None:
-        """Graphs for decode batches up to `max_batch` and, with speculation, verify batches up
-        to `max_rows` rows (`verify_graph_sizes`) whose requests take up to `max_group` rows
-        each: their decode attention reads a request's context once for all its rows."""
+        """The sizes and static inputs of graphs for decode batches up to `max_batch` and, with
+        speculation, verify batches up to `max_rows` rows (`verify_graph_sizes`) whose requests
+        take up to `max_group` rows each: their decode attention reads a request's context once
+        for all its rows. Before `run_dry` and `capture`."""
+        self._prepared = (max_batch, max_model_len, max_rows, max_group)
         self.sizes = cuda_graph_sizes(max_batch)
         self.verify_sizes = verify_graph_sizes(max_batch, max_rows) if max_group > 1 else []
         self.max_group = max_group
@@ -219,8 +218,24 @@ class DecodeGraphs:
         self._staged.record()
         self._qsl = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self._max_len = max_model_len
+
+    @torch.inference_mode()
+    def capture(
+        self,
+        kv_cache: torch.Tensor,
+        max_batch: int,
+        max_model_len: int,
+        max_rows: int = 0,
+        max_group: int = 1,
+    ) -> None:
+        """Capture the graphs `prepare` sized (it is called here unless it was, with these
+        arguments). Their Triton variants were compiled ahead where the start-up compile ran
+        `run_dry`; any it missed are compiled here, in parallel, before the first capture."""
+        if self._prepared != (max_batch, max_model_len, max_rows, max_group):
+            self.prepare(max_batch, max_model_len, max_rows, max_group)
         with one_layer_of_each_kind(self.model):
-            done = precompile(lambda: self._run_dry(kv_cache))
+            done = precompile(lambda: self.run_dry(kv_cache))
+        self.compiled_at_capture = done.variants
         if done.variants:
             log.info(
                 "decode graphs: %d Triton kernel variants run dry (%.1f s), compiled or loaded in "
@@ -253,10 +268,11 @@ class DecodeGraphs:
             clock.summary(),
         )
 
-    def _run_dry(self, kv_cache: torch.Tensor) -> None:
+    def run_dry(self, kv_cache: torch.Tensor) -> None:
         """The forward of the captured sizes that pick each tile class (the powers of two, which
         reach every split count and row block, and the largest), for precompile(): a size between
-        them that still meets a new variant compiles it when captured."""
+        them that still meets a new variant compiles it when captured. Any KV cache of the
+        engine's layout will do (a dry run reads none of it)."""
         for grouped, sizes in ((True, self.verify_sizes), (False, self.sizes)):
             for size in sizes:
                 if size & (size - 1) == 0 or size == sizes[-1]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -408,6 +409,19 @@ class ModelRunner:
                 max_rows,
                 max_group,
             )
+
+    def prepare_cuda_graphs(
+        self, max_batch: int, max_model_len: int, max_rows: int = 0, max_group: int = 1
+    ) -> Callable[[], None] | None:
+        """Size the decode graphs `capture_cuda_graphs` will capture (the same arguments), and
+        return their dry run over the current (temporary) KV cache for the start-up compile: so
+        their Triton variants compile with the rest, in parallel. None on the CPU."""
+        if not self._cuda:
+            return None
+        self.graphs.prepare(
+            min(max_batch, len(self.prev_tokens)), max_model_len, max_rows, max_group
+        )
+        return lambda: self.graphs.run_dry(self.kv_cache)
 
     # -- memory ----------------------------------------------------------------------------------
 

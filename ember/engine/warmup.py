@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -142,18 +143,28 @@ def blocks_of(runs: list[Run], block_size: int) -> int:
     return sum(-(-(n + c) // block_size) for n, c in runs)
 
 
-def precompile_start_up(runner, batches: list[list[Run]]) -> Precompiled | None:
+def precompile_start_up(
+    runner, batches: list[list[Run]], graphs_dry: Callable[[], None] | None = None
+) -> Precompiled | None:
     """Run `batches` dry over a temporary KV cache and compile every Triton variant they reach in
-    parallel (None: there was nothing to run). The decode graphs' variants are found the same way
-    when they are captured (their inputs are the graphs' own buffers)."""
+    parallel (None: there was nothing to run). `graphs_dry`: the decode graphs' dry run
+    (`ModelRunner.prepare_cuda_graphs`), whose variants (the graphs' own input buffers) then
+    compile in the same pool."""
     need = max((blocks_of(b, runner.block_size) for b in batches), default=0)
     if need == 0:
         return None
     saved = runner.kv_cache
+
+    def run_dry() -> None:
+        for runs in batches:
+            dummy_step(runner, runs)
+        if graphs_dry is not None:
+            graphs_dry()
+
     try:
         runner.allocate_kv_cache(need)
         with one_layer_of_each_kind(runner.model):
-            return precompile(lambda: [dummy_step(runner, runs) for runs in batches])
+            return precompile(run_dry)
     except torch.OutOfMemoryError as e:
         # A model that barely fits: its kernels then compile at their first launch, as before.
         log.warning("start-up compile skipped (%d temporary KV blocks do not fit): %s", need, e)

@@ -81,6 +81,8 @@ def test_after_the_warm_up_a_mixed_workload_compiles_nothing(tiny_model_dir) -> 
     llm = LLM(str(tiny_model_dir("qwen3")), device="cuda", warmup=True, max_model_len=1024)
     log = llm.engine.core.compile_log
     assert log is not None and log.is_ready
+    # The decode graphs' variants compiled with the start-up's, not at their capture.
+    assert llm.engine.core.runner.graphs.compiled_at_capture == 0
     params = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)
     prompts = [[7 + i] * n for i, n in enumerate([3, 17, 40, 100, 255, 513])]
     llm.generate(prompts, params)
