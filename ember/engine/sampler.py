@@ -144,6 +144,13 @@ class Sampler:
     """Turns one step's logits into tokens: block, penalize, then greedy or random sampling."""
 
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
+        if fused_race(logits, batch):
+            # One pass over the logits in their own dtype (ember.kernels.sampling); its noise is
+            # seeded from torch's generator, so torch.manual_seed still fixes a run's tokens.
+            from ember.kernels.sampling import gumbel_sample
+
+            seed = int(torch.randint(2**31 - 1, (1,)))
+            return SamplerOutput(gumbel_sample(logits, batch.temperature, seed), None, None, None)
         logits = logits.float()
         # vLLM's default "raw_logprobs": what the model said, before any processing.
         raw_logprobs = logits.log_softmax(-1) if batch.max_num_logprobs is not None else None
@@ -173,6 +180,23 @@ class Sampler:
         if greedy is None:
             return sampled
         return torch.where(batch.temperature < SAMPLING_EPS, greedy, sampled)
+
+
+def fused_race(logits: Tensor, batch: SamplingBatch) -> bool:
+    """Every row samples plainly (a temperature and nothing else: no greedy row, penalty, top-k,
+    top-p, min-p, blocked token, logprobs or seed of its own) and the logits are on a GPU: the
+    fused kernel samples them."""
+    return (
+        logits.is_cuda
+        and logits.dim() == 2
+        and logits.stride(1) == 1
+        and batch.all_random
+        and batch.no_penalties
+        and batch.no_top_p_top_k_min_p
+        and batch.max_num_logprobs is None
+        and not any(batch.blocked_token_ids)
+        and all(g is None for g in batch.generators)
+    )
 
 
 def _to_device(host: Tensor, device: torch.device | str) -> Tensor:

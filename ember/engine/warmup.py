@@ -23,6 +23,7 @@ import torch
 from ember.attention.context import ForwardContext
 from ember.attention.metadata import AttentionMetadata
 from ember.kernels.precompile import Precompiled, precompile
+from ember.kernels.sampling import gumbel_sample
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +158,9 @@ def precompile_start_up(
 
     def run_dry() -> None:
         for runs in batches:
-            dummy_step(runner, runs)
+            logits = dummy_step(runner, runs)
+        # The fused sampler's variant (ember.kernels.sampling), on logits of the model's dtype.
+        gumbel_sample(logits, torch.ones(len(logits), device=logits.device), 0)
         if graphs_dry is not None:
             graphs_dry()
 
