@@ -33,7 +33,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_gpu import ceilings  # noqa: E402
+from engine_gpu import ceilings, graph_ms  # noqa: E402
 
 # name: (N, K) of the 8B shape (hidden 4096, 32 heads / 8 KV heads of 128, intermediate 14336).
 WEIGHTS = {
@@ -135,21 +135,12 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def graph_us(fn, calls: list, reps: int = 20) -> float:
     """Mean GPU microseconds of one call, replaying a graph that makes each call in `calls` once
     (rotating weights, so no call finds the previous one's weights in L2)."""
-    for args in calls:
-        fn(*args)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+
+    def all_calls() -> None:
         for args in calls:
             fn(*args)
-    g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps / len(calls)
+
+    return graph_ms(all_calls, iters=reps) * 1e3 / len(calls)
 
 
 def torch_mm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor) -> None:
