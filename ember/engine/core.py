@@ -235,7 +235,8 @@ class EngineCore:
         if done is not None:
             log.info(
                 "start-up compile: %d Triton kernel variants from %d batch shapes run dry "
-                "(%.1f s), compiled or loaded in parallel (%.1f s)",
+                "(%.1f s, compiling in parallel as they were met), all compiled or loaded and "
+                "their launchers built %.1f s later",
                 done.variants,
                 len(batches),
                 done.dry_s,

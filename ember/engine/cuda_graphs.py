@@ -238,8 +238,8 @@ class DecodeGraphs:
         self.compiled_at_capture = done.variants
         if done.variants:
             log.info(
-                "decode graphs: %d Triton kernel variants run dry (%.1f s), compiled or loaded in "
-                "parallel (%.1f s)",
+                "decode graphs: %d Triton kernel variants run dry (%.1f s, compiling in parallel "
+                "as they were met), all compiled or loaded %.1f s later",
                 done.variants,
                 done.dry_s,
                 done.compile_s,

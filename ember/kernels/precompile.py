@@ -4,12 +4,14 @@ Triton compiles a variant the first time a launch needs it, one after another, e
 0.3-1 s of CPU (ttir -> ttgir -> llvm -> ptx -> ptxas). A start-up that meets twenty variants pays
 that in series. Here a start-up first runs its dummy batches *dry*: Triton's `jit_cache_hook`
 (called before every compilation) records each variant a launch would compile and tells Triton
-to skip it, so the launch neither compiles nor runs. The recorded variants are then compiled in
-a thread pool through Triton's own asynchronous mode (`AsyncCompileMode` with
-`JITFunction.preload`, which rebuilds a variant from its serialized specialization): most of a
-compilation runs outside the GIL (MLIR passes, ptxas), so the pool scales with the cores (two
-threads compiled two prefill variants in 0.92 s where one took 1.64 s, on a 2-core machine). The next real launch of
-each variant finds it compiled in memory; one found in Triton's on-disk cache is only loaded.
+to skip it, so the launch neither compiles nor runs. Each recorded variant starts compiling at
+once, while the dry run goes on, in a thread pool through Triton's own asynchronous mode
+(`AsyncCompileMode` with `JITFunction.preload`, which rebuilds a variant from its serialized
+specialization): most of a compilation runs outside the GIL (MLIR passes, ptxas), so the pool
+scales with the cores (two threads compiled two prefill variants in 0.92 s where one took 1.64 s,
+on a 2-core machine). The same pool then builds each variant's launcher and loads its binary.
+The next real launch of each variant finds it compiled and loaded in memory; one found in
+Triton's on-disk cache is only loaded.
 
 A dry run launches no Triton kernel of ember's at all: variants already compiled are hidden
 from their kernels' in-memory caches for its length (else they would run on the outputs of
@@ -76,15 +78,20 @@ def _caches(fn: Any) -> list[dict]:
 
 
 @contextlib.contextmanager
-def recording(kernels: list[Any] | None = None) -> Iterator[dict[tuple[int, str], Variant]]:
+def recording(
+    kernels: list[Any] | None = None, on_found: Callable[[Any, str], None] | None = None
+) -> Iterator[dict[tuple[int, str], Variant]]:
     """Within: no Triton kernel of ember's runs; each variant a launch meets that was not compiled
     in this process is recorded, once. Yields the record, filled as launches happen; on exit
     every kernel's in-memory cache is as it was. `kernels`: those that may hold compiled variants
-    (every one of ember's imported so far by default)."""
+    (every one of ember's imported so far by default). `on_found(kernel, data)`: called as each
+    variant is first met; a `kernel.preload(data)` made there compiles it (the hook lets a
+    preload through), so the compile can start while the dry run goes on."""
     from triton import knobs
 
     found: dict[tuple[int, str], Variant] = {}
     hidden: dict[int, tuple[Any, list[dict]]] = {}  # id(kernel) -> (kernel, its caches' entries)
+    preloading = False
 
     def hide(fn: Any) -> None:
         if id(fn) not in hidden:
@@ -94,12 +101,21 @@ def recording(kernels: list[Any] | None = None) -> Iterator[dict[tuple[int, str]
                 c.clear()
 
     def hook(*, key: Any, fn: Any, compile: dict[str, Any], **_: Any) -> bool:
+        nonlocal preloading
+        if preloading:
+            return False  # on_found's own preload: Triton compiles it
         kernel = fn.jit_function
         hide(kernel)  # a kernel first imported during the run
         compiled = any(key in saved for saved in hidden[id(kernel)][1])
         data = compile["specialization_data"]
-        if not compiled:
-            found.setdefault((id(kernel), data), (kernel, data))
+        if not compiled and (id(kernel), data) not in found:
+            found[(id(kernel), data)] = (kernel, data)
+            if on_found is not None:
+                preloading = True
+                try:
+                    on_found(kernel, data)
+                finally:
+                    preloading = False
         kernel.device_caches[compile["device"]][0][key] = _SKIPPED  # later launches: no-ops
         return True  # Triton: skip this compilation, and the launch that needed it
 
@@ -119,29 +135,10 @@ def recording(kernels: list[Any] | None = None) -> Iterator[dict[tuple[int, str]
                 c.update(before)
 
 
-def compile_all(variants: list[Variant], workers: int | None = None) -> None:
-    """Compile (or load from Triton's on-disk cache) each variant, `workers` at a time; each ends
-    up in its kernel's in-memory cache, where the next launch finds it."""
-    if not variants:
-        return
-    from triton.runtime._async_compile import AsyncCompileMode
-
-    # The pool is left after the mode: AsyncCompileMode's exit waits for every compilation and
-    # files each result in its kernel's cache (on this thread).
-    with ThreadPoolExecutor(
-        workers or default_workers(), thread_name_prefix=PRECOMPILE_THREADS
-    ) as pool:
-        with AsyncCompileMode(pool):
-            for fn, data in variants:
-                fn.preload(data)
-        # Each compiled variant's first launch would then build its launcher (a C file that
-        # Triton compiles with the system's compiler, once per argument signature, cached on
-        # disk) and load its binary: serially, on the launching thread. On an empty cache that
-        # was ~1.5 s of an H100's first profiled step; here the builds run in the pool.
-        kernels = {id(fn): fn for fn, _ in variants}.values()
-        list(pool.map(lambda job: _load(*job), _unloaded(kernels)))
-
-
+# Each compiled variant's first launch would then build its launcher (a C file that Triton
+# compiles with the system's compiler, once per argument signature, cached on disk) and load its
+# binary: serially, on the launching thread. On an empty cache that was ~1.5 s of an H100's first
+# profiled step; `precompile` does both in its pool.
 def _unloaded(kernels: Any) -> list[tuple[int, Any]]:
     """(device, compiled variant) of each variant of `kernels` not loaded for its first launch."""
     return [
@@ -174,18 +171,30 @@ class Precompiled:
     variants: int
     """Variants the dry run met that were not compiled in this process yet."""
     dry_s: float
-    """Seconds of the dry run (its dense math, and Python's launches of skipped kernels)."""
+    """Seconds of the dry run (its dense math, and Python's launches of skipped kernels), while
+    the variants it met began to compile."""
     compile_s: float
-    """Seconds compiling (or loading from the on-disk cache) the variants, in parallel."""
+    """Seconds after the dry run until every variant was compiled (or loaded from the on-disk
+    cache) and its launcher built, in parallel."""
 
 
 def precompile(run_dry: Callable[[], object], workers: int | None = None) -> Precompiled:
-    """Run `run_dry` recording the variants it would compile, then compile them in parallel.
+    """Run `run_dry`, compiling in parallel each variant it would compile as it is met (the
+    compiles run while the dry run goes on), then build the variants' launchers and load them.
     (Where Triton runs in its interpreter no hook is called: `run_dry` simply runs, and no
     variant is found.)"""
+    from triton.runtime._async_compile import AsyncCompileMode
+
     t0 = time.perf_counter()
-    with recording() as found:
-        run_dry()
-    t1 = time.perf_counter()
-    compile_all(list(found.values()), workers)
+    with ThreadPoolExecutor(
+        workers or default_workers(), thread_name_prefix=PRECOMPILE_THREADS
+    ) as pool:
+        # The mode's exit waits for every compile and files each in its kernel's cache: after
+        # the recording's exit has put the caches back as they were.
+        with AsyncCompileMode(pool):
+            with recording(on_found=lambda kernel, data: kernel.preload(data)) as found:
+                run_dry()
+            t1 = time.perf_counter()
+        kernels = {id(fn): fn for fn, _ in found.values()}.values()
+        list(pool.map(lambda job: _load(*job), _unloaded(kernels)))
     return Precompiled(len(found), t1 - t0, time.perf_counter() - t1)

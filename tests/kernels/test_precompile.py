@@ -14,7 +14,7 @@ import torch
 
 from ember.kernels import compile_log
 from ember.kernels.compile_log import PRECOMPILE_THREADS
-from ember.kernels.precompile import compile_all, precompile, recording
+from ember.kernels.precompile import precompile, recording
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -78,28 +78,45 @@ def test_the_hook_and_caches_are_restored_when_the_dry_run_fails() -> None:
     assert a.cache == {"v1": "binary"}
 
 
-def test_recorded_variants_are_preloaded_inside_triton_async_mode() -> None:
-    from triton.runtime import _async_compile
+class Compiled:
+    """A compiled variant as Triton files it: not loaded (module None) until `_init_handles`."""
 
-    seen: list[tuple[str, bool]] = []
+    def __init__(self, name: str, module: object = None, loads: list | None = None) -> None:
+        self.name, self.module, self.loads = name, module, loads
 
-    class Kernel:
-        device_caches: dict = {}
+    def _init_handles(self) -> None:
+        import threading
 
-        def preload(self, data: str) -> None:
-            seen.append((data, _async_compile.active_mode.get() is not None))
-
-    k = Kernel()
-    compile_all([(k, "x"), (k, "y")], workers=2)
-    assert seen == [("x", True), ("y", True)]
-    assert _async_compile.active_mode.get() is None
-    compile_all([])  # nothing to do: no pool
+        self.loads.append((self.name, threading.current_thread().name))
+        if self.name == "too-big":
+            raise RuntimeError("out of shared memory")  # left for the launch to raise
 
 
-def test_compiled_variants_are_loaded_in_the_pool_on_their_device(monkeypatch) -> None:
-    """After compiling, each variant not yet loaded builds its launcher and loads its binary in
-    a pool thread, on its kernel's device; loaded ones and the dry run's no-ops are left alone."""
+class CompilingKernel(FakeKernel):
+    """A FakeKernel whose preload does what Triton's does under its asynchronous mode: the cache
+    hook first (it must let the preload through), then a compile submitted to the mode, filed
+    in the cache when the mode exits."""
+
+    def __init__(self, loads: list, preloads: list, **kw) -> None:
+        super().__init__(**kw)
+        self.loads, self.preloads = loads, preloads
+
+    def preload(self, data: str) -> None:
+        from triton.runtime import _async_compile
+
+        assert _triton_calls_hook(self, data) is False  # the hook lets a preload through
+        mode = _async_compile.active_mode.get()
+        assert mode is not None
+        self.preloads.append(data)
+        compiled = Compiled(data, loads=self.loads)
+        mode.submit((id(self), data), lambda: compiled, lambda k: self.cache.__setitem__(data, k))
+
+
+def test_each_variant_compiles_as_it_is_met_then_loads_in_the_pool(monkeypatch) -> None:
     import threading
+
+    from triton import knobs
+    from triton.runtime import _async_compile
 
     from ember.kernels import precompile as pc
 
@@ -108,30 +125,32 @@ def test_compiled_variants_are_loaded_in_the_pool_on_their_device(monkeypatch) -
         pc, "_set_device", lambda d: devices.__setitem__(threading.current_thread().name, d)
     )
     loads: list[tuple[str, str]] = []
+    preloads: list[str] = []
+    loaded = Compiled("v1", module=object(), loads=loads)
+    a = CompilingKernel(loads, preloads, compiled={"v1": loaded})
+    b = CompilingKernel(loads, preloads)
+    before = knobs.runtime.jit_cache_hook
 
-    class Compiled:
-        def __init__(self, name: str, module: object = None) -> None:
-            self.name, self.module = name, module
+    def run_dry() -> None:
+        assert _triton_calls_hook(a, "v1") is True  # compiled already: skipped, not compiled
+        assert _triton_calls_hook(a, "v2") is True  # met: its compile starts now
+        assert preloads == ["v2"]  # during the dry run, not after it
+        assert _triton_calls_hook(a, "v2") is True  # met again: not compiled twice
+        assert _triton_calls_hook(b, "w1") is True
+        assert _triton_calls_hook(b, "too-big") is True
+        assert a.cache["v2"] is pc._SKIPPED  # a later dry launch is a no-op
 
-        def _init_handles(self) -> None:
-            loads.append((self.name, threading.current_thread().name))
-            if self.name == "too-big":
-                raise RuntimeError("out of shared memory")  # left for the launch to raise
-
-    class Kernel:
-        def __init__(self) -> None:
-            self.device_caches = {}
-
-        def preload(self, data: str) -> None:
-            cache = self.device_caches.setdefault(3, ({}, None))[0]
-            cache |= {data: Compiled(data), "old": Compiled("old", module=object())}
-            cache["skipped"] = pc._SKIPPED
-
-    k1, k2 = Kernel(), Kernel()
-    compile_all([(k1, "a"), (k2, "b"), (k2, "too-big")], workers=2)
-    assert sorted(name for name, _ in loads) == ["a", "b", "too-big"]
+    done = precompile(run_dry, workers=2)
+    assert done.variants == 3 and preloads == ["v2", "w1", "too-big"]
+    assert a.cache["v1"] is loaded and a.cache["v2"].name == "v2"
+    assert sorted(b.cache) == ["too-big", "w1"]
+    # Each new variant's launcher built and binary loaded in the pool, on its device; the one
+    # loaded before is left alone, and a load that fails is left for the launch to raise.
+    assert sorted(name for name, _ in loads) == ["too-big", "v2", "w1"]
     assert all(t.startswith(PRECOMPILE_THREADS) for _, t in loads)
-    assert devices and set(devices.values()) == {3}
+    assert set(devices.values()) == {0}
+    assert knobs.runtime.jit_cache_hook is before
+    assert _async_compile.active_mode.get() is None
 
 
 def test_where_no_hook_fires_the_dry_run_simply_runs() -> None:
