@@ -32,3 +32,30 @@ def test_served_gpu_runs_ember_fresh_and_warm_on_the_cpu(tmp_path: Path) -> None
     assert runs["first_minute"]["requests"] == 8 and runs["first_minute"]["worst"] > 0
     assert runs["warm_again"]["requests"] == 8 and runs["warm"]["mixed_again"]["completed"] == 8
     assert "| mixed, output tok/s |" in done.stdout
+
+
+def test_a_variant_at_a_directory_runs_that_trees_ember(tmp_path: Path) -> None:
+    """`VARIANT@DIR`: the variant's flags, and the ember package of the tree at DIR (a change's
+    baseline in the same call), not the working directory's."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import served_gpu
+
+    tree = tmp_path / "base"
+    (tree / "ember").mkdir(parents=True)
+    (tree / "ember" / "__init__.py").write_text("")
+    cmd = served_gpu.command(f"ember-no-host-tier@{tree}", "/models/m", 8000, "cpu")
+    assert cmd[1:4] == ["-P", "-m", "ember.cli"] and cmd[cmd.index("--kv-host-gb") + 1] == "0"
+    env = served_gpu.environment(f"ember@{tree}", tmp_path / "caches")
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(tree.resolve())
+    found = subprocess.run(
+        [sys.executable, "-P", "-c", "import ember; print(ember.__file__)"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert found.stdout.strip() == str(tree.resolve() / "ember" / "__init__.py"), found.stderr
+    # Without a tree, the server imports what the environment gives it.
+    plain = served_gpu.environment("ember", tmp_path / "caches")
+    assert plain.get("PYTHONPATH") == os.environ.get("PYTHONPATH")
