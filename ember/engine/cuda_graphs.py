@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -16,6 +16,7 @@ import torch
 
 from ember.attention.context import ForwardContext
 from ember.attention.metadata import AttentionMetadata
+from ember.engine.startup_clock import StartupClock
 from ember.engine.warmup import one_layer_of_each_kind
 from ember.kernels.precompile import precompile
 
@@ -136,22 +137,6 @@ class _Graph:
     """The target's aux hidden states (EAGLE-3) the graph writes, when a draft head reads them."""
 
 
-@dataclass(slots=True)
-class CaptureClock:
-    """Seconds spent capturing, by part: each graph's eager run before it, and the capture
-    itself (torch.cuda.graph: its set-up, the forward recorded, the graph instantiated)."""
-
-    parts: dict[str, float] = field(default_factory=lambda: {"eager runs": 0.0, "captures": 0.0})
-
-    def add(self, part: str, since: float) -> float:
-        now = time.perf_counter()
-        self.parts[part] += now - since
-        return now
-
-    def summary(self) -> str:
-        return ", ".join(f"{name} {s:.2f} s" for name, s in self.parts.items())
-
-
 class DecodeGraphs:
     """Captured decode steps and their static inputs (ids, positions, slots, context lengths, the
     feed index of async scheduling, block tables)."""
@@ -249,7 +234,7 @@ class DecodeGraphs:
         # the cached memory for all graphs: the first capture's pool serves the rest.
         self._capture_stream = torch.cuda.Stream(self.device)
         torch.cuda.empty_cache()
-        clock = CaptureClock()
+        clock = StartupClock()  # seconds by part: each graph's eager run, and its capture
         t0 = time.perf_counter()
         for grouped, sizes, graphs in (
             (True, self.verify_sizes, self.verify_graphs),
@@ -265,7 +250,7 @@ class DecodeGraphs:
             self.sizes[-1],
             len(self.verify_graphs),
             time.perf_counter() - t0,
-            clock.summary(),
+            ", ".join(f"{part} {s:.2f} s" for part, s in clock.phases.items()),
         )
 
     def run_dry(self, kv_cache: torch.Tensor) -> None:
@@ -285,15 +270,14 @@ class DecodeGraphs:
         grouped: bool,
         kv_cache: torch.Tensor,
         pool: object,
-        clock: CaptureClock,
+        clock: StartupClock,
     ) -> _Graph:
-        t = time.perf_counter()
         ctx = ForwardContext(self._metadata(size, grouped), kv_cache, self.backend)
         # One run outside the capture: lazy set-up (cuBLAS workspaces, a variant the dry run
         # missed) must not happen inside it. ember's kernels are not autotuned, so one is enough.
         self._forward(size, ctx)
         torch.cuda.synchronize()
-        t = clock.add("eager runs", t)
+        clock.mark("eager runs")
         graph = torch.cuda.CUDAGraph()
         # Not `with torch.cuda.graph(...)`: that releases the allocator's cached device and pinned
         # host memory before every capture (empty_cache), so each of the next graph's eager run
@@ -305,7 +289,7 @@ class DecodeGraphs:
                 logits = self._forward(size, ctx)
             finally:
                 graph.capture_end()
-        clock.add("captures", t)
+        clock.mark("captures")
         return _Graph(graph, logits, getattr(self.model.model, "aux_hidden", None))
 
     def _forward(self, size: int, ctx: ForwardContext) -> torch.Tensor:
