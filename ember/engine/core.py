@@ -36,7 +36,7 @@ from ember.engine.speculation import Speculator, verify_graph_rows
 from ember.engine.startup_clock import StartupClock
 from ember.engine.structured_output import GrammarCompiler
 from ember.engine.warmup import precompile_start_up, profile_runs, warmup_batches
-from ember.kernels import compile_log
+from ember.kernels import compile_log, compile_server
 from ember.kv.kv_cache_manager import KVCacheManager
 from ember.models.config import ModelConfig
 from ember.models.loader import load_model
@@ -230,7 +230,10 @@ class EngineCore:
         graphs_dry = None
         if not config.enforce_eager:
             graphs_dry = self.runner.prepare_cuda_graphs(*self._graph_plan())
-        done = precompile_start_up(self.runner, batches, graphs_dry)
+        try:
+            done = precompile_start_up(self.runner, batches, graphs_dry)
+        finally:
+            compile_server.stop()  # its processes' work is done (or was not needed)
         clock.mark("precompile")
         if done is not None:
             log.info(

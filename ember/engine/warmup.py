@@ -22,6 +22,7 @@ import torch
 
 from ember.attention.context import ForwardContext
 from ember.attention.metadata import AttentionMetadata
+from ember.kernels import compile_server
 from ember.kernels.precompile import Precompiled, precompile
 from ember.kernels.sampling import gumbel_sample
 
@@ -167,7 +168,7 @@ def precompile_start_up(
     try:
         runner.allocate_kv_cache(need)
         with one_layer_of_each_kind(runner.model):
-            return precompile(run_dry)
+            return precompile(run_dry, server=compile_server.running())
     except torch.OutOfMemoryError as e:
         # A model that barely fits: its kernels then compile at their first launch, as before.
         log.warning("start-up compile skipped (%d temporary KV blocks do not fit): %s", need, e)

@@ -14,9 +14,11 @@ are the ones a start-up warm-up should reach, or a kernel argument that should n
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +28,20 @@ log = logging.getLogger(__name__)
 
 PRECOMPILE_THREADS = "triton-compile"
 """The name prefix of ember/kernels/precompile.py's compile threads."""
+
+_elsewhere = threading.local()
+
+
+@contextlib.contextmanager
+def compiled_elsewhere(seconds: float | None) -> Iterator[None]:
+    """Within (on this thread): a cache hit is a variant another process compiled just now for
+    this one (ember/kernels/compile_server.py), in `seconds`; counted as compiled, not loaded.
+    None: nothing was compiled elsewhere (a hit is a hit)."""
+    _elsewhere.seconds = seconds
+    try:
+        yield
+    finally:
+        _elsewhere.seconds = None
 
 
 def use_ember_cache() -> str:
@@ -101,11 +117,12 @@ class CompileLog:
         times: Any,
         cache_hit: bool,
     ) -> None:
-        if cache_hit:
+        elsewhere = getattr(_elsewhere, "seconds", None)
+        if cache_hit and elsewhere is None:
             self.loaded += 1
             return
         self.compiled += 1
-        self.compile_s += _seconds(times)
+        self.compile_s += elsewhere if cache_hit and elsewhere is not None else _seconds(times)
         what = describe(src)
         if not threading.current_thread().name.startswith(PRECOMPILE_THREADS):
             self.since_mark.append(what)  # compiled at its first launch, not ahead

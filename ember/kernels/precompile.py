@@ -11,7 +11,9 @@ specialization): most of a compilation runs outside the GIL (MLIR passes, ptxas)
 scales with the cores (two threads compiled two prefill variants in 0.92 s where one took 1.64 s,
 on a 2-core machine). The same pool then builds each variant's launcher and loads its binary.
 The next real launch of each variant finds it compiled and loaded in memory; one found in
-Triton's on-disk cache is only loaded.
+Triton's on-disk cache is only loaded. Where the engine core started a compile server
+(ember/kernels/compile_server.py), each variant compiles in one of its processes instead, out
+of this process's GIL, and the pool's thread only waits for it and loads it from the cache.
 
 A dry run launches no Triton kernel of ember's at all: variants already compiled are hidden
 from their kernels' in-memory caches for its length (else they would run on the outputs of
@@ -29,11 +31,14 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ember.kernels.compile_log import PRECOMPILE_THREADS
+from ember.kernels.compile_log import PRECOMPILE_THREADS, compiled_elsewhere
+
+if TYPE_CHECKING:
+    from ember.kernels.compile_server import Compiled, CompileServer
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +159,8 @@ def _load(device: int, compiled: Any) -> None:
     """Build the variant's launcher and load its binary onto `device`, as its first launch would
     (Triton's `CompiledKernel._init_handles`, idempotent). A failure (too much shared memory for
     the card) is left for the launch to raise, as without this."""
-    _set_device(device)
     with contextlib.suppress(Exception):
+        _set_device(device)
         compiled._init_handles()
 
 
@@ -178,21 +183,63 @@ class Precompiled:
     cache) and its launcher built, in parallel."""
 
 
-def precompile(run_dry: Callable[[], object], workers: int | None = None) -> Precompiled:
+class _Pool(ThreadPoolExecutor):
+    """The compile threads. A compile submitted while `after` holds a compile server's future
+    waits for it first (the server compiles the variant into the on-disk cache; the thread
+    then only loads it), and compiles the variant itself if the server failed."""
+
+    after: Future[Compiled] | None = None
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        remote, self.after = self.after, None
+        if remote is None:
+            return super().submit(fn, *args, **kwargs)
+        return super().submit(_after, remote, fn, *args, **kwargs)
+
+
+def _after(remote: Future[Compiled], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    try:
+        done = remote.result()
+    except Exception as e:  # the server could not compile it: this thread does
+        log.debug("compile server failed a variant (compiling it here): %s", e)
+        return fn(*args, **kwargs)
+    with compiled_elsewhere(None if done.cache_hit else done.seconds):
+        return fn(*args, **kwargs)
+
+
+def precompile(
+    run_dry: Callable[[], object],
+    workers: int | None = None,
+    server: CompileServer | None = None,
+) -> Precompiled:
     """Run `run_dry`, compiling in parallel each variant it would compile as it is met (the
     compiles run while the dry run goes on), then build the variants' launchers and load them.
-    (Where Triton runs in its interpreter no hook is called: `run_dry` simply runs, and no
-    variant is found.)"""
+    `server`: compile in its processes (the threads then load what it compiled). (Where Triton
+    runs in its interpreter no hook is called: `run_dry` simply runs, and no variant is
+    found.)"""
     from triton.runtime._async_compile import AsyncCompileMode
 
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(
-        workers or default_workers(), thread_name_prefix=PRECOMPILE_THREADS
-    ) as pool:
+    target = None
+    if server is not None:
+        from triton.runtime import driver
+
+        target = driver.active.get_current_target()
+
+    with _Pool(workers or default_workers(), thread_name_prefix=PRECOMPILE_THREADS) as pool:
+
+        def on_found(kernel: Any, data: str) -> None:
+            if server is not None:
+                pool.after = server.submit(kernel, data, target)
+            try:
+                kernel.preload(data)  # under the async mode: submits its compile to the pool
+            finally:
+                pool.after = None  # a preload that submitted nothing (a duplicate key)
+
         # The mode's exit waits for every compile and files each in its kernel's cache: after
         # the recording's exit has put the caches back as they were.
         with AsyncCompileMode(pool):
-            with recording(on_found=lambda kernel, data: kernel.preload(data)) as found:
+            with recording(on_found=on_found) as found:
                 run_dry()
             t1 = time.perf_counter()
         kernels = {id(fn): fn for fn, _ in found.values()}.values()
