@@ -230,19 +230,28 @@ class EngineCore:
         graphs_dry = None
         if not config.enforce_eager:
             graphs_dry = self.runner.prepare_cuda_graphs(*self._graph_plan())
+        server = compile_server.running()
+        began = time.time()
         try:
             done = precompile_start_up(self.runner, batches, graphs_dry)
         finally:
             compile_server.stop()  # its processes' work is done (or was not needed)
         clock.mark("precompile")
+        if server is not None:
+            log.info(
+                "Triton compile server: %s; the dry run began %.1f s after it started",
+                server.readiness(),
+                began - server.started,
+            )
         if done is not None:
             log.info(
                 "start-up compile: %d Triton kernel variants from %d batch shapes run dry "
-                "(%.1f s, compiling in parallel as they were met), all compiled or loaded and "
-                "their launchers built %.1f s later",
+                "(%.1f s, compiling in parallel as they were met), all compiled or loaded "
+                "%.1f s after the dry run began and their launchers built %.1f s after it ended",
                 done.variants,
                 len(batches),
                 done.dry_s,
+                done.compiled_s,
                 done.compile_s,
             )
         if self.compile_log is not None:

@@ -36,6 +36,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import IO, Any
@@ -79,6 +80,9 @@ class CompileServer:
         self._pending: dict[int, Future[Compiled]] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self.started = time.time()
+        self.ready_at: float | None = None
+        """When the server had imported the kernels and forked its workers (its clock)."""
         assert proc.stdout is not None
         self._reader = threading.Thread(
             target=self._read, args=(proc.stdout,), name="triton-compile-server", daemon=True
@@ -105,6 +109,12 @@ class CompileServer:
         address = kernel_address(kernel)
         if address is None or self._closed or self.proc.poll() is not None:
             return None
+        try:
+            src, options = variant_source(kernel, data, target)
+            if in_cache(src, target, options):
+                return None  # only to be loaded: no need to wait for the server
+        except Exception as e:  # the server will say what is wrong with it, or compile it
+            log.debug("cache lookup of a %s variant failed: %s", address[1], e)
         job_id = next(self._ids)
         future: Future[Compiled] = Future()
         line = json.dumps(
@@ -136,6 +146,9 @@ class CompileServer:
         for line in stdout:
             try:
                 answer = json.loads(line)
+                if "ready" in answer:
+                    self.ready_at = float(answer["ready"])
+                    continue
                 job_id = int(answer["id"])
             except (ValueError, KeyError, TypeError):
                 continue  # not an answer (a library printed to stdout): skip it
@@ -153,6 +166,12 @@ class CompileServer:
         for future in pending.values():
             if not future.done():
                 future.set_exception(RuntimeError("the compile server exited"))
+
+    def readiness(self) -> str:
+        """When it was ready, for the start-up log."""
+        if self.ready_at is None:
+            return f"not ready {time.time() - self.started:.1f} s after it started"
+        return f"ready {self.ready_at - self.started:.1f} s after it started"
 
     def close(self) -> None:
         """Stop the server (it finishes nothing more); its workers exit with it."""
@@ -206,24 +225,15 @@ def stop() -> None:
 # -- the server process ------------------------------------------------------------------------
 
 
-def compile_variant(module: str, name: str, data: str, target: list[Any]) -> dict[str, Any]:
-    """Compile one variant into Triton's on-disk cache, as `JITFunction.preload(data)` would on
-    a GPU of `target`, without one: the same deserialization, source and options, so the cache
-    key is the one the core's own preload computes (a test checks that it then hits)."""
-    import importlib
-    import time
-
-    import triton
+def variant_source(fn: Any, data: str, target: Any) -> tuple[Any, dict[str, Any]]:
+    """(Triton's ASTSource, options) of the variant `data` (Triton's serialized specialization)
+    of kernel `fn` for `target` (a GPUTarget), as Triton 3.6's `JITFunction.preload` builds them;
+    preload itself needs the GPU's driver for its device and target, which a worker has not."""
     import triton.language as tl
-    from triton import knobs
-    from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource, make_backend
     from triton.runtime.jit import convert_to_tuple_if_list
 
-    fn = getattr(importlib.import_module(module), name)
     obj = json.loads(data)
-    # As Triton 3.6's JITFunction.preload, which needs the GPU's driver for its device and
-    # target; the target comes from the core here.
     constexprs = {
         tuple(key): tl.dtype(value)
         if tl.dtype.is_dtype(value)
@@ -235,15 +245,55 @@ def compile_variant(module: str, name: str, data: str, target: list[Any]) -> dic
     attrs = {tuple(k): v for k, v in zip(obj["attrs_keys"], obj["attrs_vals"], strict=True)}
     signature = {k: convert_to_tuple_if_list(v) for k, v in obj["signature"].items()}
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in obj["options"].items()}
+    options = make_backend(target).parse_options(options)
+    return ASTSource(fn, signature, constexprs, attrs), options.__dict__
+
+
+def in_cache(src: Any, target: Any, options: dict[str, Any]) -> bool:
+    """Whether Triton's on-disk cache holds the variant: the key and lookup of Triton 3.6's
+    `compile` (which would load it from there)."""
+    import hashlib
+
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.cache import get_cache_key, get_cache_manager
+    from triton.runtime.jit import get_cache_invalidating_env_vars
+
+    backend = make_backend(target)
+    opts = backend.parse_options(dict(options, **src.parse_options()))
+    key = get_cache_key(src, backend, opts, get_cache_invalidating_env_vars())
+    name = f"{src.name[:150]}.json"
+    group = get_cache_manager(hashlib.sha256(key.encode("utf-8")).hexdigest()).get_group(name)
+    return bool(group) and name in group
+
+
+def compile_variant(module: str, name: str, data: str, target: list[Any]) -> dict[str, Any]:
+    """Compile one variant into Triton's on-disk cache, as `JITFunction.preload(data)` would on
+    a GPU of `target`: the same source and options, so the cache key is the one the core's own
+    preload computes (a test checks that it then hits)."""
+    import importlib
+
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+
+    fn = getattr(importlib.import_module(module), name)
     gpu = GPUTarget(*target)
-    options = make_backend(gpu).parse_options(options)
-    src = ASTSource(fn, signature, constexprs, attrs)
+    src, options = variant_source(fn, data, gpu)
     hits: list[bool] = []
     knobs.compilation.listener = lambda *, cache_hit, **_: hits.append(cache_hit)
     t0 = time.perf_counter()
-    triton.compile(src, target=gpu, options=options.__dict__)
+    compiled = triton.compile(src, target=gpu, options=options)
     hit = bool(hits and hits[-1])
-    return {"seconds": 0.0 if hit else time.perf_counter() - t0, "cache_hit": hit}
+    seconds = 0.0 if hit else time.perf_counter() - t0
+    if gpu.backend == "cuda":
+        # Its launcher too (a C file per argument signature, built with the system's compiler
+        # into the same cache), which the core's first load would otherwise build. Where that
+        # fails (no libcuda here), the core builds it, as without this.
+        with contextlib.suppress(Exception):
+            from triton.backends.nvidia.driver import CudaLauncher
+
+            CudaLauncher(src, compiled.metadata)
+    return {"seconds": seconds, "cache_hit": hit}
 
 
 def _noop() -> None:
@@ -278,6 +328,8 @@ def serve(workers: int, stdin: IO[str], stdout: IO[str]) -> None:
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
     pool.submit(_noop)
     lock = threading.Lock()
+    stdout.write(json.dumps({"ready": time.time()}) + "\n")
+    stdout.flush()
 
     def answer(job_id: Any, future: Future[dict[str, Any]]) -> None:
         try:

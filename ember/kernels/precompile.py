@@ -181,6 +181,9 @@ class Precompiled:
     compile_s: float
     """Seconds after the dry run until every variant was compiled (or loaded from the on-disk
     cache) and its launcher built, in parallel."""
+    compiled_s: float = 0.0
+    """Seconds from the dry run's start until the last variant was compiled (or loaded), before
+    the launchers were built."""
 
 
 class _Pool(ThreadPoolExecutor):
@@ -189,12 +192,20 @@ class _Pool(ThreadPoolExecutor):
     then only loads it), and compiles the variant itself if the server failed."""
 
     after: Future[Compiled] | None = None
+    last_done: float = 0.0
+    """perf_counter() when the last compile submitted here finished."""
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         remote, self.after = self.after, None
-        if remote is None:
-            return super().submit(fn, *args, **kwargs)
-        return super().submit(_after, remote, fn, *args, **kwargs)
+        return super().submit(self._timed, remote, fn, *args, **kwargs)
+
+    def _timed(
+        self, remote: Future[Compiled] | None, fn: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        try:
+            return fn(*args, **kwargs) if remote is None else _after(remote, fn, *args, **kwargs)
+        finally:
+            self.last_done = max(self.last_done, time.perf_counter())
 
 
 def _after(remote: Future[Compiled], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -242,6 +253,7 @@ def precompile(
             with recording(on_found=on_found) as found:
                 run_dry()
             t1 = time.perf_counter()
+        compiled_s = max(pool.last_done, t1) - t0  # the mode's exit waited for every compile
         kernels = {id(fn): fn for fn, _ in found.values()}.values()
         list(pool.map(lambda job: _load(*job), _unloaded(kernels)))
-    return Precompiled(len(found), t1 - t0, time.perf_counter() - t1)
+    return Precompiled(len(found), t1 - t0, time.perf_counter() - t1, compiled_s)

@@ -59,6 +59,19 @@ SCRIPT = textwrap.dedent(
 
     x = torch.randn(4, 256, dtype=torch.bfloat16)
     w = torch.randn(256, dtype=torch.bfloat16)
+    if mode == "lookup":
+        from ember.kernels.compile_server import compile_variant, in_cache, variant_source
+        from ember.kernels.precompile import recording
+
+        with recording() as found:
+            rms_norm(x, w, 1e-6)
+        (kernel, data), = found.values()
+        target = GPUTarget("cuda", 90, 32)
+        src, options = variant_source(kernel, data, target)
+        before = in_cache(src, target, options)
+        compile_variant(kernel.__module__, kernel.fn.__name__, data, ["cuda", 90, 32])
+        print(json.dumps({"before": before, "after": in_cache(src, target, options)}))
+        sys.exit(0)
     done = precompile(lambda: rms_norm(x, w, 1e-6), workers=2, server=server)
     server.close()
     print(json.dumps({
@@ -100,6 +113,10 @@ def test_a_variant_compiles_in_the_server_and_the_engine_only_loads_it(tmp_path:
     assert (again["compiled"], again["loaded"]) == (0, 1)
 
 
+def test_the_cache_lookup_finds_what_the_worker_compiled(tmp_path: Path) -> None:
+    assert _run("lookup", tmp_path) == {"before": False, "after": True}
+
+
 def test_a_dead_server_leaves_the_compile_to_the_engine(tmp_path: Path) -> None:
     out = _run("dead", tmp_path)
     assert out["variants"] == 1
@@ -128,7 +145,9 @@ def test_the_server_answers_a_malformed_line_and_goes_on(tmp_path: Path) -> None
         cwd=Path(__file__).resolve().parents[2],
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    answers = [json.loads(line) for line in done.stdout.splitlines()]
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert "ready" in lines[0]  # the workers forked, before any job
+    answers = lines[1:]
     assert len(answers) == 3
     assert all("error" in a for a in answers)
     assert {a["id"] for a in answers} == {-1, 4}
