@@ -33,6 +33,7 @@ import itertools
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -99,6 +100,7 @@ class CompileServer:
             text=True,
             bufsize=1,
             env=env,
+            start_new_session=True,  # a terminal's ^C is the core's to handle; killpg reaches all
         )
         return cls(proc)
 
@@ -109,12 +111,6 @@ class CompileServer:
         address = kernel_address(kernel)
         if address is None or self._closed or self.proc.poll() is not None:
             return None
-        try:
-            src, options = variant_source(kernel, data, target)
-            if in_cache(src, target, options):
-                return None  # only to be loaded: no need to wait for the server
-        except Exception as e:  # the server will say what is wrong with it, or compile it
-            log.debug("cache lookup of a %s variant failed: %s", address[1], e)
         job_id = next(self._ids)
         future: Future[Compiled] = Future()
         line = json.dumps(
@@ -128,13 +124,26 @@ class CompileServer:
         )
         with self._lock:
             self._pending[job_id] = future
-        try:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write(line + "\n")
-            self.proc.stdin.flush()
-        except (OSError, ValueError) as e:
-            self._fail(job_id, e)
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(line + "\n")
+                self.proc.stdin.flush()
+            except (OSError, ValueError) as e:
+                self._pending.pop(job_id, None)
+                future.set_exception(e)
         return future
+
+    @staticmethod
+    def cached(kernel: Any, data: str, target: Any) -> bool:
+        """Whether Triton's on-disk cache holds the variant already (then the core only loads
+        it, without waiting for the server). Its first call in a process hashes Triton's own
+        library (~0.5-1 s): call it on a compile thread, not on the dry run's."""
+        try:
+            src, options = variant_source(kernel, data, target)
+            return in_cache(src, target, options)
+        except Exception as e:
+            log.debug("cache lookup of a variant failed: %s", e)
+            return False
 
     def _fail(self, job_id: int, error: BaseException) -> None:
         with self._lock:
@@ -178,15 +187,23 @@ class CompileServer:
         if self._closed:
             return
         self._closed = True
+        t0 = time.perf_counter()
         with contextlib.suppress(OSError, ValueError):
             assert self.proc.stdin is not None
             self.proc.stdin.close()  # EOF: the server shuts its pool down and exits
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            log.warning("Triton compile server did not exit in 10 s: killing it and its workers")
+            with contextlib.suppress(OSError):
+                os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: the workers too
             self.proc.wait()
         self._reader.join(timeout=5)
+        log.info(
+            "Triton compile server stopped in %.2f s (exit code %s)",
+            time.perf_counter() - t0,
+            self.proc.returncode,
+        )
 
 
 _server: CompileServer | None = None

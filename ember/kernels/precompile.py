@@ -191,7 +191,8 @@ class _Pool(ThreadPoolExecutor):
     waits for it first (the server compiles the variant into the on-disk cache; the thread
     then only loads it), and compiles the variant itself if the server failed."""
 
-    after: Future[Compiled] | None = None
+    after: tuple[Future[Compiled], Callable[[], bool]] | None = None
+    """(the server's future, whether the variant is in the on-disk cache already)."""
     last_done: float = 0.0
     """perf_counter() when the last compile submitted here finished."""
 
@@ -200,7 +201,11 @@ class _Pool(ThreadPoolExecutor):
         return super().submit(self._timed, remote, fn, *args, **kwargs)
 
     def _timed(
-        self, remote: Future[Compiled] | None, fn: Callable[..., Any], *args: Any, **kwargs: Any
+        self,
+        remote: tuple[Future[Compiled], Callable[[], bool]] | None,
+        fn: Callable[..., Any],
+        *args: Any,
+        **kwargs: Any,
     ) -> Any:
         try:
             return fn(*args, **kwargs) if remote is None else _after(remote, fn, *args, **kwargs)
@@ -208,9 +213,17 @@ class _Pool(ThreadPoolExecutor):
             self.last_done = max(self.last_done, time.perf_counter())
 
 
-def _after(remote: Future[Compiled], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _after(
+    remote: tuple[Future[Compiled], Callable[[], bool]],
+    fn: Callable[..., Any],
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    future, cached = remote
+    if cached():  # a warm start: load it now, whatever the server does with it
+        return fn(*args, **kwargs)
     try:
-        done = remote.result()
+        done = future.result()
     except Exception as e:  # the server could not compile it: this thread does
         log.debug("compile server failed a variant (compiling it here): %s", e)
         return fn(*args, **kwargs)
@@ -240,8 +253,10 @@ def precompile(
     with _Pool(workers or default_workers(), thread_name_prefix=PRECOMPILE_THREADS) as pool:
 
         def on_found(kernel: Any, data: str) -> None:
-            if server is not None:
-                pool.after = server.submit(kernel, data, target)
+            future = None if server is None else server.submit(kernel, data, target)
+            if future is not None:
+                assert server is not None
+                pool.after = (future, lambda: server.cached(kernel, data, target))
             try:
                 kernel.preload(data)  # under the async mode: submits its compile to the pool
             finally:
