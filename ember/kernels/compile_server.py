@@ -182,15 +182,22 @@ class CompileServer:
             return f"not ready {time.time() - self.started:.1f} s after it started"
         return f"ready {self.ready_at - self.started:.1f} s after it started"
 
-    def close(self) -> None:
-        """Stop the server (it finishes nothing more); its workers exit with it."""
+    def close(self, wait: bool = False) -> None:
+        """Stop the server: it starts nothing more, and exits (its workers with it) once they
+        finish what they run, ~1 s for its interpreter's exit. `wait`: until it has exited;
+        else a thread reaps it (and kills it, and its workers, past 10 s)."""
         if self._closed:
             return
         self._closed = True
-        t0 = time.perf_counter()
         with contextlib.suppress(OSError, ValueError):
             assert self.proc.stdin is not None
             self.proc.stdin.close()  # EOF: the server shuts its pool down and exits
+        if wait:
+            self._reap()
+        else:
+            threading.Thread(target=self._reap, name="triton-compile-reap", daemon=True).start()
+
+    def _reap(self) -> None:
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -199,11 +206,6 @@ class CompileServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: the workers too
             self.proc.wait()
         self._reader.join(timeout=5)
-        log.info(
-            "Triton compile server stopped in %.2f s (exit code %s)",
-            time.perf_counter() - t0,
-            self.proc.returncode,
-        )
 
 
 _server: CompileServer | None = None

@@ -52,7 +52,7 @@ SCRIPT = textwrap.dedent(
     knobs.compilation.listener = listen
     server = CompileServer.start(2)
     if mode == "dead":
-        server.close()
+        server.close(wait=True)
     elif mode == "bad-module":
         from ember.kernels import compile_server
         compile_server.kernel_address = lambda kernel: ("ember.no_such_module", "k")
@@ -73,7 +73,7 @@ SCRIPT = textwrap.dedent(
         print(json.dumps({"before": before, "after": in_cache(src, target, options)}))
         sys.exit(0)
     done = precompile(lambda: rms_norm(x, w, 1e-6), workers=2, server=server)
-    server.close()
+    server.close(wait=True)
     print(json.dumps({
         "variants": done.variants, "hits": hits, "compiled": log.compiled,
         "loaded": log.loaded, "compile_s": log.compile_s,
@@ -182,10 +182,42 @@ def test_on_a_gpu_the_servers_variant_launches_and_computes_the_reference() -> N
         done = precompile(lambda: rms_norm(x, w, 1e-6), workers=2, server=server)
     finally:
         knobs.compilation.listener = previous
-        server.close()
+        server.close(wait=True)
     assert done.variants == 1
     assert hits == [True]  # the server's binary, found in the cache
     out = rms_norm(x, w, 1e-6)
     xf = x.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
     torch.testing.assert_close(out, normed * w, rtol=2e-2, atol=2e-2)
+
+
+def _session_members(sid: int) -> list[int]:
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getsid(int(entry.name)) == sid:
+                    members.append(int(entry.name))
+            except OSError:
+                continue  # gone meanwhile
+    return members
+
+
+def test_a_stopped_server_leaves_no_process_behind() -> None:
+    import time
+
+    from ember.kernels.compile_server import CompileServer
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    server = CompileServer.start(2, env=env)
+    deadline = time.monotonic() + 120
+    while server.ready_at is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.ready_at is not None
+    assert len(_session_members(server.proc.pid)) == 3  # the server and its two workers
+    server.close()  # returns at once; a thread reaps it
+    deadline = time.monotonic() + 30
+    while _session_members(server.proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _session_members(server.proc.pid) == []
+    assert server.proc.wait(timeout=10) == 0
