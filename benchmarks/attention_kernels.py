@@ -11,6 +11,8 @@ shape (32 query heads, 8 KV heads, head_dim 128, bf16, block size 16):
   prompt length it has not seen (cuDNN builds a plan per shape).
 
 Prints tables and writes JSON to $OUT (or benchmarks/results/), named with the GPU.
+`--prefill-only`: the first two tables. `EMBER_TREE=DIR`: measure DIR's ember (e.g. an earlier
+commit's tree) instead of this one's.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# EMBER_TREE: another tree's ember (an earlier commit's, under .ab/), its kernels measured
+# beside the working tree's in the same call.
+sys.path.insert(0, os.environ.get("EMBER_TREE") or str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_gpu import copy_bandwidth, median_ms  # noqa: E402
@@ -350,9 +354,10 @@ def main() -> None:
         return
     prefill_rows(out)
     mixed_step_rows(out)
-    mla_sdpa_rows(out)
-    decode_rows(out, bw)
-    decode_graph_rows(out)
+    if "--prefill-only" not in sys.argv:
+        mla_sdpa_rows(out)
+        decode_rows(out, bw)
+        decode_graph_rows(out)
     dest = Path(os.environ.get("OUT") or "benchmarks/results")
     (dest / f"attention_kernels-{gpu.replace(' ', '_')}.json").write_text(json.dumps(out, indent=2))
 
