@@ -158,15 +158,12 @@ def _prefill_kernel(
             v = tl.load(ptrs + stride_cache_kv + d[None, :], mask=d_mask[None, :], other=0.0)
         k = k.to(q.dtype)
         v = v.to(q.dtype)
-        # The scale is applied inside the exponent (one FMA an element, as flash attention
-        # does) and P @ V accumulates into acc in the MMA itself, not into a fresh tile added
-        # after: fewer registers and instructions a key tile.
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk * qk_scale - m_new[:, None])
+        p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     # The diagonal tiles; tiles wholly past the tile's last query are never visited.
@@ -189,16 +186,16 @@ def _prefill_kernel(
             v = tl.load(ptrs + stride_cache_kv + d[None, :], mask=mask, other=0.0)
         k = k.to(q.dtype)
         v = v.to(q.dtype)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         # Key 0 is in the first tile visited and visible to every row, so no row is all -inf
         # by the time it gets here, and alpha is never NaN.
         visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
         qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk * qk_scale - m_new[:, None])
+        p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     o = acc / l_i[:, None]
