@@ -36,7 +36,7 @@ from ember.engine.speculation import Speculator, verify_graph_rows
 from ember.engine.startup_clock import StartupClock
 from ember.engine.structured_output import GrammarCompiler
 from ember.engine.warmup import precompile_start_up, profile_runs, warmup_batches
-from ember.kernels import compile_log, compile_server
+from ember.kernels import compile_log
 from ember.kv.kv_cache_manager import KVCacheManager
 from ember.models.config import ModelConfig
 from ember.models.loader import load_model
@@ -230,27 +230,18 @@ class EngineCore:
         graphs_dry = None
         if not config.enforce_eager:
             graphs_dry = self.runner.prepare_cuda_graphs(*self._graph_plan())
-        server = compile_server.running()
-        began = time.time()
-        try:
-            done = precompile_start_up(self.runner, batches, graphs_dry)
-        finally:
-            compile_server.stop()  # its processes' work is done (or was not needed)
+        done = precompile_start_up(self.runner, batches, graphs_dry)
         clock.mark("precompile")
-        if server is not None:
-            log.info(
-                "Triton compile server: %s; the dry run began %.1f s after it started",
-                server.readiness(),
-                began - server.started,
-            )
         if done is not None:
             log.info(
                 "start-up compile: %d Triton kernel variants from %d batch shapes run dry "
-                "(%.1f s, compiling in parallel as they were met), all compiled or loaded "
-                "%.1f s after the dry run began and their launchers built %.1f s after it ended",
+                "(%.1f s, compiling in parallel as they were met, in %d forked processes), "
+                "all compiled or loaded %.1f s after the dry run began and their launchers "
+                "built %.1f s after it ended",
                 done.variants,
                 len(batches),
                 done.dry_s,
+                done.workers,
                 done.compiled_s,
                 done.compile_s,
             )

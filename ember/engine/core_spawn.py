@@ -74,12 +74,7 @@ def spawn_core(target: Callable[..., None], *args: Any) -> SpawnedCore:
 def engine_core_entry(
     config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int
 ) -> None:
-    """The spawned process's entry: imports the engine (torch) there, not in the parent. On a
-    GPU, the Triton compile server starts first, its imports beside the core's own."""
-    if config.device.startswith("cuda") and os.environ.get("EMBER_COMPILE_SERVER", "1") != "0":
-        from ember.kernels import compile_server
-
-        compile_server.start_early()
+    """The spawned process's entry: imports the engine (torch) there, not in the parent."""
     from ember.engine.core_proc import engine_core_main
 
     engine_core_main(config, input_addr, output_addr, parent_pid)

@@ -22,7 +22,6 @@ import torch
 
 from ember.attention.context import ForwardContext
 from ember.attention.metadata import AttentionMetadata
-from ember.kernels import compile_server
 from ember.kernels.precompile import Precompiled, precompile
 from ember.kernels.sampling import gumbel_sample
 
@@ -168,7 +167,7 @@ def precompile_start_up(
     try:
         runner.allocate_kv_cache(need)
         with one_layer_of_each_kind(runner.model):
-            return precompile(run_dry, server=compile_server.running())
+            return precompile(run_dry, processes=runner.device.type == "cuda")
     except torch.OutOfMemoryError as e:
         # A model that barely fits: its kernels then compile at their first launch, as before.
         log.warning("start-up compile skipped (%d temporary KV blocks do not fit): %s", need, e)

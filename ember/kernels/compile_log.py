@@ -35,7 +35,7 @@ _elsewhere = threading.local()
 @contextlib.contextmanager
 def compiled_elsewhere(seconds: float | None) -> Iterator[None]:
     """Within (on this thread): a cache hit is a variant another process compiled just now for
-    this one (ember/kernels/compile_server.py), in `seconds`; counted as compiled, not loaded.
+    this one (ember/kernels/compile_workers.py), in `seconds`; counted as compiled, not loaded.
     None: nothing was compiled elsewhere (a hit is a hit)."""
     _elsewhere.seconds = seconds
     try:

@@ -11,9 +11,9 @@ specialization): most of a compilation runs outside the GIL (MLIR passes, ptxas)
 scales with the cores (two threads compiled two prefill variants in 0.92 s where one took 1.64 s,
 on a 2-core machine). The same pool then builds each variant's launcher and loads its binary.
 The next real launch of each variant finds it compiled and loaded in memory; one found in
-Triton's on-disk cache is only loaded. Where the engine core started a compile server
-(ember/kernels/compile_server.py), each variant compiles in one of its processes instead, out
-of this process's GIL, and the pool's thread only waits for it and loads it from the cache.
+Triton's on-disk cache is only loaded. With `processes`, each variant compiles in a worker
+process forked from this one (ember/kernels/compile_workers.py), out of this process's GIL, and
+the pool's thread only waits for it and loads it from the cache.
 
 A dry run launches no Triton kernel of ember's at all: variants already compiled are hidden
 from their kernels' in-memory caches for its length (else they would run on the outputs of
@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from ember.kernels.compile_log import PRECOMPILE_THREADS, compiled_elsewhere
 
 if TYPE_CHECKING:
-    from ember.kernels.compile_server import Compiled, CompileServer
+    from ember.kernels.compile_workers import Compiled
 
 log = logging.getLogger(__name__)
 
@@ -184,15 +184,18 @@ class Precompiled:
     compiled_s: float = 0.0
     """Seconds from the dry run's start until the last variant was compiled (or loaded), before
     the launchers were built."""
+    workers: int = 0
+    """Worker processes forked to compile (0: in threads only)."""
 
 
 class _Pool(ThreadPoolExecutor):
-    """The compile threads. A compile submitted while `after` holds a compile server's future
-    waits for it first (the server compiles the variant into the on-disk cache; the thread
-    then only loads it), and compiles the variant itself if the server failed."""
+    """The compile threads. A compile submitted while `after` holds a compile worker's future
+    waits for it first (the worker compiles the variant into the on-disk cache; the thread
+    then only loads it), unless the cache holds it already, and compiles the variant itself if
+    the worker failed."""
 
     after: tuple[Future[Compiled], Callable[[], bool]] | None = None
-    """(the server's future, whether the variant is in the on-disk cache already)."""
+    """(the worker's future, whether the variant is in the on-disk cache already)."""
     last_done: float = 0.0
     """perf_counter() when the last compile submitted here finished."""
 
@@ -220,43 +223,45 @@ def _after(
     **kwargs: Any,
 ) -> Any:
     future, cached = remote
-    if cached():  # a warm start: load it now, whatever the server does with it
+    if cached():  # a warm start: load it now, whatever its worker does with it
         return fn(*args, **kwargs)
     try:
         done = future.result()
-    except Exception as e:  # the server could not compile it: this thread does
-        log.debug("compile server failed a variant (compiling it here): %s", e)
+    except Exception as e:  # the worker could not compile it: this thread does
+        log.debug("compile worker failed a variant (compiling it here): %s", e)
         return fn(*args, **kwargs)
     with compiled_elsewhere(None if done.cache_hit else done.seconds):
         return fn(*args, **kwargs)
 
 
 def precompile(
-    run_dry: Callable[[], object],
-    workers: int | None = None,
-    server: CompileServer | None = None,
+    run_dry: Callable[[], object], workers: int | None = None, processes: bool = False
 ) -> Precompiled:
     """Run `run_dry`, compiling in parallel each variant it would compile as it is met (the
     compiles run while the dry run goes on), then build the variants' launchers and load them.
-    `server`: compile in its processes (the threads then load what it compiled). (Where Triton
-    runs in its interpreter no hook is called: `run_dry` simply runs, and no variant is
-    found.)"""
+    `processes`: compile in up to `workers` processes forked from this one as they are needed
+    (the threads then load what they compiled). (Where Triton runs in its interpreter no hook
+    is called: `run_dry` simply runs, and no variant is found.)"""
     from triton.runtime._async_compile import AsyncCompileMode
 
+    from ember.kernels.compile_workers import CompileWorkers, cached
+
     t0 = time.perf_counter()
+    workers = workers or default_workers()
+    procs = CompileWorkers(workers) if processes else None
     target = None
-    if server is not None:
+    if procs is not None:
         from triton.runtime import driver
 
         target = driver.active.get_current_target()
 
-    with _Pool(workers or default_workers(), thread_name_prefix=PRECOMPILE_THREADS) as pool:
+    with _Pool(workers, thread_name_prefix=PRECOMPILE_THREADS) as pool:
 
         def on_found(kernel: Any, data: str) -> None:
-            future = None if server is None else server.submit(kernel, data, target)
+            future = None if procs is None else procs.submit(kernel, data, target)
             if future is not None:
-                assert server is not None
-                pool.after = (future, lambda: server.cached(kernel, data, target))
+                assert procs is not None
+                pool.after = (future, lambda: cached(kernel, data, target))
             try:
                 kernel.preload(data)  # under the async mode: submits its compile to the pool
             finally:
@@ -264,11 +269,16 @@ def precompile(
 
         # The mode's exit waits for every compile and files each in its kernel's cache: after
         # the recording's exit has put the caches back as they were.
-        with AsyncCompileMode(pool):
-            with recording(on_found=on_found) as found:
-                run_dry()
-            t1 = time.perf_counter()
+        try:
+            with AsyncCompileMode(pool):
+                with recording(on_found=on_found) as found:
+                    run_dry()
+                t1 = time.perf_counter()
+        finally:
+            if procs is not None:
+                procs.close()  # every compile is in: the workers exit
         compiled_s = max(pool.last_done, t1) - t0  # the mode's exit waited for every compile
         kernels = {id(fn): fn for fn, _ in found.values()}.values()
         list(pool.map(lambda job: _load(*job), _unloaded(kernels)))
-    return Precompiled(len(found), t1 - t0, time.perf_counter() - t1, compiled_s)
+    forked = procs.forked if procs is not None else 0
+    return Precompiled(len(found), t1 - t0, time.perf_counter() - t1, compiled_s, forked)

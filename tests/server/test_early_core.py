@@ -20,8 +20,6 @@ def test_the_path_to_the_spawn_imports_no_torch() -> None:
         "import sys\n"
         "import ember.cli, ember.cluster, ember.engine.core_spawn, ember.server.args\n"
         "import ember.models.resolve, ember.trust, ember.kv.tiers.store_master\n"
-        # The core's entry starts the Triton compile server before its own imports.
-        "import ember.kernels.compile_server\n"
         "import argparse\n"
         "from ember.server.args import add_serve_args, engine_config_from_args\n"
         "p = argparse.ArgumentParser(); add_serve_args(p)\n"
