@@ -33,6 +33,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -138,7 +139,12 @@ class CompileWorkers:
         t0 = time.perf_counter()
         job_r, job_w = os.pipe()
         try:
-            pid = os.fork()
+            with warnings.catch_warnings():
+                # Python 3.12 warns of any fork of a threaded process: a lock another thread
+                # holds stays held in the child. The worker takes none of the core's locks that
+                # way (no CUDA, no logging, no torch; Python resets its own at fork).
+                warnings.filterwarnings("ignore", ".*multi-threaded.*", DeprecationWarning)
+                pid = os.fork()
         except OSError as e:
             os.close(job_r)
             os.close(job_w)
