@@ -232,16 +232,6 @@ class CompileWorkers:
             if not future.done():
                 future.set_exception(RuntimeError("the compile workers were stopped"))
 
-    def join(self, timeout: float = 10.0) -> bool:
-        """After close(): wait until every worker has exited; whether they all did."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._lock:
-                if not self._workers:
-                    return True
-            time.sleep(0.01)
-        return False
-
 
 def _work(job_r: int, results_w: int) -> int:
     """A worker's life: compile each job line of `job_r`, answer on `results_w` (one line,
