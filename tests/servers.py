@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import socket
 import subprocess
@@ -26,20 +27,24 @@ SECRET = "test-cluster-secret"
 _PORTS = random.Random()
 
 
-def free_port() -> int:
+def free_port(run: int = 1) -> int:
     """A port free now, below the kernel's ephemeral range (32768 and up on Linux): servers
     started together take their ports a moment after picking them, and a port from the ephemeral
     range could meanwhile go to another process's outgoing or auto-bound socket (a PD test's
-    server once found its port taken by its sibling's transfer engine)."""
+    server once found its port taken by its sibling's transfer engine). `run`: the first of that
+    many consecutive free ports (`ember up --engine-port` numbers its engines from it; a chaos
+    test once found the third taken)."""
     for _ in range(200):
-        port = _PORTS.randrange(20000, 32768)
-        with socket.socket() as s:
+        port = _PORTS.randrange(20000, 32768 - run)
+        with contextlib.ExitStack() as held:
             try:
-                s.bind(("127.0.0.1", port))
+                for p in range(port, port + run):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", p))
             except OSError:
                 continue
             return port
-    raise RuntimeError("no free port in 20000-32767")
+    raise RuntimeError(f"no {run} free ports in a row in 20000-32767")
 
 
 @dataclass

@@ -88,7 +88,7 @@ class Client(threading.Thread):
 @pytest.mark.slow
 def test_kill_and_freeze_engines_under_load(tiny_model_dir, tmp_path: Path) -> None:
     port = free_port()
-    first_engine = free_port()
+    first_engine = free_port(run=3)  # two prefill engines and a decode one, in a row
     url = f"http://127.0.0.1:{port}"
     flags = [
         "--prefill", "2", "--decode", "1", "--engine-port", str(first_engine),

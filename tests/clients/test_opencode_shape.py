@@ -57,7 +57,7 @@ def engine_load(url: str) -> dict:
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     model_dir = tiny_model_dir("llama")
-    port, first = free_port(), free_port()
+    port, first = free_port(), free_port(run=PREFILL_ENGINES + 1)  # its engines, in a row
     named = up_has_flag("--served-model-name")
     flags = [
         "--engine-port", str(first), "--prefill", str(PREFILL_ENGINES),
