@@ -87,8 +87,6 @@ class CompileWorkers:
         self._closed = False
         self.forked = 0
         """Workers forked so far."""
-        self.forked_s = 0.0
-        """Seconds this process spent forking them."""
         self._results_r, self._results_w = os.pipe()
         self._reader = threading.Thread(
             target=self._read, name="triton-compile-results", daemon=True
@@ -136,7 +134,6 @@ class CompileWorkers:
             self._running[pipe] = job_id
 
     def _fork(self) -> None:
-        t0 = time.perf_counter()
         job_r, job_w = os.pipe()
         try:
             with warnings.catch_warnings():
@@ -163,7 +160,6 @@ class CompileWorkers:
         self._workers[job_w] = pid
         self._idle.append(job_w)
         self.forked += 1
-        self.forked_s += time.perf_counter() - t0
         threading.Thread(
             target=self._wait, args=(pid, job_w), name="triton-compile-wait", daemon=True
         ).start()

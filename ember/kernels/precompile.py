@@ -260,7 +260,6 @@ def precompile(
         def on_found(kernel: Any, data: str) -> None:
             future = None if procs is None else procs.submit(kernel, data, target)
             if future is not None:
-                assert procs is not None
                 pool.after = (future, lambda: cached(kernel, data, target))
             try:
                 kernel.preload(data)  # under the async mode: submits its compile to the pool
