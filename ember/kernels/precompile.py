@@ -223,7 +223,9 @@ def _after(
     **kwargs: Any,
 ) -> Any:
     future, cached = remote
-    if cached():  # a warm start: load it now, whatever its worker does with it
+    # A warm start: load it now, whatever its worker does with it. (A worker that has answered
+    # already says itself whether it compiled the variant: then it is counted as compiled.)
+    if not future.done() and cached():
         return fn(*args, **kwargs)
     try:
         done = future.result()
