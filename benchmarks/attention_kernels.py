@@ -2,7 +2,9 @@
 shape (32 query heads, 8 KV heads, head_dim 128, bf16, block size 16):
 
 - prefill: 8 sequences x 2048 tokens, causal, TFLOP/s of ember's kernel (each tile config tried)
-  against torch's scaled_dot_product_attention (flash) on the same, unpaged, tensors;
+  against torch's scaled_dot_product_attention (flash) on the same, unpaged, tensors; fresh
+  prompts (no cached prefix) of 1 x 16384, 16 x 1024 and 64 x 256 through the TMA kernel, the
+  pointer kernel and cuDNN;
 - decode: batch 1 x 512, 1 x 4096, 64 x 1024 and 128 x 1024 contexts: GB/s of K/V read;
 - a mixed step's prefill rows (the mixed load's: one chunk continuing a prompt, then fresh
   prompts of 1,024): ember's paged kernel over every row, against the paged kernel for the
@@ -80,17 +82,14 @@ def prefill_rows(out: dict) -> None:
     pa._tile_config = base
     kf = torch.randn(n * L, HKV, D, dtype=torch.bfloat16, device="cuda")
     vf = torch.randn(n * L, HKV, D, dtype=torch.bfloat16, device="cuda")
-    t = bench(lambda: prefill_attention(q, cache, qsl, lens, table, D**-0.5, L, k=kf, v=vf))
-    rows["ember fresh (this step's K/V rows, default tiles)"] = flops / t / 1e12
-    for bn, warps, stages in ((128, 8, 3), (64, 4, 3), (128, 8, 2)):
-        pa._tile_config = lambda h, m, f=False, bn=bn, w=warps, s=stages: (128, bn, w, s)
-        name = f"ember fresh, BLOCK_N={bn} warps={warps} stages={stages}"
-        try:
-            t = bench(lambda: prefill_attention(q, cache, qsl, lens, table, D**-0.5, L, k=kf, v=vf))
-            rows[name] = flops / t / 1e12
-        except Exception as e:
-            rows[name] = f"failed: {type(e).__name__}"
-    pa._tile_config = base
+    for name, tma in (("ember fresh, TMA kernel (the default on Hopper)", True),
+                      ("ember fresh, pointer kernel", False)):  # fmt: skip
+        t = bench(
+            lambda tma=tma: prefill_attention(
+                q, cache, qsl, lens, table, D**-0.5, L, k=kf, v=vf, tma=tma
+            )
+        )
+        rows[name] = flops / t / 1e12
     qd = torch.randn(n, HQ, L, D, dtype=torch.bfloat16, device="cuda")
     kd = torch.randn(n, HKV, L, D, dtype=torch.bfloat16, device="cuda")
     vd = torch.randn(n, HKV, L, D, dtype=torch.bfloat16, device="cuda")
@@ -105,6 +104,39 @@ def prefill_rows(out: dict) -> None:
     print("\n| prefill 8 x 2048 causal | TFLOP/s |\n|---|---|")
     for k, v in rows.items():
         print(f"| {k} | {v if isinstance(v, str) else f'{v:.0f}'} |")
+
+
+def _fresh_shape(n: int, L: int) -> dict[str, float]:
+    """TFLOP/s of n fresh causal prompts of L tokens: the TMA and pointer kernels, cuDNN SDPA."""
+    q = torch.randn(n * L, HQ, D, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(n * L, HKV, D, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(n * L, HKV, D, dtype=torch.bfloat16, device="cuda")
+    qsl = torch.arange(0, (n + 1) * L, L, dtype=torch.int32, device="cuda")
+    lens = torch.full((n,), L, dtype=torch.int32, device="cuda")
+    cache = torch.empty(1, 2, BS, HKV, D, dtype=torch.bfloat16, device="cuda")
+    table = torch.zeros(n, 1, dtype=torch.int32, device="cuda")
+    flops = n * 4 * (L * L / 2) * HQ * D
+    r = {}
+    for name, tma in (("TMA", True), ("pointers", False)):
+        t = bench(
+            lambda tma=tma: prefill_attention(
+                q, cache, qsl, lens, table, D**-0.5, L, k=k, v=v, tma=tma
+            )
+        )
+        r[name] = flops / t / 1e12
+    qd, kd, vd = (x.view(n, L, -1, D).transpose(1, 2).contiguous() for x in (q, k, v))
+    t = bench(lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True))
+    r["cuDNN SDPA"] = flops / t / 1e12
+    return r
+
+
+def fresh_rows(out: dict) -> None:
+    """Fresh prompts of other lengths than prefill_rows' 8 x 2048."""
+    rows = {f"{n} x {L}": _fresh_shape(n, L) for n, L in ((1, 16384), (16, 1024), (64, 256))}
+    out["fresh_tflops"] = rows
+    print("\n| fresh causal prompts | TMA | pointers | cuDNN SDPA |\n|---|---|---|---|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['TMA']:.0f} | {r['pointers']:.0f} | {r['cuDNN SDPA']:.0f} |")
 
 
 def _varlen_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, m: int):
@@ -151,6 +183,11 @@ def mixed_step_rows(out: dict) -> None:
     def chunk_only() -> None:
         prefill_attention(q, cache, qsl[:2], lens[:1], table[:1], scale, L)
 
+    def split_pointers() -> None:
+        for _ in range(layers):
+            chunk_only()
+            prefill_attention(q, cache, qsl[1:], lens[1:], table[1:], scale, L, k=k, v=v, tma=False)
+
     def split_sdpa() -> None:
         for _ in range(layers):
             chunk_only()
@@ -170,6 +207,7 @@ def mixed_step_rows(out: dict) -> None:
     for name, fn in (
         ("paged kernel, all 16 rows", paged_all),
         ("paged chunk + ember fresh kernel (what the engine does)", split_fresh),
+        ("paged chunk + ember fresh pointer kernel", split_pointers),
         ("paged chunk + SDPA per fresh row", split_sdpa),
         ("paged chunk + one varlen flash call", split_varlen),
     ):
@@ -353,6 +391,7 @@ def main() -> None:
         print(json.dumps(out["mla_sdpa"]))
         return
     prefill_rows(out)
+    fresh_rows(out)
     mixed_step_rows(out)
     if "--prefill-only" not in sys.argv:
         mla_sdpa_rows(out)

@@ -217,12 +217,15 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its whole paged context.
 
     With `k` and `v` (this step's K and V, [T, Hkv, D] like q) every sequence must be fresh
     (seq_lens[i] == its query count: no cached prefix, which the caller checks): its keys are
     read from their rows, at the queries' offsets, not through the cache (block_tables unused).
+    They go through the TMA kernel (ember/kernels/prefill_attention_tma.py) where it runs (a
+    Hopper GPU; `tma` True or False forces one kernel or the other, as tests do).
 
     q: [T, Hq, D], sequence i's rows query_start_loc[i]:query_start_loc[i+1] ([B + 1]); kv_cache:
     one layer's view [num_blocks, 2, block_size, Hkv, D] already holding this step's K and V;
@@ -275,6 +278,13 @@ def prefill_attention(
         raise ValueError(f"out {tuple(out.shape)} must be {tuple(q.shape)}, contiguous in head_dim")
     if num_tokens == 0 or num_seqs == 0:
         return out
+    if fresh:
+        from ember.kernels import prefill_attention_tma  # it imports this module's _find_seq
+
+        if tma if tma is not None else prefill_attention_tma.usable(q, k, v, out):
+            return prefill_attention_tma.fresh_attention_tma(
+                q, k, v, out, query_start_loc, scale, max_query_len
+            )
 
     block_m, block_n, num_warps, num_stages = _tile_config(head_dim, max_query_len, fresh)
     # Enough for every sequence's tiles when query_start_loc[-1] <= T (see _find_seq).

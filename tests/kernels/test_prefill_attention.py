@@ -10,6 +10,10 @@ from ember.kernels.prefill_attention import prefill_attention
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+def _tma_runs() -> bool:
+    return torch.cuda.get_device_capability()[0] >= 9
+
+
 def _check(
     make_paged_batch,
     attention_reference,
@@ -220,10 +224,12 @@ def _fresh_check(
     seed,
     tol,
     front: int = 0,
+    tma: bool = False,
 ) -> None:
     """Every sequence after the first `front` (decode rows, given their own output) is fresh;
     k and v are strided views of one fused [T, Hq + 2 Hkv, D] projection, as in the engine, and
-    the cache is poisoned with NaN once they are built: the fresh variant must not read it."""
+    the cache is poisoned with NaN once they are built: the fresh variant must not read it.
+    `tma`: through the TMA kernel (on a CPU, in Triton's interpreter) rather than the pointer one."""
     batch = make_paged_batch(shapes, *heads, 16, dtype, device, seed)
     md, (hq, hkv, d) = batch.metadata, heads
     scale = d**-0.5
@@ -251,6 +257,7 @@ def _fresh_check(
         out=out,
         k=k,
         v=v,
+        tma=tma,
     )
     assert got is out and torch.equal(out[:front].float().cpu(), torch.zeros_like(ref[:front]))
     assert_rel_close(out[front:], ref[front:], tol)
@@ -263,12 +270,15 @@ FRESH = {
 }
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("heads", [(2, 2, 16), (4, 1, 64)], ids=["gqa1-d16", "gqa4-d64"])
 @pytest.mark.parametrize("case", list(FRESH))
 def test_fresh_prefill_reads_this_steps_rows(
-    make_paged_batch, attention_reference, assert_rel_close, seed, heads, case, device
+    make_paged_batch, attention_reference, assert_rel_close, seed, heads, case, device, tma
 ) -> None:
+    if tma and device == "cuda" and not _tma_runs():
+        pytest.skip("TMA needs a Hopper GPU")
     _fresh_check(
         make_paged_batch,
         attention_reference,
@@ -279,12 +289,16 @@ def test_fresh_prefill_reads_this_steps_rows(
         device,
         seed,
         1e-5,
+        tma=tma,
     )
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 def test_fresh_prefill_after_decode_rows(
-    make_paged_batch, attention_reference, assert_rel_close, device
+    make_paged_batch, attention_reference, assert_rel_close, device, tma
 ) -> None:
+    if tma and device == "cuda" and not _tma_runs():
+        pytest.skip("TMA needs a Hopper GPU")
     shapes = [(5, 1), (20, 1), (0, 30), (0, 17)]
     _fresh_check(
         make_paged_batch,
@@ -297,6 +311,7 @@ def test_fresh_prefill_after_decode_rows(
         3,
         1e-5,
         front=2,
+        tma=tma,
     )
 
 
@@ -314,11 +329,14 @@ def test_fresh_prefill_rejects_bad_k_v(device: str) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fresh_prefill_llama3_8b(
-    make_paged_batch, attention_reference, assert_rel_close, seed, dtype
+    make_paged_batch, attention_reference, assert_rel_close, seed, dtype, tma
 ) -> None:
+    if tma and not _tma_runs():
+        pytest.skip("TMA needs a Hopper GPU")
     g = torch.Generator().manual_seed(seed)
     shapes = [(0, int(n)) for n in torch.randint(1, 1500, (6,), generator=g)] + [(0, 2048)]
     _fresh_check(
@@ -331,4 +349,54 @@ def test_fresh_prefill_llama3_8b(
         "cuda",
         seed,
         1e-2,
+        tma=tma,
     )
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_tma_kernel_leaves_rows_outside_the_sequences() -> None:
+    """Decode rows before the fresh ones and spare rows after: the TMA kernel's per-sequence
+    descriptors must neither read them into a sequence nor write them; odd lengths end tiles
+    mid-way, so each sequence's last tile overhangs the next one's rows."""
+    if not _tma_runs():
+        pytest.skip("TMA needs a Hopper GPU")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    lens, front, back = [1, 63, 65, 129, 300, 2], 3, 5
+    starts = torch.tensor([0, *lens], device="cuda").cumsum(0) + front
+    total = front + sum(lens) + back
+    qkv = torch.randn(total, 48, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv[:, :32], qkv[:, 32:40], qkv[:, 40:]
+    out = torch.full_like(q, 7.0)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    cache = torch.zeros(1, 2, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    table = torch.zeros(len(lens), 1, dtype=torch.int32, device="cuda")
+    prefill_attention(
+        q, cache, starts.int(), lens_t, table, 128**-0.5, max(lens), out=out, k=k, v=v, tma=True
+    )
+    assert bool((out[:front] == 7).all()) and bool((out[total - back :] == 7).all())
+    for a, n in zip(starts.tolist(), lens, strict=False):
+        want = torch.nn.functional.scaled_dot_product_attention(
+            *(x[a : a + n].transpose(0, 1).float() for x in (q, k, v)),
+            is_causal=True,
+            enable_gqa=True,
+        ).transpose(0, 1)
+        torch.testing.assert_close(out[a : a + n].float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_tma_kernel_is_not_chosen_off_a_hopper_gpu() -> None:
+    from ember.kernels.prefill_attention_tma import usable
+
+    q = torch.zeros(4, 4, 128, dtype=torch.bfloat16)
+    k = torch.zeros(4, 1, 128, dtype=torch.bfloat16)
+    assert not usable(q, k, k, q)
+    if torch.cuda.is_available() and _tma_runs():
+        qc, kc = q.cuda(), k.cuda()
+        assert usable(qc, kc, kc, torch.empty_like(qc))
+        assert not usable(qc.float(), kc.float(), kc.float(), qc.float())  # 32-bit
+        q96 = torch.zeros(4, 4, 96, dtype=torch.bfloat16, device="cuda")
+        k96 = torch.zeros(4, 1, 96, dtype=torch.bfloat16, device="cuda")
+        assert not usable(q96, k96, k96, q96)  # head dim
+        wide = torch.zeros(4, 4 * 128 + 4, dtype=torch.bfloat16, device="cuda")
+        odd = wide[:, 4:].view(4, 4, 128)  # rows start 8 bytes in: not TMA-aligned
+        assert not usable(odd, kc, kc, torch.empty_like(qc))
