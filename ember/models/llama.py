@@ -15,7 +15,7 @@ from ember.attention.context import ForwardContext
 from ember.kernels.dispatch import use_triton
 from ember.models.config import ModelConfig
 from ember.models.layers.activation import gated_activation
-from ember.models.layers.linear import StackedLinear
+from ember.models.layers.linear import Linear, StackedLinear
 from ember.models.layers.norm import RMSNorm
 from ember.models.layers.rotary import RotaryEmbedding
 
@@ -32,7 +32,7 @@ class Attention(nn.Module):
         self.qkv_proj = StackedLinear(
             cfg.hidden_size, {"q": q, "k": kv, "v": kv}, bias=cfg.attention_bias
         )
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(q, cfg.hidden_size, bias=False)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -64,7 +64,7 @@ class MLP(nn.Module):
         self.gate_up_proj = StackedLinear(
             hidden_size, {"gate": intermediate_size, "up": intermediate_size}
         )
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
         self.act = gated_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -179,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg, self.layer_cls, max_position)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

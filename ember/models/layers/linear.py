@@ -1,4 +1,5 @@
-"""Linear layers that fuse several checkpoint matrices into one matmul (q/k/v, gate/up).
+"""Linear layers: one row at a time through ember's GEMV, and layers that fuse several checkpoint
+matrices into one matmul (q/k/v, gate/up).
 
 Checkpoints store `q_proj`, `k_proj`, `v_proj` (and `gate_proj`, `up_proj`) separately; one fused
 weight means one GEMM per step instead of three. `weight_loader` copies a named shard into place.
@@ -7,10 +8,23 @@ weight means one GEMM per step instead of three. `weight_loader` copies a named 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ember.kernels import gemv
 
-class StackedLinear(nn.Linear):
+
+class Linear(nn.Linear):
+    """nn.Linear whose single-row calls (batch-1 decode) take ember/kernels/gemv.py on a GPU,
+    faster there than cuBLAS; every other call is F.linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if gemv.usable(x, self.weight, self.bias):
+            return gemv.gemv(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
+
+
+class StackedLinear(Linear):
     """An nn.Linear whose output rows are the concatenation of named shards."""
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False) -> None:

@@ -1,0 +1,104 @@
+"""Batch-1 decode's matmuls: ember's one-row GEMV (ember/kernels/gemv.py) against cuBLAS
+(F.linear), each weight of the Llama-3-8B shape, inside CUDA graphs over a rotating set of
+weights larger than L2 (as 32 layers are), against the copy ceiling of the same run.
+
+Prints a table and writes JSON to $OUT (or benchmarks/results/), named with the GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine_gpu import copy_bandwidth  # noqa: E402
+
+from ember.kernels.gemv import MIN_WEIGHT_ELEMENTS, gemv  # noqa: E402
+
+# name: (N, K, calls a step): the 8B shape's 32 layers and its LM head.
+SHAPES = {
+    "qkv": (6144, 4096, 32),
+    "o": (4096, 4096, 32),
+    "gate_up": (28672, 4096, 32),
+    "down": (4096, 14336, 32),
+    "lm_head": (128256, 4096, 1),
+}
+
+
+def graph_us(fn: Callable[[], object], reps: int = 50) -> float:
+    """Median us per call over replays of a CUDA graph of `reps` calls."""
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    times = []
+    for _ in range(15):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def one_shape(n: int, k: int) -> dict[str, float]:
+    copies = max(2, int(200e6 // (n * k * 2)))
+    ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
+    x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+    err = (gemv(x, ws[0]).float() - F.linear(x.float(), ws[0].float())).abs().max().item()
+    if err > 5e-2:
+        raise AssertionError(f"gemv differs from F.linear by {err} at {(n, k)}")
+    turn = [0]
+
+    def weight() -> torch.Tensor:
+        turn[0] = (turn[0] + 1) % copies
+        return ws[turn[0]]
+
+    return {
+        "cublas_us": graph_us(lambda: F.linear(x, weight())),
+        "ember_us": graph_us(lambda: gemv(x, weight())),
+        "bytes": n * k * 2,
+    }
+
+
+def main() -> None:
+    gpu = torch.cuda.get_device_name()
+    bw = copy_bandwidth()
+    rows = {name: one_shape(n, k) for name, (n, k, _) in SHAPES.items()}
+    step = {
+        lib: sum(rows[name][f"{lib}_us"] * calls for name, (_, _, calls) in SHAPES.items())
+        for lib in ("cublas", "ember")
+    }
+    # What the Linear layers do: the GEMV for weights above MIN_WEIGHT_ELEMENTS, cuBLAS below.
+    step["routed"] = sum(
+        rows[name]["ember_us" if n * k > MIN_WEIGHT_ELEMENTS else "cublas_us"] * calls
+        for name, (n, k, calls) in SHAPES.items()
+    )
+    out = {"gpu": gpu, "copy_bytes_per_s": bw, "rows": rows, "step_matmul_us": step}
+    print(f"{gpu}; copy {bw / 1e9:.0f} GB/s\n")
+    print("| weight (1 row) | cuBLAS us | ember GEMV us | copy floor us |\n|---|---|---|---|")
+    for name, r in rows.items():
+        floor = r["bytes"] / bw * 1e6
+        print(f"| {name} | {r['cublas_us']:.1f} | {r['ember_us']:.1f} | {floor:.1f} |")
+    print(f"| a step's matmuls (32 layers + head) | {step['cublas']:.0f} | {step['ember']:.0f} | |")
+    print(f"| the same as the layers route them | | {step['routed']:.0f} | |")
+    dest = Path(os.environ.get("OUT") or "benchmarks/results")
+    (dest / f"gemv-{gpu.replace(' ', '_')}.json").write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
