@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels import prefill_attention_tma
 from ember.kernels.dispatch import dot_precision
-
-_LOG2E = 1.4426950408889634
+from ember.kernels.varlen_tiles import LOG2E, find_seq
 
 
 def _tile_config(
@@ -45,22 +45,6 @@ def _tile_config(
         # 8 x 2048 causal on an H200, 328 TFLOP/s against 313 with the paged tiles.
         return block_m, 128, num_warps, 2
     return block_m, 64, num_warps, 3
-
-
-@triton.jit
-def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
-    # Sequence i owns tiles [qsl[i] // BLOCK_M + i, qsl[i+1] // BLOCK_M + i + 1): at least
-    # cdiv(q_len, BLOCK_M) of them, and strictly increasing starts, so binary search works with
-    # no host-side prefix sum.
-    lo: tl.int32 = 0
-    hi = num_seqs - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if tl.load(query_start_loc_ptr + mid) // BLOCK_M + mid <= tile:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 # Sizes that change from batch to batch (and pointers into sliced tensors) do not specialize:
@@ -109,7 +93,7 @@ def _prefill_kernel(
     pid = tl.program_id(0)
     head = pid % NUM_HEADS
     tile = tl.num_programs(0) // NUM_HEADS - 1 - pid // NUM_HEADS
-    seq = _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_M)
+    seq = find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_M)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     m0 = (tile - (q_start // BLOCK_M + seq)) * BLOCK_M
@@ -278,16 +262,13 @@ def prefill_attention(
         raise ValueError(f"out {tuple(out.shape)} must be {tuple(q.shape)}, contiguous in head_dim")
     if num_tokens == 0 or num_seqs == 0:
         return out
-    if fresh:
-        from ember.kernels import prefill_attention_tma  # it imports this module's _find_seq
-
-        if tma if tma is not None else prefill_attention_tma.usable(q, k, v, out):
-            return prefill_attention_tma.fresh_attention_tma(
-                q, k, v, out, query_start_loc, scale, max_query_len
-            )
+    if fresh and (tma if tma is not None else prefill_attention_tma.usable(q, k, v, out)):
+        return prefill_attention_tma.fresh_attention_tma(
+            q, k, v, out, query_start_loc, scale, max_query_len
+        )
 
     block_m, block_n, num_warps, num_stages = _tile_config(head_dim, max_query_len, fresh)
-    # Enough for every sequence's tiles when query_start_loc[-1] <= T (see _find_seq).
+    # Enough for every sequence's tiles when query_start_loc[-1] <= T (see varlen_tiles.find_seq).
     num_tiles = num_tokens // block_m + num_seqs
     _prefill_kernel[(num_tiles * num_heads,)](
         q,
@@ -298,7 +279,7 @@ def prefill_attention(
         query_start_loc,
         seq_lens,
         block_tables,
-        scale * _LOG2E,
+        scale * LOG2E,
         num_seqs,
         q.stride(0),
         q.stride(1),

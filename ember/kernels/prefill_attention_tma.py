@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.dispatch import dot_precision
-from ember.kernels.prefill_attention import _LOG2E, _find_seq
+from ember.kernels.varlen_tiles import LOG2E, find_seq
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> bool:
@@ -114,7 +114,7 @@ def _fresh_tma_kernel(
     pid = tl.program_id(0)
     head = pid % NUM_HEADS
     tile = tl.num_programs(0) // NUM_HEADS - 1 - pid // NUM_HEADS
-    seq = _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_M)
+    seq = find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_M)
     q_start = tl.load(query_start_loc_ptr + seq)
     end = tl.load(query_start_loc_ptr + seq + 1)
     q_len = end - q_start
@@ -182,7 +182,7 @@ def fresh_attention_tma(
         v,
         out,
         query_start_loc,
-        scale * _LOG2E,
+        scale * LOG2E,
         num_seqs,
         q.stride(0),
         k.stride(0),
