@@ -47,32 +47,47 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples.values())
+        # A loop, not all() over a generator: called for every running request each step.
+        for s in self.samples.values():
+            if s.finish_reason is None:
+                return False
+        return True
 
-    def to_output(self) -> RequestOutput:
+    def to_output(self, finished: bool | None = None) -> RequestOutput:
+        """The request as the user sees it now (`finished`: self.finished, when the caller has
+        it). Built for every running request each step on the server path, so n = 1 (nearly
+        every request) takes no sort and no sums."""
+        samples = list(self.samples.values())
+        if len(samples) > 1:
+            samples.sort(key=lambda s: s.index)
         outs = [
             CompletionOutput(
-                index=s.index,
-                text=s.text,
-                token_ids=list(s.token_ids),
-                cumulative_logprob=s.cumulative_logprob,
-                logprobs=s.logprobs,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
+                s.index,
+                s.text,
+                s.token_ids[:],
+                s.cumulative_logprob,
+                s.logprobs,
+                s.finish_reason,
+                s.stop_reason,
             )
-            for s in sorted(self.samples.values(), key=lambda s: s.index)
+            for s in samples
         ]
+        if len(samples) == 1:
+            draft, accepted = samples[0].spec_draft_tokens, samples[0].spec_accepted_tokens
+        else:
+            draft = sum(s.spec_draft_tokens for s in samples)
+            accepted = sum(s.spec_accepted_tokens for s in samples)
         return RequestOutput(
             self.request_id,
             self.prompt,
             self.prompt_token_ids,
             outs,
-            self.finished,
+            self.finished if finished is None else finished,
             self.num_cached_tokens,
             kv_transfer_params=self.kv_transfer_params,
             prompt_logprobs=self.prompt_logprobs,
-            spec_draft_tokens=sum(s.spec_draft_tokens for s in self.samples.values()),
-            spec_accepted_tokens=sum(s.spec_accepted_tokens for s in self.samples.values()),
+            spec_draft_tokens=draft,
+            spec_accepted_tokens=accepted,
         )
 
 
@@ -128,10 +143,10 @@ class OutputProcessor:
         results = []
         for parent_id, state in touched.items():
             if state.finished:
-                results.append(state.to_output())
+                results.append(state.to_output(True))
                 self.abort_request(parent_id)
             elif not final_only:
-                results.append(state.to_output())
+                results.append(state.to_output(False))
         return results, to_stop
 
     def _apply(self, s: SampleState, out: EngineCoreOutput) -> bool:
