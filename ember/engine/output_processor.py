@@ -48,7 +48,7 @@ class RequestState:
     @property
     def finished(self) -> bool:
         # A loop, not all() over a generator: called for every running request each step.
-        for s in self.samples.values():
+        for s in self.samples.values():  # noqa: SIM110
             if s.finish_reason is None:
                 return False
         return True
