@@ -115,8 +115,9 @@ def _fresh_tma_kernel(
     head = pid % NUM_HEADS
     tile = tl.num_programs(0) // NUM_HEADS - 1 - pid // NUM_HEADS
     seq = find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_M)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    end = tl.load(query_start_loc_ptr + seq + 1)
+    # int32 whatever the offsets' type: a descriptor's shape takes 32-bit sizes.
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
+    end = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32)
     q_len = end - q_start
     m0 = (tile - (q_start // BLOCK_M + seq)) * BLOCK_M
     if (m0 < 0) | (m0 >= q_len):  # before the first sequence's rows, or a spare tile

@@ -400,3 +400,53 @@ def test_tma_kernel_is_not_chosen_off_a_hopper_gpu() -> None:
         wide = torch.zeros(4, 4 * 128 + 4, dtype=torch.bfloat16, device="cuda")
         odd = wide[:, 4:].view(4, 4, 128)  # rows start 8 bytes in: not TMA-aligned
         assert not usable(odd, kc, kc, torch.empty_like(qc))
+
+
+_SM90_COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import ASTSource
+from ember.kernels.prefill_attention_tma import _fresh_tma_kernel as fn
+done = {}
+for offsets in ("*i32", "*i64"):
+    sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16",
+           "query_start_loc_ptr": offsets, "qk_scale": "fp32", "num_seqs": "i32",
+           "stride_qt": "i32", "stride_kt": "i32", "stride_vt": "i32", "stride_ot": "i32"}
+    consts = {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_M": 128,
+              "BLOCK_N": 64, "DOT_PRECISION": "tf32"}
+    sig.update({k: "constexpr" for k in consts})
+    constants = {(list(sig).index(k),): v for k, v in consts.items()}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(5)}
+    c = triton.compile(ASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "num_stages": 2})
+    done[offsets] = c.asm["ptx"].count("cp.async.bulk.tensor")
+print(json.dumps(done))
+"""
+
+
+def test_tma_kernel_compiles_for_hopper_with_either_offset_type(tmp_path) -> None:
+    """query_start_loc may be int32 or int64 (prefill_attention takes both); a TMA descriptor's
+    shape is 32-bit. Compiled for sm_90 with Triton's own ptxas (no GPU), outside the
+    interpreter; the PTX must use the TMA engine."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    script = tmp_path / "compile.py"
+    script.write_text(_SM90_COMPILE)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    tma_ops = json.loads(done.stdout.strip().splitlines()[-1])
+    assert tma_ops["*i32"] > 0 and tma_ops["*i64"] > 0
