@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ember.kernels import prefill_attention_tma
 from ember.kernels.dispatch import dot_precision
-from ember.kernels.varlen_tiles import LOG2E, find_seq
+from ember.kernels.varlen_tiles import LOG2E, program_tile
 
 
 def _tile_config(
@@ -87,16 +87,7 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     FRESH: tl.constexpr,
 ):
-    # Heads vary fastest, so the heads of one KV group run together and share K/V through L2.
-    # Tiles go last to first: under the causal mask a sequence's later tiles see more keys, and
-    # starting the longest work first shortens the tail of the launch.
-    pid = tl.program_id(0)
-    head = pid % NUM_HEADS
-    tile = tl.num_programs(0) // NUM_HEADS - 1 - pid // NUM_HEADS
-    seq = find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_M)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    m0 = (tile - (q_start // BLOCK_M + seq)) * BLOCK_M
+    head, seq, q_start, q_len, m0 = program_tile(query_start_loc_ptr, num_seqs, NUM_HEADS, BLOCK_M)
     # m0 < 0: a tile before the first sequence's, when query_start_loc[0] > 0 (decode rows at
     # the front of q are another kernel's); m0 >= q_len: a sequence's spare tile.
     if (m0 < 0) | (m0 >= q_len):
@@ -268,7 +259,7 @@ def prefill_attention(
         )
 
     block_m, block_n, num_warps, num_stages = _tile_config(head_dim, max_query_len, fresh)
-    # Enough for every sequence's tiles when query_start_loc[-1] <= T (see varlen_tiles.find_seq).
+    # Enough for every sequence's tiles when query_start_loc[-1] <= T (see varlen_tiles.program_tile).
     num_tiles = num_tokens // block_m + num_seqs
     _prefill_kernel[(num_tiles * num_heads,)](
         q,

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.dispatch import dot_precision
-from ember.kernels.varlen_tiles import LOG2E, find_seq
+from ember.kernels.varlen_tiles import LOG2E, program_tile
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> bool:
@@ -109,17 +109,9 @@ def _fresh_tma_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # Heads vary fastest (a KV group's heads share K and V through L2); tiles last to first
-    # (the longest causal rows start first), as in prefill_attention.
-    pid = tl.program_id(0)
-    head = pid % NUM_HEADS
-    tile = tl.num_programs(0) // NUM_HEADS - 1 - pid // NUM_HEADS
-    seq = find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_M)
-    # int32 whatever the offsets' type: a descriptor's shape takes 32-bit sizes.
-    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
-    end = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32)
-    q_len = end - q_start
-    m0 = (tile - (q_start // BLOCK_M + seq)) * BLOCK_M
+    # As prefill_attention's: heads fastest, tiles last to first.
+    head, seq, q_start, q_len, m0 = program_tile(query_start_loc_ptr, num_seqs, NUM_HEADS, BLOCK_M)
+    end = q_start + q_len
     if (m0 < 0) | (m0 >= q_len):  # before the first sequence's rows, or a spare tile
         return
     q_desc = tl.make_tensor_descriptor(

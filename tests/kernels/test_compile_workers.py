@@ -7,14 +7,12 @@ kernels are interpreted)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests.outside_interpreter import run_script
 
 pytest.importorskip("triton")
 
@@ -95,20 +93,7 @@ SCRIPT = textwrap.dedent(
 
 
 def _run(mode: str, tmp_path: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
-    script = tmp_path / "run.py"
-    script.write_text(SCRIPT)
-    done = subprocess.run(
-        [sys.executable, str(script), mode],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_script(SCRIPT, tmp_path, mode)
 
 
 def test_a_variant_compiles_in_a_forked_worker_and_the_engine_only_loads_it(

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ember.kernels.prefill_attention import prefill_attention
+from tests.outside_interpreter import run_script
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -429,24 +430,5 @@ def test_tma_kernel_compiles_for_hopper_with_either_offset_type(tmp_path) -> Non
     """query_start_loc may be int32 or int64 (prefill_attention takes both); a TMA descriptor's
     shape is 32-bit. Compiled for sm_90 with Triton's own ptxas (no GPU), outside the
     interpreter; the PTX must use the TMA engine."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
-    script = tmp_path / "compile.py"
-    script.write_text(_SM90_COMPILE)
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    tma_ops = json.loads(done.stdout.strip().splitlines()[-1])
+    tma_ops = run_script(_SM90_COMPILE, tmp_path)
     assert tma_ops["*i32"] > 0 and tma_ops["*i64"] > 0
