@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.dispatch import dot_precision
+from ember.kernels.dispatch import LOG2E, dot_precision
 
 # A split shorter than this spends more on its prologue and partials than it saves in parallelism:
 # at 256 tokens its partials (Hq/Hkv * (D + 1) fp32, written and read) are ~3% of its K/V bytes.
@@ -30,7 +30,6 @@ MAX_SPLITS = 64
 # _block_n), and one more evens out a batch of uneven contexts, where one split's work is
 # proportional to its sequence's length.
 PROGRAMS_PER_SM = 4
-_LOG2E = 1.4426950408889634
 
 
 @functools.cache
@@ -286,7 +285,7 @@ def decode_attention(
         seq_lens if row_groups is None else row_groups,
         target,
         lse,
-        scale * _LOG2E,
+        scale * LOG2E,
         num_splits,
         q.stride(0),
         q.stride(1),

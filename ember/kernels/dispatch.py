@@ -22,6 +22,10 @@ def use_triton(t: torch.Tensor) -> bool:
     )
 
 
+LOG2E = 1.4426950408889634
+"""The attention kernels work in exp2: their softmax scale is multiplied by log2(e)."""
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """`input_precision` of the attention kernels' tl.dot: fp32 inputs stay fp32 ("ieee", the
     references' precision); bf16/fp16 use the tensor cores as they are ("tf32" is ignored)."""

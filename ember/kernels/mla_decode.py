@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.decode_attention import _LOG2E, _num_sms, choose_num_splits, merge_splits
-from ember.kernels.dispatch import dot_precision
+from ember.kernels.decode_attention import _num_sms, choose_num_splits, merge_splits
+from ember.kernels.dispatch import LOG2E, dot_precision
 
 MIN_TOKENS_PER_SPLIT = 64
 """Shorter splits than MHA decode's 256: a program walks its split 16 latent rows (576 values for
@@ -218,7 +218,7 @@ def mla_decode(
         part,
         lse,
         out,
-        scale * _LOG2E,
+        scale * LOG2E,
         num_heads,
         num_splits,
         q_latent.stride(0),

@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from ember.kernels import prefill_attention_tma
-from ember.kernels.dispatch import dot_precision
-from ember.kernels.varlen_tiles import LOG2E, program_tile
+from ember.kernels.dispatch import LOG2E, dot_precision
+from ember.kernels.varlen_tiles import program_tile
 
 
 def _tile_config(

@@ -5,9 +5,9 @@ The FRESH variant of `prefill_attention` reads this step's Q, K and V rows throu
 sequence and loads whole tiles with one instruction each, which frees the registers and issue
 slots the address arithmetic took. With them a 128-query tile fits one warpgroup (4 warps) and
 two programs share an SM (96 KB of shared memory each with two stages of 64-key K and V tiles),
-so one program's softmax overlaps the other's matmuls. bf16, 32 / 8 heads of 128, causal, H200,
-TFLOP/s (`benchmarks/attention_kernels.py`): 8 x 2048 408 against 309 for the pointer kernel,
-1 x 16384 514 against 424, 16 x 1024 273 against 207 (cuDNN, built per length: 508 / 602 / 436).
+so one program's softmax overlaps the other's matmuls. bf16, 32 / 8 heads of 128, causal, H100,
+TFLOP/s (`benchmarks/attention_kernels.py`): 8 x 2048 397 against 336 for the pointer kernel,
+1 x 16384 516 against 434, 16 x 1024 259 against 223 (cuDNN, built per length: 518 / 598 / 419).
 
 The descriptors end at each sequence's last row: a tile's rows past it load as zeros and its
 stores there are dropped, so a tile never writes the next sequence's output. Building them
@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.dispatch import dot_precision
-from ember.kernels.varlen_tiles import LOG2E, program_tile
+from ember.kernels.dispatch import LOG2E, dot_precision
+from ember.kernels.varlen_tiles import program_tile
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> bool:

@@ -5,9 +5,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-"""The attention kernels work in exp2: the softmax scale is multiplied by log2(e)."""
-
 
 @triton.jit
 def find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):

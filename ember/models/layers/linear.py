@@ -15,8 +15,9 @@ from ember.kernels import gemv
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose single-row calls (batch-1 decode) take ember/kernels/gemv.py on a GPU,
-    faster there than cuBLAS; every other call is F.linear."""
+    """nn.Linear whose single-row calls (batch-1 decode) on a large weight take
+    ember/kernels/gemv.py on a GPU, where it beats cuBLAS (`gemv.usable` says when); every other
+    call is F.linear."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if gemv.usable(x, self.weight, self.bias):
