@@ -19,7 +19,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_gpu import copy_bandwidth  # noqa: E402
+from engine_gpu import copy_bandwidth, graph_ms  # noqa: E402
 
 from ember.kernels.gemv import MIN_WEIGHT_ELEMENTS, gemv  # noqa: E402
 
@@ -33,26 +33,9 @@ SHAPES = {
 }
 
 
-def graph_us(fn: Callable[[], object], reps: int = 50) -> float:
-    """Median us per call over replays of a CUDA graph of `reps` calls."""
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(15):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return sorted(times)[len(times) // 2]
+def graph_us(fn: Callable[[], object]) -> float:
+    """Microseconds a call, 50 calls back to back in one CUDA graph (engine_gpu.graph_ms)."""
+    return graph_ms(fn, chain=50) * 1e3
 
 
 def one_shape(n: int, k: int) -> dict[str, float]:
