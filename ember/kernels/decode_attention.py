@@ -14,13 +14,11 @@ on an H100 (~3.0 TB/s measured copy) and ~0.25 ms on an H200 (~4.3 TB/s); comput
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.dispatch import LOG2E, dot_precision
+from ember.kernels.dispatch import LOG2E, dot_precision, num_sms
 
 # A split shorter than this spends more on its prologue and partials than it saves in parallelism:
 # at 256 tokens its partials (Hq/Hkv * (D + 1) fp32, written and read) are ~3% of its K/V bytes.
@@ -30,11 +28,6 @@ MAX_SPLITS = 64
 # _block_n), and one more evens out a batch of uneven contexts, where one split's work is
 # proportional to its sequence's length.
 PROGRAMS_PER_SM = 4
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def choose_num_splits(
@@ -249,10 +242,10 @@ def decode_attention(
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = block_tables.shape[1] * block_size
-        num_sms = _num_sms(q.device.index or 0) if q.is_cuda else 132
+        sms = num_sms(q) if q.is_cuda else 132
         # With groups of up to max_group rows, at least batch / max_group programs have work.
         programs = triton.cdiv(batch, max(max_group, 1)) if row_groups is not None else batch
-        num_splits = choose_num_splits(programs, num_kv_heads, max_seq_len, num_sms)
+        num_splits = choose_num_splits(programs, num_kv_heads, max_seq_len, sms)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 

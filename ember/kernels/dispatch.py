@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -30,3 +31,19 @@ def dot_precision(dtype: torch.dtype) -> str:
     """`input_precision` of the attention kernels' tl.dot: fp32 inputs stay fp32 ("ieee", the
     references' precision); bf16/fp16 use the tensor cores as they are ("tf32" is ignored)."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@functools.cache
+def _properties(index: int) -> tuple[tuple[int, int], int]:
+    props = torch.cuda.get_device_properties(index)
+    return (props.major, props.minor), props.multi_processor_count
+
+
+def capability(t: torch.Tensor) -> tuple[int, int]:
+    """The compute capability of t's CUDA device (cached: the kernels ask on every launch)."""
+    return _properties(t.device.index or 0)[0]
+
+
+def num_sms(t: torch.Tensor) -> int:
+    """The streaming multiprocessors of t's CUDA device (cached)."""
+    return _properties(t.device.index or 0)[1]

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.decode_attention import _num_sms, choose_num_splits, merge_splits
-from ember.kernels.dispatch import LOG2E, dot_precision
+from ember.kernels.decode_attention import choose_num_splits, merge_splits
+from ember.kernels.dispatch import LOG2E, dot_precision, num_sms
 
 MIN_TOKENS_PER_SPLIT = 64
 """Shorter splits than MHA decode's 256: a program walks its split 16 latent rows (576 values for
@@ -193,7 +193,7 @@ def mla_decode(
     head_blocks = triton.cdiv(num_heads, block_h)
     if num_splits is None:
         longest = max_seq_len if max_seq_len is not None else block_tables.shape[1] * page
-        sms = _num_sms(q_latent.device.index or 0) if q_latent.is_cuda else 1
+        sms = num_sms(q_latent) if q_latent.is_cuda else 1
         num_splits = choose_num_splits(
             batch, head_blocks, longest, sms, MIN_TOKENS_PER_SPLIT, PROGRAMS_PER_SM
         )

@@ -17,13 +17,11 @@ allocator set in the launching thread (a ContextVar), so every launch sets it.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.dispatch import LOG2E, dot_precision
+from ember.kernels.dispatch import LOG2E, capability, dot_precision
 from ember.kernels.varlen_tiles import program_tile
 
 
@@ -31,7 +29,7 @@ def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor)
     """Whether the TMA kernel takes these tensors on this device: a Hopper-or-later GPU, 16-bit
     types, a head dim of 64 or 128, heads contiguous within a row, and rows that start on 16
     bytes (TMA's alignment)."""
-    if not q.is_cuda or _capability(q.device.index or 0)[0] < 9:
+    if not q.is_cuda or capability(q)[0] < 9:
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in (64, 128):
         return False
@@ -41,11 +39,6 @@ def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor)
         if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
             return False
     return True
-
-
-@functools.cache
-def _capability(device: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
