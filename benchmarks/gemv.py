@@ -2,6 +2,11 @@
 (F.linear), each weight of the Llama-3-8B shape, inside CUDA graphs over a rotating set of
 weights larger than L2 (as 32 layers are), against the copy ceiling of the same run.
 
+Then 32 layers' chain of one-row kernels as a decode step runs them, attention left out:
+RMSNorm + residual, q/k/v, o, RMSNorm + residual, gate/up, SiLU-and-mul, down, with each layer's
+own weights, in one CUDA graph: cuBLAS for every matmul, the Linear layers' routing, and the GEMV
+for every matmul (what a routing rule decides between, with the kernels around the matmuls).
+
 Prints a table and writes JSON to $OUT (or benchmarks/results/), named with the GPU.
 """
 
@@ -21,7 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_gpu import copy_bandwidth, graph_ms  # noqa: E402
 
+from ember.kernels.activation import silu_and_mul  # noqa: E402
 from ember.kernels.gemv import MIN_WEIGHT_ELEMENTS, gemv  # noqa: E402
+from ember.kernels.rmsnorm import rms_norm  # noqa: E402
 
 # name: (N, K, calls a step): the 8B shape's 32 layers and its LM head.
 SHAPES = {
@@ -58,6 +65,48 @@ def one_shape(n: int, k: int) -> dict[str, float]:
     }
 
 
+def layer_chain(layers: int = 32) -> dict[str, float]:
+    """ms of `layers` layers' one-row kernels (attention left out) in one CUDA graph, for each
+    matmul routing; also the bytes their weights hold."""
+    h, inter = 4096, 14336
+    shapes = {"qkv": (6144, h), "o": (h, h), "gate_up": (2 * inter, h), "down": (h, inter)}
+    ws = [
+        {
+            name: torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
+            for name, (n, k) in shapes.items()
+        }
+        for _ in range(layers)
+    ]
+    norm = torch.ones(h, dtype=torch.bfloat16, device="cuda")
+    x0 = torch.randn(1, h, dtype=torch.bfloat16, device="cuda")
+
+    def matmul(route: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        def run(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            gemv_here = route == "gemv" or (route == "routed" and w.numel() > MIN_WEIGHT_ELEMENTS)
+            return gemv(x, w) if gemv_here else F.linear(x, w)
+
+        return run
+
+    def step(route: str) -> Callable[[], object]:
+        mm = matmul(route)
+
+        def run() -> object:
+            x, residual = x0, x0.clone()
+            for w in ws:
+                x, residual = rms_norm(x, norm, 1e-5, residual)
+                x = mm(mm(x, w["qkv"])[:, :h], w["o"])
+                x, residual = rms_norm(x, norm, 1e-5, residual)
+                x = mm(silu_and_mul(mm(x, w["gate_up"])), w["down"])
+            return x
+
+        return run
+
+    out: dict[str, float] = {"bytes": sum(w.numel() * 2 for layer in ws for w in layer.values())}
+    for route in ("cublas", "routed", "gemv"):
+        out[f"{route}_ms"] = graph_ms(step(route), iters=20)
+    return out
+
+
 def main() -> None:
     gpu = torch.cuda.get_device_name()
     bw = copy_bandwidth()
@@ -71,7 +120,14 @@ def main() -> None:
         rows[name]["ember_us" if n * k > MIN_WEIGHT_ELEMENTS else "cublas_us"] * calls
         for name, (n, k, calls) in SHAPES.items()
     )
-    out = {"gpu": gpu, "copy_bytes_per_s": bw, "rows": rows, "step_matmul_us": step}
+    chain = layer_chain()
+    out = {
+        "gpu": gpu,
+        "copy_bytes_per_s": bw,
+        "rows": rows,
+        "step_matmul_us": step,
+        "layer_chain": chain,
+    }
     print(f"{gpu}; copy {bw / 1e9:.0f} GB/s\n")
     print("| weight (1 row) | cuBLAS us | ember GEMV us | copy floor us |\n|---|---|---|---|")
     for name, r in rows.items():
@@ -79,6 +135,13 @@ def main() -> None:
         print(f"| {name} | {r['cublas_us']:.1f} | {r['ember_us']:.1f} | {floor:.1f} |")
     print(f"| a step's matmuls (32 layers + head) | {step['cublas']:.0f} | {step['ember']:.0f} | |")
     print(f"| the same as the layers route them | | {step['routed']:.0f} | |")
+    floor = chain["bytes"] / bw * 1e3
+    print(
+        f"\n32 layers' one-row kernels (no attention), one CUDA graph (copy floor {floor:.3f} ms):"
+        "\n| matmuls | ms |\n|---|---|"
+    )
+    for route in ("cublas", "routed", "gemv"):
+        print(f"| {route} | {chain[f'{route}_ms']:.3f} |")
     dest = Path(os.environ.get("OUT") or "benchmarks/results")
     (dest / f"gemv-{gpu.replace(' ', '_')}.json").write_text(json.dumps(out, indent=2))
 

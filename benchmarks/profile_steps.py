@@ -1,10 +1,13 @@
 """Where a step's GPU time goes, kernel by kernel (torch.profiler), on a shape of engine_gpu.py
 (Llama-3.1-8B by default; --shape moonlight for the MLA/MoE one) with dummy weights: decode at batch 1 (512-token context) and batch 128 (1k context), and one prefill
 step of 8 x 2048 tokens; eager mode so that each kernel is attributed. Each table also gives the
-step's wall time, so the time between kernels shows. Prints a table per case and writes JSON
-beside the engine benchmark's.
+step's wall time and the GPU's idle time between kernels, so the time between kernels shows.
+With --graphs the decode steps replay the engine's CUDA graphs (as served): the idle time
+between kernels is then the launches' own ramp and drain, what fusing kernels could win (the wall
+time is then the profiler's, ~0.5 s a step with graph kernels traced: not a step's time).
+Prints a table per case and writes JSON beside the engine benchmark's.
 
-    python benchmarks/profile_steps.py [--shape llama]
+    python benchmarks/profile_steps.py [--shape llama] [--graphs]
 """
 
 from __future__ import annotations
@@ -31,17 +34,41 @@ from ember.engine.messages import EngineCoreRequest  # noqa: E402
 from ember.sampling_params import SamplingParams  # noqa: E402
 
 
-def kernels_of(prof: profile, steps: int) -> dict[str, dict[str, float]]:
+def kernels_of(prof: profile, steps: int) -> dict[str, Any]:
     """{"kernels": ms per step of each kernel (by name), "launches_by_kernel": its launches per
-    step}, kernels heaviest first."""
+    step, "gaps": the GPU's idle time between kernels}, kernels heaviest first."""
     totals: dict[str, float] = defaultdict(float)
     counts: dict[str, float] = defaultdict(float)
+    spans: list[tuple[float, float]] = []
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             totals[ev.name[:90]] += ev.device_time_total / 1e3 / steps  # ms per step
             counts[ev.name[:90]] += 1 / steps
+            spans.append((ev.time_range.start, ev.time_range.end))
     kernels = dict(sorted(totals.items(), key=lambda kv: -kv[1]))
-    return {"kernels": kernels, "launches_by_kernel": dict(counts)}
+    return {"kernels": kernels, "launches_by_kernel": dict(counts), "gaps": gaps(spans, steps)}
+
+
+def gaps(spans: list[tuple[float, float]], steps: int, boundary_us: float = 20.0) -> dict:
+    """The GPU's idle time a step (ms) from kernel start/end times (us): gaps shorter than
+    boundary_us are kernel boundaries (a launch's ramp and drain: inside a CUDA graph, what
+    fusing kernels or programmatic dependent launch could win), longer ones the host between
+    steps. Overlapping kernels count once."""
+    inner = outer = 0.0
+    inner_n = 0
+    end = None
+    for s, e in sorted(spans):
+        if end is not None and s > end:
+            if s - end < boundary_us:
+                inner, inner_n = inner + s - end, inner_n + 1
+            else:
+                outer += s - end
+        end = e if end is None else max(end, e)
+    return {
+        "boundary_ms": inner / 1e3 / steps,
+        "boundaries": inner_n / steps,
+        "between_steps_ms": outer / 1e3 / steps,
+    }
 
 
 def _vocab(core: EngineCore) -> int:
@@ -89,16 +116,24 @@ def prefill_table(core: EngineCore, n: int = 8, length: int = 2048) -> dict[str,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shape", default="llama", choices=sorted(SHAPES))
+    ap.add_argument(
+        "--graphs",
+        action="store_true",
+        help="decode steps from the engine's CUDA graphs (batch 1 and 128 only): the kernels "
+        "and the idle time between them as a served step pays them",
+    )
     args = ap.parse_args()
-    # Eager, so that the profiler can name every kernel.
-    core = EngineCore(engine_config(shape_dir(args.shape), enforce_eager=True))
+    # Eager by default, so that the profiler can attribute every launch to its step.
+    core = EngineCore(engine_config(shape_dir(args.shape), enforce_eager=not args.graphs))
     gpu = torch.cuda.get_device_name()
-    result = {"gpu": gpu, "shape": args.shape, "tables": {}}
+    result = {"gpu": gpu, "shape": args.shape, "graphs": args.graphs, "tables": {}}
     cases = {
         "b1": ("decode batch 1, context 512", lambda: decode_table(core, 1, 512)),
         "b128": ("decode batch 128, context 1024", lambda: decode_table(core, 128, 1024)),
         "prefill": ("prefill 8 x 2048 in one step", lambda: prefill_table(core)),
     }
+    if args.graphs:
+        del cases["prefill"]
     for key, (title, measure) in cases.items():
         measured = measure()
         table, counts, wall = (
@@ -108,9 +143,12 @@ def main() -> None:
         )
         total, launches = sum(table.values()), sum(counts.values())
         result["tables"][key] = {"total_ms": total, "launches": launches, **measured}
+        idle = measured["gaps"]
         print(
             f"\n## {title}: {total:.3f} ms of kernels in {wall:.3f} ms of wall time, "
-            f"{launches:.0f} launches per step"
+            f"{launches:.0f} launches per step; idle between kernels "
+            f"{idle['boundary_ms']:.3f} ms ({idle['boundaries']:.0f} gaps), between steps "
+            f"{idle['between_steps_ms']:.3f} ms"
         )
         print("| kernel | ms/step | share | launches/step | us each |")
         print("|---|---|---|---|---|")
@@ -119,7 +157,8 @@ def main() -> None:
             each = f"{ms * 1e3 / n:.1f}" if n else "-"
             print(f"| {name} | {ms:.3f} | {ms / total:.1%} | {n:.0f} | {each} |")
     out = Path(os.environ.get("OUT") or "benchmarks/results")
-    (out / f"profile_steps-{args.shape}-{gpu.replace(' ', '_')}.json").write_text(
+    mode = "-graphs" if args.graphs else ""
+    (out / f"profile_steps-{args.shape}{mode}-{gpu.replace(' ', '_')}.json").write_text(
         json.dumps(result, indent=2)
     )
 
