@@ -33,6 +33,8 @@ class StartupClock:
     def __init__(self) -> None:
         self.phases: dict[str, float] = {}
         self._last = time.perf_counter()
+        self.age_at_start = process_age_s()
+        """The process's age when the clock started: its start, imports and anything before."""
 
     def mark(self, phase: str) -> float:
         now = time.perf_counter()
@@ -44,8 +46,12 @@ class StartupClock:
     def summary(self) -> str:
         parts = ", ".join(f"{name} {s:.1f} s" for name, s in self.phases.items())
         age = process_age_s()
-        total = f"; {age:.1f} s since the process started" if age is not None else ""
-        return f"{parts}{total}"
+        if age is None or self.age_at_start is None:
+            return parts
+        return (
+            f"{parts}; {age:.1f} s since the process started, "
+            f"{self.age_at_start:.1f} s of it (start, imports) before the first phase"
+        )
 
     def report(self) -> None:
         log.info("start-up: %s", self.summary())
