@@ -5,7 +5,8 @@ weights larger than L2 (as 32 layers are), against the copy ceiling of the same 
 Then 32 layers' chain of one-row kernels as a decode step runs them, attention left out:
 RMSNorm + residual, q/k/v, o, RMSNorm + residual, gate/up, SiLU-and-mul, down, with each layer's
 own weights, in one CUDA graph: cuBLAS for every matmul, the Linear layers' routing, and the GEMV
-for every matmul (what a routing rule decides between, with the kernels around the matmuls).
+for every matmul (what a routing rule decides between, with the kernels around the matmuls), and
+the layers' routing with SiLU-and-mul in the gate/up GEMV's epilogue (what the MLP runs).
 
 Prints a table and writes JSON to $OUT (or benchmarks/results/), named with the GPU.
 """
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_gpu import copy_bandwidth, graph_ms  # noqa: E402
 
 from ember.kernels.activation import silu_and_mul  # noqa: E402
-from ember.kernels.gemv import MIN_WEIGHT_ELEMENTS, gemv  # noqa: E402
+from ember.kernels.gemv import MIN_WEIGHT_ELEMENTS, gemv, gemv_silu  # noqa: E402
 from ember.kernels.rmsnorm import rms_norm  # noqa: E402
 
 # name: (N, K, calls a step): the 8B shape's 32 layers and its LM head.
@@ -38,6 +39,11 @@ SHAPES = {
     "down": (4096, 14336, 32),
     "lm_head": (128256, 4096, 1),
 }
+
+
+# How the chain's matmuls run: cuBLAS for all; as the Linear layers route them, with and without
+# SiLU-and-mul in the gate/up GEMV's epilogue (as the MLP runs one row: "+silu"); the GEMV for all.
+CHAIN_ROUTES = ("cublas", "routed", "routed+silu", "gemv")
 
 
 def graph_us(fn: Callable[[], object]) -> float:
@@ -88,7 +94,12 @@ def layer_chain(layers: int = 32) -> dict[str, float]:
         return run
 
     def step(route: str) -> Callable[[], object]:
-        mm = matmul(route)
+        mm = matmul(route.removesuffix("+silu"))
+
+        def activated(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            if route.endswith("+silu"):  # SiLU-and-mul in the GEMV's epilogue
+                return gemv_silu(x, w)
+            return silu_and_mul(mm(x, w))
 
         def run() -> object:
             x, residual = x0, x0.clone()
@@ -96,13 +107,13 @@ def layer_chain(layers: int = 32) -> dict[str, float]:
                 x, residual = rms_norm(x, norm, 1e-5, residual)
                 x = mm(mm(x, w["qkv"])[:, :h], w["o"])
                 x, residual = rms_norm(x, norm, 1e-5, residual)
-                x = mm(silu_and_mul(mm(x, w["gate_up"])), w["down"])
+                x = mm(activated(x, w["gate_up"]), w["down"])
             return x
 
         return run
 
     out: dict[str, float] = {"bytes": sum(w.numel() * 2 for layer in ws for w in layer.values())}
-    for route in ("cublas", "routed", "gemv"):
+    for route in CHAIN_ROUTES:
         out[f"{route}_ms"] = graph_ms(step(route), iters=20)
     return out
 
@@ -140,7 +151,7 @@ def main() -> None:
         f"\n32 layers' one-row kernels (no attention), one CUDA graph (copy floor {floor:.3f} ms):"
         "\n| matmuls | ms |\n|---|---|"
     )
-    for route in ("cublas", "routed", "gemv"):
+    for route in CHAIN_ROUTES:
         print(f"| {route} | {chain[f'{route}_ms']:.3f} |")
     dest = Path(os.environ.get("OUT") or "benchmarks/results")
     (dest / f"gemv-{gpu.replace(' ', '_')}.json").write_text(json.dumps(out, indent=2))

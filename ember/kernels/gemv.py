@@ -1,14 +1,24 @@
 """One row times a large weight matrix (y = x @ W.T for a single token): batch-1 decode's matmuls.
 
 A decode step of one sequence reads every weight once for one row of activations: memory-bound,
-and cuBLAS picks a kernel that leaves bandwidth unused at the larger shapes. H100, 8B shape,
-inside CUDA graphs over weights larger than L2 (`benchmarks/gemv.py`), cuBLAS against this
-kernel, us: gate/up 82.1 / 78.4, down 44.9 / 42.1, the LM head 372 / 337 (~0.24 ms of a 6.3 ms
-step); but q/k/v 20.4 / 22.6 and o 16.6 / 18.5, so weights up to MIN_WEIGHT_ELEMENTS stay with
-cuBLAS, as do two rows and more (this kernel's multiply-adds run on the CUDA cores).
+and cuBLAS picks kernels that leave bandwidth unused. H100, 8B shape, inside CUDA graphs over
+weights larger than L2 (`benchmarks/gemv.py`, session 13), cuBLAS against this kernel, us: q/k/v
+20.3 / 18.7, o 15.5 / 13.5 (cuBLAS also adds a split-K reduce kernel), gate/up 81.4 / 77.9, down
+43.5 / 41.3, the LM head 374 / 336; served batch-1 TPOT 5.92 ms against 6.09 with q/k/v and o
+still on cuBLAS (same call). Weights up to MIN_WEIGHT_ELEMENTS (a tiny model's) stay with cuBLAS,
+as do two rows and more (this kernel's multiply-adds run on the CUDA cores).
 
 Each program owns BLOCK_N output columns and walks the whole K: every weight row is read once,
 in 1,024-element runs, with the row of x broadcast against it; fp32 accumulation.
+
+`gemv_silu` is the MLP's gate/up projection with SiLU-and-mul in its epilogue: each program takes
+BLOCK_N / 2 gate rows and the matching up rows (interleaved, so the tile and its sums are the
+plain GEMV's), rounds both to the activation dtype as the GEMV's store would, and writes
+silu(gate) * up with the rounding of ember/kernels/activation.py: the bits of the GEMV followed by
+that kernel, one launch fewer. Measured level with the two kernels, not faster (H100, session
+13: served batch-1 6.09 / 6.09 ms, 32 layers' chain 5.155 / 5.140 ms; why the saved launch does
+not show was not found). Folding the activation into the down projection's read of x instead
+was slower: every program recomputed the whole row's activation (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -21,8 +31,10 @@ from ember.kernels.dispatch import use_triton
 
 BLOCK_K = 1024
 BLOCK_N = 4
-MIN_WEIGHT_ELEMENTS = 1 << 25
-"""Weights of at most this many elements (the 8B shape's q/k/v and o) go to cuBLAS (above)."""
+MIN_WEIGHT_ELEMENTS = 1 << 22
+"""Weights of at most this many elements go to cuBLAS: every matmul of the 8B shape (o, the
+smallest, has 16.8M) takes the GEMV; above 32M only (gate/up, down, LM head), session 12's rule,
+was 0.17 ms a step slower served (H100)."""
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -52,10 +64,18 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    SILU_PAIRS: tl.constexpr,
 ):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SILU_PAIRS:
+        # N is the activation's width: tile row 2i is gate row c + i, row 2i + 1 up row N + c + i.
+        r = tl.arange(0, BLOCK_N)
+        col = tl.program_id(0) * (BLOCK_N // 2) + r // 2
+        n = col + (r % 2) * N
+        n_ok = col < N
+    else:
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
     rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
-    n_ok = n < N
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -66,25 +86,47 @@ def _gemv_kernel(
             w = tl.load(rows + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0.0)
             x = tl.load(x_ptr + k, mask=k < K, other=0.0)
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    tl.store(y_ptr + n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+    if SILU_PAIRS:
+        gate, up = tl.split(tl.reshape(acc.to(y_ptr.dtype.element_ty), (BLOCK_N // 2, 2)))
+        gate = gate.to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty)
+        y = act.to(tl.float32) * up.to(tl.float32)
+        c = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(y_ptr + c, y.to(y_ptr.dtype.element_ty), mask=c < N)
+    else:
+        tl.store(y_ptr + n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear(x, weight) for x of one row ([..., K] with one row in all), weight [N, K]."""
+    return _launch(x, weight, weight.shape[0], silu_pairs=False)
+
+
+def gemv_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul(F.linear(x, weight)) for x of one row and weight [2I, K] (gate rows, then
+    up rows): [..., I], the same bits as the two kernels one after the other."""
+    if weight.shape[0] % 2:
+        raise ValueError(f"weight {tuple(weight.shape)} must be [2I, K]: gate rows, then up rows")
+    return _launch(x, weight, weight.shape[0] // 2, silu_pairs=True)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, width: int, *, silu_pairs: bool) -> torch.Tensor:
     n, k = weight.shape
     if x.shape[-1] != k or x.numel() != k:
         raise ValueError(f"x {tuple(x.shape)} must be one row of {k} for weight {(n, k)}")
-    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    y = torch.empty(*x.shape[:-1], width, dtype=x.dtype, device=x.device)
+    # With SILU_PAIRS a program's BLOCK_N rows are BLOCK_N / 2 outputs' gate and up rows.
     _gemv_kernel[(triton.cdiv(n, BLOCK_N),)](
         x,
         weight,
         y,
-        n,
+        width,
         k,
         weight.stride(0),
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
         EVEN_K=k % BLOCK_K == 0,
+        SILU_PAIRS=silu_pairs,
         num_warps=4,
         num_stages=3,
     )

@@ -68,7 +68,7 @@ class MLP(nn.Module):
         self.act = gated_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.activated(self.act, x))
 
 
 class DecoderLayer(nn.Module):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -82,3 +84,131 @@ def test_gemv_llama3_8b_shapes(dtype: torch.dtype, n: int, k: int) -> None:
     x = torch.randn(1, k, generator=g, device="cuda", dtype=dtype)
     want = F.linear(x.float(), w.float())
     torch.testing.assert_close(gemv.gemv(x, w).float(), want, rtol=2e-2, atol=2e-2)
+
+
+def _check_silu_pairs(inter: int, k: int, dtype: torch.dtype, device: str, tol: float) -> None:
+    from ember.kernels.activation import silu_and_mul
+
+    g = torch.Generator().manual_seed(inter + k)
+    w = (torch.randn(2 * inter, k, generator=g) * 0.05).to(device, dtype)
+    x = torch.randn(1, k, generator=g).to(device, dtype)
+    got = gemv.gemv_silu(x, w)
+    assert got.shape == (1, inter)
+    assert torch.equal(got, silu_and_mul(gemv.gemv(x, w)))
+    gate, up = F.linear(x.float(), w.float()).chunk(2, dim=-1)
+    torch.testing.assert_close(got.float(), F.silu(gate) * up, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(
+    ("inter", "k"), [(20, 1024), (37, 2048 + 96), (150, 576)], ids=["even", "odd-k-tail", "smollm2"]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_silu_is_the_gemv_then_silu_and_mul_to_the_bit(
+    inter: int, k: int, dtype: torch.dtype, device: str
+) -> None:
+    """SiLU-and-mul in the gate/up GEMV's epilogue: the bits of the GEMV followed by the
+    activation kernel (odd widths: a program's last pair masked), close to the reference."""
+    _check_silu_pairs(inter, k, dtype, device, 1e-4 if dtype == torch.float32 else 3e-2)
+    with pytest.raises(ValueError, match="gate rows, then up rows"):
+        gemv.gemv_silu(torch.randn(1, 64, device=device), torch.randn(7, 64, device=device))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemv_silu_llama3_8b_gate_up(dtype: torch.dtype) -> None:
+    _check_silu_pairs(14336, 4096, dtype, "cuda", 5e-2)
+
+
+def test_stacked_gate_up_takes_the_silu_epilogue_for_one_row_only(
+    monkeypatch: pytest.MonkeyPatch, device: str
+) -> None:
+    from ember.models.layers.activation import silu_and_mul
+
+    if device == "cpu":
+        monkeypatch.setenv("EMBER_TRITON_ON_CPU", "1")
+    monkeypatch.setattr(gemv, "MIN_WEIGHT_ELEMENTS", 0)
+    fused: list[tuple[int, ...]] = []
+    real = gemv.gemv_silu
+    monkeypatch.setattr(gemv, "gemv_silu", lambda x, w: fused.append(tuple(x.shape)) or real(x, w))
+    gate_up = StackedLinear(64, {"gate": 16, "up": 16}).to(device)
+    one, two = torch.randn(1, 64, device=device), torch.randn(2, 64, device=device)
+    with torch.no_grad():
+        want = silu_and_mul(F.linear(one, gate_up.weight))
+        torch.testing.assert_close(gate_up.activated(silu_and_mul, one), want)
+        assert fused == [(1, 64)]
+        gate_up.activated(silu_and_mul, two)  # two rows: cuBLAS, then the activation kernel
+        gate_up.activated(lambda h: silu_and_mul(h) * 2, one)  # not SiLU
+        uneven = StackedLinear(64, {"gate": 16, "up": 8}).to(device)
+        uneven.activated(silu_and_mul, one)  # not a gate/up pair of one width: the plain path
+    assert fused == [(1, 64)]
+
+
+def _greedy_one_row(path: str, device: str, fused: bool, monkeypatch) -> tuple[list, int]:
+    """(tokens and logprobs, calls of the fused kernel) of one request decoding alone (every
+    step one row), every matmul through the GEMV; `fused=False`: GEMV, then SiLU-and-mul."""
+    from ember.engine.config import EngineConfig
+    from ember.engine.core import EngineCore
+    from ember.engine.messages import EngineCoreRequest
+    from ember.sampling_params import SamplingParams
+
+    calls = [0]
+    real = gemv.gemv_silu
+
+    def counting(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        return real(x, w)
+
+    with monkeypatch.context() as m:
+        if device == "cpu":
+            m.setenv("EMBER_TRITON_ON_CPU", "1")
+        m.setattr(gemv, "MIN_WEIGHT_ELEMENTS", 0)
+        m.setattr(gemv, "gemv_silu", counting)
+        if not fused:
+            m.setattr(StackedLinear, "activated", lambda self, act, x: act(self(x)))
+        config = EngineConfig(
+            model=path,
+            device=device,
+            dtype="float32" if device == "cpu" else "bfloat16",
+            num_kv_blocks=64,
+            block_size=4,
+            max_model_len=128,
+            max_num_batched_tokens=64,
+        )
+        core = EngineCore(config)
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+        core.add_request(EngineCoreRequest("r", [5, 9, 14, 3, 7, 11], params, [], 8))
+        out = []
+        while core.has_unfinished_requests():
+            for o in core.step():
+                assert o.finish_reason != "error", o.stop_reason
+                lps = [lp[0][1] for lp in o.new_logprobs or []]
+                out += list(zip(o.new_token_ids, lps, strict=True))
+        core.close()
+    return out, calls[0]
+
+
+def _check_fused_decode(path: str, device: str, monkeypatch) -> None:
+    want, plain_calls = _greedy_one_row(path, device, False, monkeypatch)
+    got, fused_calls = _greedy_one_row(path, device, True, monkeypatch)
+    assert len(got) == 8 and got == want
+    assert plain_calls == 0 and fused_calls > 0
+
+
+def test_silu_epilogue_decodes_the_same_tokens_and_logprobs(
+    tiny_model_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy decoding of one sequence with SiLU-and-mul in the gate/up GEMV gives the unfused
+    path's tokens and logprobs exactly (the tiny Llama, fp32, kernels in the interpreter)."""
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreter run is for machines without a GPU")
+    _check_fused_decode(str(tiny_model_dir("llama")), "cpu", monkeypatch)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_silu_epilogue_decodes_the_same_tokens_and_logprobs_on_the_gpu(
+    tiny_model_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same in bf16 on the GPU, CUDA graphs included."""
+    _check_fused_decode(str(tiny_model_dir("llama")), "cuda", monkeypatch)

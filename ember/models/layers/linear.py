@@ -7,11 +7,14 @@ weight means one GEMM per step instead of three. `weight_loader` copies a named 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ember.kernels import gemv
+from ember.models.layers.activation import silu_and_mul
 
 
 class Linear(nn.Linear):
@@ -48,3 +51,19 @@ class StackedLinear(Linear):
 
     def split(self, out: torch.Tensor) -> list[torch.Tensor]:
         return list(out.split(list(self.shard_sizes.values()), dim=-1))
+
+    def activated(
+        self, act: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+    ) -> torch.Tensor:
+        """act(self(x)) for the MLP's gated activation of this [gate | up] layer. One row through
+        SiLU, on a weight the GEMV takes, has SiLU-and-mul in the GEMV's epilogue: the same bits,
+        one launch fewer."""
+        gate_up = list(self.shard_sizes.values())
+        if (
+            act is silu_and_mul
+            and len(gate_up) == 2
+            and gate_up[0] == gate_up[1]
+            and gemv.usable(x, self.weight, self.bias)
+        ):
+            return gemv.gemv_silu(x, self.weight)
+        return act(self(x))
