@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ember.engine.stop_strings import find_stop_string
-from ember.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from ember.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, TokenIdsView
 from ember.tokenizer.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
@@ -60,11 +60,14 @@ class RequestState:
         samples = list(self.samples.values())
         if len(samples) > 1:
             samples.sort(key=lambda s: s.index)
+        # A finished sample's list no longer grows: it goes out as it is.
         outs = [
             CompletionOutput(
                 s.index,
                 s.text,
-                s.token_ids[:],
+                s.token_ids
+                if s.finish_reason is not None
+                else TokenIdsView(s.token_ids, len(s.token_ids)),
                 s.cumulative_logprob,
                 s.logprobs,
                 s.finish_reason,
