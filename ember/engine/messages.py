@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ember.kv.tiers.stats import TierStats
+from ember.kv.tiers.base import TierStats
 from ember.sampling_params import SamplingParams
 
 

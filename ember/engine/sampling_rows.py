@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ember.engine.grammar_masks import apply_grammar_masks
 from ember.engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from ember.engine.structured_output import apply_grammar_masks
 
 if TYPE_CHECKING:
     from ember.engine.request import Request

@@ -11,8 +11,7 @@ import torch
 from llguidance import LLMatcher
 
 from ember import LLM, SamplingParams
-from ember.engine.grammar_masks import apply_grammar_masks
-from ember.engine.structured_output import GrammarCompiler
+from ember.engine.structured_output import GrammarCompiler, apply_grammar_masks
 from ember.models.config import ModelConfig
 from ember.sampling_params import StructuredOutputsParams as SO
 

@@ -33,22 +33,6 @@ def test_the_path_to_the_spawn_imports_no_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
 
 
-def test_the_api_process_imports_no_torch() -> None:
-    """The API process (its server, handlers, engine client and the messages from the core)
-    never needs torch: on a small machine its ~1.5 s of imports would compete with the core's
-    start. Structured-output grammars are validated there without it."""
-    code = (
-        "import sys\n"
-        "import ember.server.api_server, ember.server.serving_chat, ember.server.serving_completion\n"
-        "import ember.engine.async_llm, ember.engine.messages, ember.engine.structured_output\n"
-        "from ember.engine.structured_output import validate\n"
-        "from ember.sampling_params import StructuredOutputsParams\n"
-        "validate(StructuredOutputsParams(regex='[ab]+'))\n"
-        "assert 'torch' not in sys.modules, 'torch imported'\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
-
-
 def test_a_start_that_fails_after_the_spawn_stops_its_core(tiny_model_dir, tmp_path) -> None:
     """A missing API keys file is found after the core was spawned: serve exits 2 at once (not
     after the core has loaded), and leaves no IPC directory behind."""

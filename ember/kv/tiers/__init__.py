@@ -9,19 +9,18 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ember.kv.tiers.base import BlockLayout, Medium, Tier, TierHit
+    from ember.kv.tiers.base import BlockLayout, Medium, Tier, TierHit, TierStats
     from ember.kv.tiers.cost import CostModel
     from ember.kv.tiers.disk import DiskTier
     from ember.kv.tiers.host import HostTier
     from ember.kv.tiers.manager import TierManager
-    from ember.kv.tiers.stats import TierStats
 
 _HOMES = {
     "BlockLayout": "base",
     "Medium": "base",
     "Tier": "base",
     "TierHit": "base",
-    "TierStats": "stats",
+    "TierStats": "base",
     "CostModel": "cost",
     "DiskTier": "disk",
     "HostTier": "host",

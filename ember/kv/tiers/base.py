@@ -16,8 +16,6 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from ember.kv.tiers.stats import TierStats
-
 if TYPE_CHECKING:
     from ember.kv.tiers.host_memory import HostMemory
 
@@ -82,6 +80,31 @@ class BlockLayout:
         _, layers, planes, block_size, heads, dim = kv_cache.shape
         dtype = str(kv_cache.dtype).removeprefix("torch.")
         return cls(layers, heads, dim, block_size, dtype, model, planes)
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Counters of one tier since it started; `stats()` hands out copies."""
+
+    hits: int = 0  # blocks found by lookups / reads
+    misses: int = 0  # blocks asked for and not found (or found corrupt)
+    blocks_in: int = 0  # blocks written into this tier
+    bytes_in: int = 0
+    blocks_out: int = 0  # blocks read out of this tier
+    bytes_out: int = 0
+    evictions: int = 0
+    occupancy_blocks: int = 0
+    occupancy_bytes: int = 0
+    capacity_bytes: int = 0
+    drops: int = 0  # writes not done: queue full, no room, or the tier failed
+    errors: int = 0  # operations that raised (an unreachable store, a disk error)
+    corrupt: int = 0  # entries found truncated or corrupt on read (then deleted)
+    loads: int = 0  # cost-model decisions to load from this tier
+    recomputes: int = 0  # cost-model decisions to recompute rather than load
+    prefetched: int = 0  # blocks read from this tier into host ahead of their request's admission
+
+    def copy(self) -> TierStats:
+        return TierStats(**{f.name: getattr(self, f.name) for f in fields(self)})
 
 
 class Counters:
