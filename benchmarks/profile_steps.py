@@ -4,7 +4,8 @@ step of 8 x 2048 tokens; eager mode so that each kernel is attributed. Each tabl
 step's wall time and the GPU's idle time between kernels, so the time between kernels shows.
 With --graphs the decode steps replay the engine's CUDA graphs (as served): the idle time
 between kernels is then the launches' own ramp and drain, what fusing kernels could win (the wall
-time is then the profiler's, ~0.5 s a step with graph kernels traced: not a step's time).
+time is then the profiler's, ~0.5 s a step with graph kernels traced: each decode table also
+times as many steps again without the profiler, its "step_ms").
 Prints a table per case and writes JSON beside the engine benchmark's.
 
     python benchmarks/profile_steps.py [--shape llama] [--graphs]
@@ -76,9 +77,10 @@ def _vocab(core: EngineCore) -> int:
 
 
 def decode_table(core: EngineCore, batch: int, context: int, steps: int = 8) -> dict[str, Any]:
-    params = SamplingParams(temperature=1.0, max_tokens=steps + 4, ignore_eos=True)
+    tokens = 2 * steps + 4  # the profiled steps, then as many timed without the profiler
+    params = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True)
     for i, p in enumerate(random_prompts(batch, context, _vocab(core), batch)):
-        core.add_request(EngineCoreRequest(f"p{batch}-{i}", p, params, [], steps + 4))
+        core.add_request(EngineCoreRequest(f"p{batch}-{i}", p, params, [], tokens))
     for _ in range(3):  # prefill (chunked if needed) and a first decode step, unprofiled
         core.step()
     while core.scheduler.waiting:
@@ -90,9 +92,14 @@ def decode_table(core: EngineCore, batch: int, context: int, steps: int = 8) -> 
             core.step()
         torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) * 1e3 / steps
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - t0) * 1e3 / steps
     while core.has_unfinished_requests():
         core.step()
-    return {"wall_ms": wall, **kernels_of(prof, steps)}
+    return {"wall_ms": wall, "step_ms": step_ms, **kernels_of(prof, steps)}
 
 
 def prefill_table(core: EngineCore, n: int = 8, length: int = 2048) -> dict[str, Any]:
@@ -149,6 +156,7 @@ def main() -> None:
             f"{launches:.0f} launches per step; idle between kernels "
             f"{idle['boundary_ms']:.3f} ms ({idle['boundaries']:.0f} gaps), between steps "
             f"{idle['between_steps_ms']:.3f} ms"
+            + (f"; {measured['step_ms']:.3f} ms a step unprofiled" if "step_ms" in measured else "")
         )
         print("| kernel | ms/step | share | launches/step | us each |")
         print("|---|---|---|---|---|")
