@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_gpu import copy_bandwidth, graph_ms  # noqa: E402
 
 from ember.kernels.activation import silu_and_mul  # noqa: E402
-from ember.kernels.gemv import MIN_WEIGHT_ELEMENTS, gemv, gemv_silu  # noqa: E402
+from ember.kernels.gemv import MIN_WEIGHT_ELEMENTS, gemv, gemv_silu, usable  # noqa: E402
 from ember.kernels.rmsnorm import rms_norm  # noqa: E402
 
 # name: (N, K, calls a step): the 8B shape's 32 layers and its LM head.
@@ -88,7 +88,8 @@ def layer_chain(layers: int = 32) -> dict[str, float]:
 
     def matmul(route: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         def run(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            gemv_here = route == "gemv" or (route == "routed" and w.numel() > MIN_WEIGHT_ELEMENTS)
+            # "routed": the Linear layers' own rule (gemv.usable), whatever it is now.
+            gemv_here = route == "gemv" or (route == "routed" and usable(x, w, None))
             return gemv(x, w) if gemv_here else F.linear(x, w)
 
         return run

@@ -53,8 +53,8 @@ def kernels_of(prof: profile, steps: int) -> dict[str, Any]:
 def gaps(spans: list[tuple[float, float]], steps: int, boundary_us: float = 20.0) -> dict:
     """The GPU's idle time a step (ms) from kernel start/end times (us): gaps shorter than
     boundary_us are kernel boundaries (a launch's ramp and drain: inside a CUDA graph, what
-    fusing kernels or programmatic dependent launch could win), longer ones the host between
-    steps. Overlapping kernels count once."""
+    fusing kernels could win; programmatic dependent launch did not, docs/performance.md),
+    longer ones the host between steps. Overlapping kernels count once."""
     inner = outer = 0.0
     inner_n = 0
     end = None
