@@ -49,10 +49,10 @@ def bench(fn) -> float:
     return median_ms(fn) / 1e3
 
 
-def paged(seq_lens: list[int]):
-    blocks = [-(-n // BS) for n in seq_lens]
+def paged(seq_lens: list[int], bs: int = BS):
+    blocks = [-(-n // bs) for n in seq_lens]
     total = sum(blocks)
-    cache = torch.randn(total, 2, BS, HKV, D, dtype=torch.bfloat16, device="cuda")
+    cache = torch.randn(total, 2, bs, HKV, D, dtype=torch.bfloat16, device="cuda")
     perm = torch.randperm(total, device="cuda").to(torch.int32)
     width = max(blocks)
     table = torch.zeros(len(seq_lens), width, dtype=torch.int32, device="cuda")
@@ -137,6 +137,47 @@ def fresh_rows(out: dict) -> None:
     print("\n| fresh causal prompts | TMA | pointers | cuDNN SDPA |\n|---|---|---|---|")
     for name, r in rows.items():
         print(f"| {name} | {r['TMA']:.0f} | {r['pointers']:.0f} | {r['cuDNN SDPA']:.0f} |")
+
+
+EXTEND = ((1, 16384, 1024), (1, 32768, 2048), (4, 8192, 1024), (8, 2048, 512), (32, 1024, 128))
+"""(sequences, cached prefix, new tokens): an agent's next turn over its cached conversation."""
+
+
+def _extend_shape(n: int, cached: int, new: int) -> dict[str, float]:
+    """TFLOP/s of n chunks of `new` tokens over `cached` tokens already in the cache, causal:
+    ember's paged kernel over 16- and 64-token pages (pointer loads) and over 64-token pages
+    through the TMA kernel, against FlashAttention-2's varlen kernel (torch's, unpaged: K and V
+    contiguous per sequence, the causal mask aligned bottom-right)."""
+    total = cached + new
+    q = torch.randn(n * new, HQ, D, dtype=torch.bfloat16, device="cuda")
+    qsl = torch.arange(0, (n + 1) * new, new, dtype=torch.int32, device="cuda")
+    lens = torch.full((n,), total, dtype=torch.int32, device="cuda")
+    flops = n * 4 * HQ * D * new * (total - new / 2)
+    r = {}
+    for name, bs, tma in (("pointers, pages of 16", 16, False), ("pointers, pages of 64", 64, False),
+                          ("TMA, pages of 64", 64, True)):  # fmt: skip
+        cache, table = paged([total] * n, bs)
+        t = bench(lambda c=cache, tb=table, tma=tma: prefill_attention(
+            q, c, qsl, lens, tb, D**-0.5, new, tma=tma))  # fmt: skip
+        r[name] = flops / t / 1e12
+        del cache
+    k = torch.randn(n * total, HKV, D, dtype=torch.bfloat16, device="cuda")
+    cu_k = torch.arange(0, (n + 1) * total, total, dtype=torch.int32, device="cuda")
+    t = bench(lambda: torch.ops.aten._flash_attention_forward(
+        q, k, k, qsl, cu_k, new, total, 0.0, True, False, scale=D**-0.5)[0])  # fmt: skip
+    r["flash varlen (unpaged)"] = flops / t / 1e12
+    return r
+
+
+def extend_rows(out: dict) -> None:
+    """Chunks continuing cached prompts (an agent's turn, a chunked prefill) through the cache."""
+    rows = {f"{n} x ({c} + {m})": _extend_shape(n, c, m) for n, c, m in EXTEND}
+    out["extend_tflops"] = rows
+    names = list(next(iter(rows.values())))
+    print("\n| extend: n x (cached + new), TFLOP/s | " + " | ".join(names) + " |")
+    print("|---" * (len(names) + 1) + "|")
+    for case, r in rows.items():
+        print(f"| {case} | " + " | ".join(f"{r[k]:.0f}" for k in names) + " |")
 
 
 def _varlen_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, m: int):
@@ -332,8 +373,9 @@ def mla_sdpa_rows(out: dict) -> None:
 def decode_rows(out: dict, bw: float) -> None:
     rows = {}
     print("\n| decode | us | K/V GB/s | of copy bandwidth |\n|---|---|---|---|")
-    for b, ctx in ((1, 512), (1, 4096), (64, 1024), (128, 1024)):
-        cache, table = paged([ctx] * b)
+    cases = [(b, ctx, BS) for b, ctx in ((1, 512), (1, 4096), (64, 1024), (128, 1024))]
+    for b, ctx, bs in cases + [(b, ctx, 64) for b, ctx in ((1, 4096), (64, 1024), (128, 1024))]:
+        cache, table = paged([ctx] * b, bs)
         q = torch.randn(b, HQ, D, dtype=torch.bfloat16, device="cuda")
         lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
         t = bench(
@@ -342,8 +384,9 @@ def decode_rows(out: dict, bw: float) -> None:
             )
         )
         nbytes = b * ctx * HKV * D * 2 * 2
-        rows[f"b{b} x {ctx}"] = {"us": t * 1e6, "gb_s": nbytes / t / 1e9}
-        print(f"| b{b} x {ctx} | {t * 1e6:.1f} | {nbytes / t / 1e9:.0f} | {nbytes / t / bw:.2f} |")
+        name = f"b{b} x {ctx}" + ("" if bs == BS else f", pages of {bs}")
+        rows[name] = {"us": t * 1e6, "gb_s": nbytes / t / 1e9}
+        print(f"| {name} | {t * 1e6:.1f} | {nbytes / t / 1e9:.0f} | {nbytes / t / bw:.2f} |")
     out["decode"] = rows
 
 
@@ -386,6 +429,13 @@ def main() -> None:
     bw = copy_bandwidth()
     out: dict = {"gpu": gpu, "copy_bytes_per_s": bw}
     print(f"GPU: {gpu}; copy {bw / 1e9:.0f} GB/s")
+    if "--extend-only" in sys.argv:
+        extend_rows(out)
+        decode_rows(out, bw)
+        dest = Path(os.environ.get("OUT") or "benchmarks/results")
+        name = f"attention_kernels-extend-{gpu.replace(' ', '_')}.json"
+        (dest / name).write_text(json.dumps(out, indent=2))
+        return
     if "--mla-only" in sys.argv:
         mla_sdpa_rows(out)
         print(json.dumps(out["mla_sdpa"]))
@@ -393,6 +443,7 @@ def main() -> None:
     prefill_rows(out)
     fresh_rows(out)
     mixed_step_rows(out)
+    extend_rows(out)
     if "--prefill-only" not in sys.argv:
         mla_sdpa_rows(out)
         decode_rows(out, bw)

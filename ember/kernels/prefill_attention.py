@@ -257,6 +257,17 @@ def prefill_attention(
         return prefill_attention_tma.fresh_attention_tma(
             q, k, v, out, query_start_loc, scale, max_query_len
         )
+    if not fresh and (
+        tma if tma is not None else prefill_attention_tma.paged_usable(q, kv_cache, out)
+    ):
+        if block_size % prefill_attention_tma.PAGE_BLOCK_N:
+            raise ValueError(
+                f"the paged TMA kernel needs blocks of a multiple of "
+                f"{prefill_attention_tma.PAGE_BLOCK_N} tokens, got {block_size}"
+            )
+        return prefill_attention_tma.paged_attention_tma(
+            q, kv_cache, out, query_start_loc, seq_lens, block_tables, scale, max_query_len
+        )
 
     block_m, block_n, num_warps, num_stages = _tile_config(head_dim, max_query_len, fresh)
     # Enough for every sequence's tiles when query_start_loc[-1] <= T (see varlen_tiles.program_tile).

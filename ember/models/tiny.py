@@ -382,7 +382,11 @@ def _weights(arch: str, config: dict[str, Any], seed: int) -> dict[str, torch.Te
         return 1.0 + 0.1 * torch.randn(size, generator=gen)
 
     hidden, vocab = config["hidden_size"], config["vocab_size"]
-    q_size, kv_size = NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM
+    # From the config, so that `overrides` may change the heads (a head dim of 64 or 128 takes
+    # the kernels that need one).
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q_size = config["num_attention_heads"] * head_dim
+    kv_size = config["num_key_value_heads"] * head_dim
     # The final norm leaves hidden states at unit RMS, so an embedding std of 0.25 gives logits a
     # std of about 0.25 * sqrt(64) = 2: far from the near-ties that make greedy decoding flaky.
     w: dict[str, torch.Tensor] = {
@@ -403,8 +407,8 @@ def _weights(arch: str, config: dict[str, Any], seed: int) -> dict[str, torch.Te
             w[f"{p}.self_attn.v_proj.bias"] = 0.1 * torch.randn(kv_size, generator=gen)
         w[f"{p}.self_attn.o_proj.weight"] = linear(hidden, q_size, gain=0.5)
         if arch in ("qwen3", "qwen3_moe"):
-            w[f"{p}.self_attn.q_norm.weight"] = norm(HEAD_DIM)
-            w[f"{p}.self_attn.k_norm.weight"] = norm(HEAD_DIM)
+            w[f"{p}.self_attn.q_norm.weight"] = norm(head_dim)
+            w[f"{p}.self_attn.k_norm.weight"] = norm(head_dim)
         w[f"{p}.post_attention_layernorm.weight"] = norm(hidden)
         if arch == "qwen3_moe":
             w[f"{p}.mlp.gate.weight"] = linear(NUM_EXPERTS, hidden)

@@ -403,6 +403,119 @@ def test_tma_kernel_is_not_chosen_off_a_hopper_gpu() -> None:
         assert not usable(odd, kc, kc, torch.empty_like(qc))
 
 
+# (cached prefix, new tokens) per sequence, over pages of 64 or 128 tokens: prefixes ending
+# mid-page and on a page's edge, a diagonal tile whose page runs past the context (the rest of
+# the page is NaN), a run of unmasked tiles before two query tiles, one-row sequences.
+PAGED = {
+    "mixed": [(0, 37), (5, 1), (64, 20), (62, 9), (130, 70)],
+    "long-prefix": [(300, 10), (191, 1)],
+    "two-query-tiles": [(63, 150)],
+}
+
+
+def _paged_tma_check(
+    make_paged_batch, attention_reference, assert_rel_close, shapes, heads, block_size, dtype,
+    device, seed, tol, front: int = 0,
+) -> None:  # fmt: skip
+    """The paged TMA kernel (forced: on a CPU it runs in Triton's interpreter) against the
+    reference; the first `front` sequences are decode rows with their own output, left alone."""
+    batch = make_paged_batch(shapes, *heads, block_size, dtype, device, seed)
+    md, scale = batch.metadata, heads[2] ** -0.5
+    out = torch.full_like(batch.q, float("nan"))
+    out[:front] = 7.0
+    got = prefill_attention(
+        batch.q,
+        batch.kv_cache,
+        md.query_start_loc[front:],
+        md.seq_lens[front:],
+        md.block_tables[front:],
+        scale,
+        max(n for _, n in shapes[front:]),
+        out=out,
+        tma=True,
+    )
+    assert got is out and bool((out[:front] == 7).all())
+    assert_rel_close(out[front:], attention_reference(batch, scale)[front:], tol)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize("heads", [(2, 2, 16), (4, 1, 64)], ids=["gqa1-d16", "gqa4-d64"])
+@pytest.mark.parametrize("case", list(PAGED))
+def test_paged_tma_kernel_matches_reference(
+    make_paged_batch, attention_reference, assert_rel_close, seed, block_size, heads, case, device
+) -> None:
+    if device == "cuda" and not _tma_runs():
+        pytest.skip("TMA needs a Hopper GPU")
+    _paged_tma_check(
+        make_paged_batch, attention_reference, assert_rel_close, PAGED[case], heads, block_size,
+        torch.float32, device, seed, 1e-5,
+    )  # fmt: skip
+
+
+def test_paged_tma_kernel_after_decode_rows(
+    make_paged_batch, attention_reference, assert_rel_close, device
+) -> None:
+    if device == "cuda" and not _tma_runs():
+        pytest.skip("TMA needs a Hopper GPU")
+    shapes = [(40, 1), (100, 1), (0, 30), (70, 17)]
+    _paged_tma_check(
+        make_paged_batch, attention_reference, assert_rel_close, shapes, (2, 1, 16), 64,
+        torch.float32, device, 3, 1e-5, front=2,
+    )  # fmt: skip
+
+
+def test_paged_tma_kernel_needs_whole_tiles_a_page(device: str) -> None:
+    cache = torch.zeros(4, 2, 16, 1, 16, device=device)
+    q = torch.zeros(3, 2, 16, device=device)
+    lens = torch.tensor([3], dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, 3], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="multiple of 64 tokens"):
+        prefill_attention(q, cache, qsl, lens, lens[:, None] * 0, 1.0, 3, tma=True)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_paged_tma_kernel_llama3_8b(
+    make_paged_batch, attention_reference, assert_rel_close, seed, dtype
+) -> None:
+    """The 8B shape over pages of 64: chunks continuing long prompts, each cached prefix and
+    chunk random, chosen by default (no `tma` argument) on a Hopper GPU."""
+    if not _tma_runs():
+        pytest.skip("TMA needs a Hopper GPU")
+    g = torch.Generator().manual_seed(seed)
+    cached = torch.randint(0, 3000, (5,), generator=g).tolist()
+    new = torch.randint(1, 700, (5,), generator=g).tolist()
+    batch = make_paged_batch(
+        [*zip(cached, new, strict=True), (4096, 512)], 32, 8, 128, 64, dtype, "cuda", seed
+    )
+    md, scale = batch.metadata, 128**-0.5
+    from ember.kernels.prefill_attention_tma import paged_usable
+
+    assert paged_usable(batch.q, batch.kv_cache, batch.q)
+    out = prefill_attention(
+        batch.q, batch.kv_cache, md.query_start_loc, md.seq_lens, md.block_tables, scale,
+        md.max_query_len,
+    )  # fmt: skip
+    assert_rel_close(out, attention_reference(batch, scale), 1e-2)
+
+
+def test_paged_tma_kernel_is_chosen_for_whole_tile_pages_on_hopper() -> None:
+    from ember.kernels.prefill_attention_tma import paged_usable
+
+    q = torch.zeros(4, 4, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(3, 2, 2, 64, 1, 128, dtype=torch.bfloat16)[:, 1]  # block-major, strided
+    assert not paged_usable(q, cache, q)  # no GPU
+    if torch.cuda.is_available() and _tma_runs():
+        qc, cc = q.cuda(), cache.cuda()
+        assert paged_usable(qc, cc, torch.empty_like(qc))
+        assert not paged_usable(qc, cc[:, :, :16].contiguous(), qc)  # pages of 16
+        assert not paged_usable(qc, cc.half(), qc)  # the cache in another type
+        assert not paged_usable(qc, cc.transpose(1, 2), qc)  # planes not page-major
+
+
 _SM90_COMPILE = """
 import json, sys
 import triton
@@ -424,6 +537,35 @@ for offsets in ("*i32", "*i64"):
     done[offsets] = c.asm["ptx"].count("cp.async.bulk.tensor")
 print(json.dumps(done))
 """
+
+
+_SM90_PAGED = """
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import ASTSource
+from ember.kernels.prefill_attention_tma import _paged_tma_kernel as fn
+sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "out_ptr": "*bf16", "query_start_loc_ptr": "*i32",
+       "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32", "qk_scale": "fp32", "num_seqs": "i32",
+       "num_blocks": "i32", "stride_qt": "i32", "stride_ot": "i32", "stride_bt": "i32",
+       "stride_cache_block": "i32"}
+consts = {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128, "PAGE_SIZE": 64, "BLOCK_M": 128,
+          "BLOCK_N": 64, "DOT_PRECISION": "tf32"}
+sig.update({k: "constexpr" for k in consts})
+constants = {(list(sig).index(k),): v for k, v in consts.items()}
+attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
+c = triton.compile(ASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 4, "num_stages": 2})
+ptx = c.asm["ptx"]
+print(json.dumps({"tma": ptx.count("cp.async.bulk.tensor"), "wgmma": ptx.count("wgmma.mma_async")}))
+"""
+
+
+def test_paged_tma_kernel_compiles_for_hopper(tmp_path) -> None:
+    """Compiled for sm_90 outside the interpreter: K and V tiles through the TMA engine and the
+    matmuls on wgmma."""
+    got = run_script(_SM90_PAGED, tmp_path)
+    assert got["tma"] > 0 and got["wgmma"] > 0, got
 
 
 def test_tma_kernel_compiles_for_hopper_with_either_offset_type(tmp_path) -> None:

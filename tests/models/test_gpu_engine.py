@@ -124,3 +124,48 @@ def test_long_fresh_prefill_path_matches_transformers(
         want = outs[j].outputs[0].token_ids[0]
         assert want == int(ref.argmax())
         assert min(rel_err(r, ref) for r in rows) < 1e-3
+
+
+def test_turn_over_64_token_pages_matches_transformers(tmp_path, monkeypatch) -> None:
+    """KV pages of 64 tokens and heads of 64: a prompt chunked over the step budget, then a next
+    turn over the cached conversation. Each chunk after the first and the turn's new tokens
+    attend through the paged TMA kernel on a Hopper GPU (its launches counted); the turn's
+    logits match transformers' in bf16."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the paged TMA kernel needs a Hopper GPU")
+    from transformers import AutoModelForCausalLM
+
+    from ember.kernels import prefill_attention_tma
+    from ember.models.tiny import make_tiny
+
+    launches = []
+    real = prefill_attention_tma.paged_attention_tma
+    monkeypatch.setattr(
+        prefill_attention_tma,
+        "paged_attention_tma",
+        lambda *a, **k: launches.append(a[0].shape[0]) or real(*a, **k),
+    )
+    path = make_tiny(tmp_path / "llama-d64", "llama", overrides={"head_dim": 64})
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    llm = LLM(
+        str(path),
+        device="cuda",
+        dtype="bfloat16",
+        max_model_len=2048,
+        block_size=64,
+        num_kv_blocks=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+    )
+    g = torch.Generator().manual_seed(7)
+    conv = torch.randint(10, 3000, (900,), generator=g).tolist()
+    turn = conv + torch.randint(10, 3000, (150,), generator=g).tolist()
+    params = SamplingParams(temperature=0, max_tokens=1)
+    for prompt in (conv, turn):
+        launches.clear()
+        with captured_logits(llm) as seen:
+            llm.generate(prompt, params)
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt], device="cuda")).logits[0, -1].float()
+        assert rel_err(seen[-1][0], ref) < 1e-2
+        assert launches, "no chunk went through the paged TMA kernel"
