@@ -10,11 +10,14 @@ shape (32 query heads, 8 KV heads, head_dim 128, bf16, block size 16):
   prompts of 1,024): ember's paged kernel over every row, against the paged kernel for the
   continuing chunk and flash attention for the fresh rows (one SDPA call per row, or one varlen
   call), in us per layer (32 layers back to back); and each flash route's first call on a
-  prompt length it has not seen (cuDNN builds a plan per shape).
+  prompt length it has not seen (cuDNN builds a plan per shape);
+- extend: chunks over a cached prefix (an agent's next turn), the paged kernels over pages of
+  16 and 64 tokens (TMA on 64) against FlashAttention-2's varlen kernel on unpaged K and V.
 
 Prints tables and writes JSON to $OUT (or benchmarks/results/), named with the GPU.
-`--prefill-only`: the first two tables. `EMBER_TREE=DIR`: measure DIR's ember (e.g. an earlier
-commit's tree) instead of this one's.
+`--prefill-only`: the first two tables; `--extend-only`: the extend table and the decode tables
+(pages of 16 and 64). `EMBER_TREE=DIR`: measure DIR's ember (e.g. an earlier commit's tree)
+instead of this one's.
 """
 
 from __future__ import annotations
@@ -412,15 +415,17 @@ def decode_graph_rows(out: dict) -> None:
     contexts leave most splits empty, was measured here too and was slower everywhere: a longer
     chain of tiles per program costs more than the extra programs; removed.)"""
     rows = {}
-    print("\n| decode in a graph | splits | us per layer |\n|---|---|---|")
+    print("\n| decode in a graph | pages | splits | us per layer |\n|---|---|---|---|")
     for b, ctx in ((1, 512), (1, 2048), (8, 1024), (64, 1024)):
-        layers = [paged([ctx] * b) for _ in range(32)]
-        q = torch.randn(b, HQ, D, dtype=torch.bfloat16, device="cuda")
-        lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
-        for splits in (1, 2, 4, 8, 16, 32):
-            us = graph_us_per_layer(layers, q, lens, splits)
-            rows[f"b{b} x {ctx} s{splits}"] = us
-            print(f"| b{b} x {ctx} | {splits} | {us:.1f} |")
+        for bs in (BS, 64):
+            layers = [paged([ctx] * b, bs) for _ in range(32)]
+            q = torch.randn(b, HQ, D, dtype=torch.bfloat16, device="cuda")
+            lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+            for splits in (1, 2, 4, 8, 16, 32):
+                us = graph_us_per_layer(layers, q, lens, splits)
+                rows[f"b{b} x {ctx} s{splits}" + ("" if bs == BS else f" pages of {bs}")] = us
+                print(f"| b{b} x {ctx} | {bs} | {splits} | {us:.1f} |")
+            del layers
     out["decode_in_graph_us"] = rows
 
 
@@ -432,6 +437,7 @@ def main() -> None:
     if "--extend-only" in sys.argv:
         extend_rows(out)
         decode_rows(out, bw)
+        decode_graph_rows(out)
         dest = Path(os.environ.get("OUT") or "benchmarks/results")
         name = f"attention_kernels-extend-{gpu.replace(' ', '_')}.json"
         (dest / name).write_text(json.dumps(out, indent=2))

@@ -200,7 +200,9 @@ def prefill_attention(
     (seq_lens[i] == its query count: no cached prefix, which the caller checks): its keys are
     read from their rows, at the queries' offsets, not through the cache (block_tables unused).
     They go through the TMA kernel (ember/kernels/prefill_attention_tma.py) where it runs (a
-    Hopper GPU; `tma` True or False forces one kernel or the other, as tests do).
+    Hopper GPU; `tma` True or False forces one kernel or the other, as tests do). So do chunks
+    over a cached prefix when the cache's pages are a whole number of key tiles (64 tokens, a
+    GPU engine's default); `tma=True` with smaller pages is a ValueError.
 
     q: [T, Hq, D], sequence i's rows query_start_loc[i]:query_start_loc[i+1] ([B + 1]); kv_cache:
     one layer's view [num_blocks, 2, block_size, Hkv, D] already holding this step's K and V;

@@ -26,7 +26,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens a KV block (page) holds (default: 64 on a GPU, 16 on the CPU)",
+    )
     p.add_argument(
         "--num-kv-blocks",
         type=int,

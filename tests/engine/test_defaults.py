@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ember.engine.config import GPU_TOKEN_BUDGET, EngineConfig, default_token_budget
 from ember.engine.input_processor import InputProcessor
 from ember.engine.messages import EngineCoreOutput
@@ -28,6 +30,31 @@ def test_resolved_budget_uses_the_default_unless_set(tiny_model_dir):
         model="x", device="cuda", max_model_len=1024, max_num_batched_tokens=4096, num_kv_blocks=64
     )
     assert mine.resolve(mc).max_num_batched_tokens == 4096
+
+
+def test_kv_pages_are_whole_prefill_tiles_on_a_gpu_unless_set():
+    from ember.kernels.prefill_attention_tma import PAGE_BLOCK_N
+
+    gpu = EngineConfig(model="x", device="cuda")
+    assert gpu.block_size == 64 and gpu.block_size % PAGE_BLOCK_N == 0
+    assert EngineConfig(model="x", device="cuda:1").block_size == 64
+    assert EngineConfig(model="x").block_size == 16
+    assert EngineConfig(model="x", device="cuda", block_size=16).block_size == 16
+    with pytest.raises(ValueError, match="power of two"):
+        EngineConfig(model="x", device="cuda", block_size=48)
+
+
+def test_serve_takes_the_devices_block_size_unless_given():
+    import argparse
+
+    from ember.server.args import add_serve_args, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    assert engine_config_from_args(p.parse_args(["m", "--device", "cuda"])).block_size == 64
+    args = p.parse_args(["m", "--device", "cuda", "--block-size", "32"])
+    assert engine_config_from_args(args).block_size == 32
+    assert engine_config_from_args(p.parse_args(["m"])).block_size == 16
 
 
 def test_final_only_returns_finished_requests_with_the_same_text(tiny_model_dir):
