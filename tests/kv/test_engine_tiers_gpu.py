@@ -22,7 +22,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-BLOCK = 16
+BLOCK = 16  # set, not the GPU's default (64): the pool's sizes below count pages of 16
 POOL = 48  # device blocks: one session of ~38 blocks fits, two do not
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -47,6 +47,7 @@ def engine(model: Path, num_kv_blocks: int, **kwargs: Any) -> LLM:
         str(model),
         device="cuda",
         max_model_len=POOL * BLOCK,
+        block_size=BLOCK,
         num_kv_blocks=num_kv_blocks,
         kv_host_gb=kwargs.pop("kv_host_gb", 0),
         **kwargs,
