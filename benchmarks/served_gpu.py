@@ -4,6 +4,9 @@
 - mixed: 256 requests of 1024 prompt tokens and 256 output tokens, all sent at once: output tok/s;
 - b1: one request at a time, 128 in, 512 out, three times: TPOT p50;
 - sweep: the mixed requests at Poisson rates (--rates): TTFT and TPOT p50/p90, done req/s;
+- agent: an agent's conversation of C tokens (8k, 16k, 32k), then three next turns each adding
+  1,024 tokens (a prefix-cache hit on the C): seconds to answer a turn with one token, the
+  median next turn's (`/v1/completions` with token ids, one request at a time);
 
 each on a fresh start (empty compile caches: ember's Triton cache; vLLM's torch.compile, Inductor
 and Triton caches) and again on a warm one (the same caches, the server restarted). A start's
@@ -17,6 +20,7 @@ vLLM comes from scripts/vllm_pack.sh's archives, unpacked by scripts/vllm_device
 this script.
 
     python benchmarks/served_gpu.py [--shape llama] [--engines ember,vllm] [--loads mixed,b1,sweep]
+        [--starts fresh,warm]
 
 Prints a table and writes $OUT/served_gpu-<GPU>.json (or benchmarks/results/).
 """
@@ -49,10 +53,12 @@ class Loads:
     b1: tuple[int, int, int]
     sweep_rates: str
     vocab: str
+    agent: tuple[tuple[int, ...], int, int] = ((8192, 16384, 32768), 1024, 3)
+    """(conversation lengths, tokens a next turn adds, next turns)."""
 
 
 GPU_LOADS = Loads((256, 1024, 256), (3, 128, 512), "4,8,16", "10:120000")
-CPU_LOADS = Loads((8, 48, 8), (2, 16, 8), "4,8", "10:300")
+CPU_LOADS = Loads((8, 48, 8), (2, 16, 8), "4,8", "10:300", ((64, 160), 32, 2))
 
 
 def word_tokenizer(model_dir: Path, vocab: int) -> None:
@@ -165,6 +171,36 @@ def bench(
     return json.loads((out / f"{name}.json").read_text())
 
 
+def completion_s(url: str, prompt: list[int]) -> float:
+    """Seconds to answer `prompt` (token ids) with one token through /v1/completions."""
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+    req = urllib.request.Request(
+        f"{url}/v1/completions", body.encode(), {"Content-Type": "application/json"}
+    )
+    t0 = time.monotonic()
+    with urllib.request.urlopen(req, timeout=120) as r:
+        json.loads(r.read())
+    return time.monotonic() - t0
+
+
+def agent_turns(url: str, loads: Loads) -> dict[str, dict[str, float]]:
+    """For each conversation length C: the first turn's seconds (C fresh tokens) and the median
+    next turn's (the C cached, `new` tokens more, a different chunk each turn)."""
+    import random
+
+    contexts, new, turns = loads.agent
+    lo, hi = (int(x) for x in loads.vocab.split(":"))
+    result = {}
+    for c in contexts:
+        rng = random.Random(c)
+        conv = [rng.randrange(lo, hi) for _ in range(c)]
+        first = completion_s(url, conv)
+        nexts = [completion_s(url, conv + [rng.randrange(lo, hi) for _ in range(new)])
+                 for _ in range(turns)]  # fmt: skip
+        result[str(c)] = {"first_turn_s": first, "next_turn_s": sorted(nexts)[len(nexts) // 2]}
+    return result
+
+
 def run_loads(url: str, out: Path, tag: str, wanted: list[str], loads: Loads, again: bool) -> dict:
     """The loads on one start; `again`: the mixed load a second time (the run-to-run noise that
     the first start's per-request ratio is read against)."""
@@ -187,6 +223,8 @@ def run_loads(url: str, out: Path, tag: str, wanted: list[str], loads: Loads, ag
     if "sweep" in wanted:
         doc = bench(url, out, f"{tag}-sweep", loads.mixed, loads.vocab, loads.sweep_rates, seed=100)
         result["sweep"] = [{"rate": s["rate"], **s["summary"]} for s in doc["sweep"] or []]
+    if "agent" in wanted:
+        result["agent"] = agent_turns(url, loads)
     return result
 
 
@@ -223,6 +261,7 @@ def main() -> None:
     ap.add_argument("--loads", default="mixed,b1,sweep")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--ready-timeout", type=float, default=600.0)
+    ap.add_argument("--starts", default="fresh,warm", help="fresh, warm or both (in that order)")
     args = ap.parse_args()
     wanted = args.loads.split(",")
     if args.device == "cpu":
@@ -240,7 +279,7 @@ def main() -> None:
         slug = engine.replace("/", "_")
         caches = work / f"{slug}-caches"  # empty at the first start, kept for the second
         runs = {}
-        for start_kind in ("fresh", "warm"):
+        for start_kind in args.starts.split(","):
             port = free_port("127.0.0.1")
             url = f"http://127.0.0.1:{port}"
             log = work / f"{slug}-{start_kind}.log"
@@ -261,7 +300,7 @@ def main() -> None:
             finally:
                 stop_processes([proc], 30.0)
             runs[start_kind]["startup_log"] = startup_lines(log)
-        if "mixed" in wanted:
+        if "mixed" in wanted and {"fresh", "warm"} <= runs.keys():
             warm = runs["warm"].pop("mixed_latency_s")
             runs["first_minute"] = first_minute(runs["fresh"].pop("mixed_latency_s"), warm)
             # The same ratio between two runs of one warm server: what noise alone gives.
@@ -293,16 +332,23 @@ def print_table(report: dict) -> None:
     row("start to ready", lambda r: f"{r['ready_s']:.1f} s")
     row("mixed, output tok/s", lambda r: f"{r['mixed']['output_throughput']:.0f}")
     row("b1, TPOT p50", lambda r: f"{r['b1_tpot_ms']:.2f} ms")
+    for c in report["loads"]["agent"][0]:
+        row(
+            f"agent, {c} tokens: first / next turn",
+            lambda r, c=c: "{:.1f} / {:.1f} ms".format(
+                *(r["agent"][str(c)][k] * 1e3 for k in ("first_turn_s", "next_turn_s"))
+            ),
+        )
     for e, runs in engines.items():
         for kind in ("fresh", "warm"):
-            for s in runs[kind].get("sweep", []):
+            for s in runs.get(kind, {}).get("sweep", []):
                 print(
                     f"{e} {kind}, {s['rate']:g} req/s: {s['output_throughput']:.0f} out tok/s, "
                     f"TTFT p50/p90 {s['ttft_ms']['p50']:.0f}/{s['ttft_ms']['p90']:.0f} ms, "
                     f"TPOT p50/p90 {s['tpot_ms']['p50']:.1f}/{s['tpot_ms']['p90']:.1f} ms"
                 )
         for kind in ("fresh", "warm"):
-            for line in runs[kind].get("startup_log", [])[:8]:
+            for line in runs.get(kind, {}).get("startup_log", [])[:8]:
                 print(f"{e} {kind} log: {line[-160:]}")
         fm, again = runs.get("first_minute") or {}, runs.get("warm_again") or {}
         if fm:
