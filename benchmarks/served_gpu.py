@@ -19,7 +19,7 @@ vLLM comes from scripts/vllm_pack.sh's archives, unpacked by scripts/vllm_device
 ($VLLM_SITE). `--device cpu` runs ember alone on its tiny model with tiny loads: a smoke test of
 this script.
 
-    python benchmarks/served_gpu.py [--shape llama] [--engines ember,vllm] [--loads mixed,b1,sweep]
+    python benchmarks/served_gpu.py [--shape llama] [--engines ember,vllm] [--loads mixed,b1,sweep,agent]
         [--starts fresh,warm]
 
 Prints a table and writes $OUT/served_gpu-<GPU>.json (or benchmarks/results/).
@@ -258,7 +258,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="llama", choices=sorted(SHAPES))
     ap.add_argument("--engines", default="ember,vllm")
-    ap.add_argument("--loads", default="mixed,b1,sweep")
+    ap.add_argument("--loads", default="mixed,b1,sweep,agent")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--ready-timeout", type=float, default=600.0)
     ap.add_argument("--starts", default="fresh,warm", help="fresh, warm or both (in that order)")
