@@ -240,8 +240,8 @@ class DecodeGraphs:
             (True, self.verify_sizes, self.verify_graphs),
             (False, self.sizes, self.graphs),
         ):
-            for size in reversed(sizes):
-                graphs[size] = self._capture(size, grouped, kv_cache, pool, clock)
+            for i, size in enumerate(reversed(sizes)):
+                graphs[size] = self._capture(size, grouped, kv_cache, pool, clock, eager=i == 0)
         torch.cuda.synchronize()
         log.info(
             "captured %d CUDA graphs for decode batches up to %d rows and %d for verify batches "
@@ -254,15 +254,14 @@ class DecodeGraphs:
         )
 
     def run_dry(self, kv_cache: torch.Tensor) -> None:
-        """The forward of the captured sizes that pick each tile class (the powers of two, which
-        reach every split count and row block, and the largest), for precompile(): a size between
-        them that still meets a new variant compiles it when captured. Any KV cache of the
-        engine's layout will do (a dry run reads none of it)."""
+        """The forward of every captured size, for precompile(): each variant any graph launches
+        is compiled and loaded before the first capture, so no graph needs a run of its own
+        before it is captured (a dry forward, one layer of each kind, costs about a millisecond
+        of host time). Any KV cache of the engine's layout will do (a dry run reads none of it)."""
         for grouped, sizes in ((True, self.verify_sizes), (False, self.sizes)):
             for size in sizes:
-                if size & (size - 1) == 0 or size == sizes[-1]:
-                    ctx = ForwardContext(self._metadata(size, grouped), kv_cache, self.backend)
-                    self._forward(size, ctx)
+                ctx = ForwardContext(self._metadata(size, grouped), kv_cache, self.backend)
+                self._forward(size, ctx)
 
     def _capture(
         self,
@@ -271,13 +270,18 @@ class DecodeGraphs:
         kv_cache: torch.Tensor,
         pool: object,
         clock: StartupClock,
+        eager: bool,
     ) -> _Graph:
         ctx = ForwardContext(self._metadata(size, grouped), kv_cache, self.backend)
-        # One run outside the capture: lazy set-up (cuBLAS workspaces, a variant the dry run
-        # missed) must not happen inside it. ember's kernels are not autotuned, so one is enough.
-        self._forward(size, ctx)
-        torch.cuda.synchronize()
-        clock.mark("eager runs")
+        if eager:
+            # One run outside the first capture of a kind: lazy set-up (cuBLAS's handles, the
+            # allocator's first blocks) must not happen inside it. The Triton variants of every
+            # size were compiled and loaded by the dry run (a first launch loading a binary
+            # inside a capture would fail); a run before each capture cost ~25 ms a graph, ~0.9 s
+            # of a start (35 graphs, H100).
+            self._forward(size, ctx)
+            torch.cuda.synchronize()
+            clock.mark("eager runs")
         graph = torch.cuda.CUDAGraph()
         # Not `with torch.cuda.graph(...)`: that releases the allocator's cached device and pinned
         # host memory before every capture (empty_cache), so each of the next graph's eager run
