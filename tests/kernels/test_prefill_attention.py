@@ -465,6 +465,20 @@ def test_paged_tma_kernel_after_decode_rows(
     )  # fmt: skip
 
 
+def test_paged_tma_kernel_takes_int64_metadata(
+    make_paged_batch, attention_reference, assert_rel_close, device
+) -> None:
+    if device == "cuda" and not _tma_runs():
+        pytest.skip("TMA needs a Hopper GPU")
+    batch = make_paged_batch([(70, 17), (0, 30)], 2, 1, 16, 64, torch.float32, device, 4)
+    md = batch.metadata
+    out = prefill_attention(
+        batch.q, batch.kv_cache, md.query_start_loc.long(), md.seq_lens.long(),
+        md.block_tables.long(), 0.25, md.max_query_len, tma=True,
+    )  # fmt: skip
+    assert_rel_close(out, attention_reference(batch, 0.25), 1e-5)
+
+
 def test_paged_tma_kernel_needs_whole_tiles_a_page(device: str) -> None:
     cache = torch.zeros(4, 2, 16, 1, 16, device=device)
     q = torch.zeros(3, 2, 16, device=device)
@@ -545,27 +559,33 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 from ember.kernels.prefill_attention_tma import _paged_tma_kernel as fn
-sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "out_ptr": "*bf16", "query_start_loc_ptr": "*i32",
-       "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32", "qk_scale": "fp32", "num_seqs": "i32",
-       "num_blocks": "i32", "stride_qt": "i32", "stride_ot": "i32", "stride_bt": "i32",
-       "stride_cache_block": "i32"}
-consts = {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128, "PAGE_SIZE": 64, "BLOCK_M": 128,
-          "BLOCK_N": 64, "DOT_PRECISION": "tf32"}
-sig.update({k: "constexpr" for k in consts})
-constants = {(list(sig).index(k),): v for k, v in consts.items()}
-attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
-c = triton.compile(ASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": 4, "num_stages": 2})
-ptx = c.asm["ptx"]
-print(json.dumps({"tma": ptx.count("cp.async.bulk.tensor"), "wgmma": ptx.count("wgmma.mma_async")}))
+done = {}
+for ints in ("*i32", "*i64"):
+    sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "out_ptr": "*bf16", "query_start_loc_ptr": ints,
+           "seq_lens_ptr": ints, "block_tables_ptr": ints, "qk_scale": "fp32", "num_seqs": "i32",
+           "num_blocks": "i32", "stride_qt": "i32", "stride_ot": "i32", "stride_bt": "i32",
+           "stride_cache_block": "i32"}
+    consts = {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128, "PAGE_SIZE": 64,
+              "BLOCK_M": 128, "BLOCK_N": 64, "DOT_PRECISION": "tf32"}
+    sig.update({k: "constexpr" for k in consts})
+    constants = {(list(sig).index(k),): v for k, v in consts.items()}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(3)}
+    c = triton.compile(ASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "num_stages": 2})
+    ptx = c.asm["ptx"]
+    done[ints] = {"tma": ptx.count("cp.async.bulk.tensor"),
+                  "wgmma": ptx.count("wgmma.mma_async")}
+print(json.dumps(done))
 """
 
 
 def test_paged_tma_kernel_compiles_for_hopper(tmp_path) -> None:
-    """Compiled for sm_90 outside the interpreter: K and V tiles through the TMA engine and the
-    matmuls on wgmma."""
+    """Compiled for sm_90 outside the interpreter, with the metadata (offsets, lengths, block
+    tables) as int32 or int64, which prefill_attention both takes: K and V tiles through the TMA
+    engine and the matmuls on wgmma."""
     got = run_script(_SM90_PAGED, tmp_path)
-    assert got["tma"] > 0 and got["wgmma"] > 0, got
+    for ints in ("*i32", "*i64"):
+        assert got[ints]["tma"] > 0 and got[ints]["wgmma"] > 0, got
 
 
 def test_tma_kernel_compiles_for_hopper_with_either_offset_type(tmp_path) -> None:
