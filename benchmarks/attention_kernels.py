@@ -374,6 +374,9 @@ def mla_sdpa_rows(out: dict) -> None:
 
 
 def decode_rows(out: dict, bw: float) -> None:
+    """One eager call per timing (CUDA events around it): the host's launch time is inside, so the
+    small cases (b1: ~100-160 us for a few microseconds of work) time Python, not the kernel, and
+    move by tens of microseconds between runs; `decode_graph_rows` times the kernel."""
     rows = {}
     print("\n| decode | us | K/V GB/s | of copy bandwidth |\n|---|---|---|---|")
     cases = [(b, ctx, BS) for b, ctx in ((1, 512), (1, 4096), (64, 1024), (128, 1024))]
