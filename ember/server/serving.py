@@ -255,9 +255,7 @@ class ServingContext:
                 if seen == 0:
                     m.ttft.observe(now - arrival)
                 else:
-                    gap = (now - last) / (count - seen)
-                    for _ in range(count - seen):
-                        m.itl.observe(gap)
+                    m.itl.observe((now - last) / (count - seen), count - seen)
                 seen, last = count, now
             if out.finished:
                 m.e2e.observe(now - arrival)
