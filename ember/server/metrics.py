@@ -3,13 +3,11 @@ serving code; load gauges and prefix-cache counters are read from the engine at 
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
 from ember.engine.messages import SchedulerStats
 
@@ -57,47 +55,6 @@ _TIER_COUNTERS = (
     ("recomputes", "Requests whose hit in the tier the cost model chose to recompute."),
     ("prefetched", "Blocks read from the tier into host ahead of their request's admission."),
 )
-
-
-class LatencyHistogram(Collector):
-    """A latency histogram of one model, observed once a token on the API process's event loop.
-
-    prometheus_client's Histogram takes a lock and walks its buckets in Python on every observe:
-    1.0 us, about a sixth of the API process's whole cost a streamed token (5.4-5.7 us,
-    docs/performance.md). This keeps plain counts, finds the bucket by bisection, takes a count
-    of equal observations at once (a step's tokens share one gap), and is read at scrape time
-    through prometheus_client's exposition. Observations come from one thread (the event loop);
-    a scrape from another sees each count whole, `_count` always equal to the `+Inf` bucket."""
-
-    def __init__(
-        self,
-        name: str,
-        doc: str,
-        model: str,
-        buckets: tuple[float, ...],
-        registry: CollectorRegistry,
-    ) -> None:
-        self.name, self.doc, self.model = name, doc, model
-        self._bounds = list(buckets)
-        self._les = [floatToGoString(b) for b in buckets] + ["+Inf"]
-        self._counts = [0] * (len(buckets) + 1)  # the last: above every bound
-        self._sum = 0.0
-        registry.register(self)
-
-    def observe(self, value: float, n: int = 1) -> None:
-        """`n` observations of `value` seconds."""
-        self._counts[bisect_left(self._bounds, value)] += n  # value <= bound: Prometheus's `le`
-        self._sum += value * n
-
-    def collect(self) -> Iterator[HistogramMetricFamily]:
-        counts, total = list(self._counts), self._sum
-        cumulative, running = [], 0
-        for le, c in zip(self._les, counts, strict=True):
-            running += c
-            cumulative.append((le, running))
-        h = HistogramMetricFamily(self.name, self.doc, labels=["model_name"])
-        h.add_metric([self.model], cumulative, total)
-        yield h
 
 
 class _EngineCollector(Collector):
@@ -236,18 +193,27 @@ class ServerMetrics:
         self.model = model
         labels = ["model_name"]
         r = self.registry
-        self.ttft = LatencyHistogram(
-            "ember:time_to_first_token_seconds", "Time to first token.", model,
-            _LATENCY_BUCKETS, r,
-        )  # fmt: skip
-        self.itl = LatencyHistogram(
-            "ember:inter_token_latency_seconds", "Time between output tokens.", model,
-            _LATENCY_BUCKETS, r,
-        )  # fmt: skip
-        self.e2e = LatencyHistogram(
-            "ember:e2e_request_latency_seconds", "Request latency, arrival to last token.", model,
-            _LATENCY_BUCKETS, r,
-        )  # fmt: skip
+        self.ttft = Histogram(
+            "ember:time_to_first_token_seconds",
+            "Time to first token.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model)
+        self.itl = Histogram(
+            "ember:inter_token_latency_seconds",
+            "Time between output tokens.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model)
+        self.e2e = Histogram(
+            "ember:e2e_request_latency_seconds",
+            "Request latency, arrival to last token.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model)
         self.prompt_tokens = Counter(
             "ember:prompt_tokens", "Prompt tokens processed.", labels, registry=r
         ).labels(model)

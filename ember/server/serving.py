@@ -255,7 +255,9 @@ class ServingContext:
                 if seen == 0:
                     m.ttft.observe(now - arrival)
                 else:
-                    m.itl.observe((now - last) / (count - seen), count - seen)
+                    gap = (now - last) / (count - seen)
+                    for _ in range(count - seen):
+                        m.itl.observe(gap)
                 seen, last = count, now
             if out.finished:
                 m.e2e.observe(now - arrival)
