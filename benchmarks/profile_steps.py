@@ -1,7 +1,9 @@
 """Where a step's GPU time goes, kernel by kernel (torch.profiler), on a shape of engine_gpu.py
-(Llama-3.1-8B by default; --shape moonlight for the MLA/MoE one) with dummy weights: decode at batch 1 (512-token context) and batch 128 (1k context), and one prefill
-step of 8 x 2048 tokens; eager mode so that each kernel is attributed. Each table also gives the
-step's wall time and the GPU's idle time between kernels, so the time between kernels shows.
+(Llama-3.1-8B by default; --shape moonlight for the MLA/MoE one) with dummy weights: decode at
+batch 1 (512-token context) and batch 128 (1k context), one prefill step of 8 x 2048 tokens, and
+mixed steps (16 requests decoding, a new 64-token prompt each step: no graph, as a lightly loaded
+server runs them); eager mode so that each kernel is attributed. Each table also gives the step's
+wall time and the GPU's idle time between kernels, so the time between kernels shows.
 With --graphs the decode steps replay the engine's CUDA graphs (as served): the idle time
 between kernels is then the launches' own ramp and drain, what fusing kernels could win (the wall
 time is then the profiler's, ~0.5 s a step with graph kernels traced: each decode table also
@@ -102,6 +104,56 @@ def decode_table(core: EngineCore, batch: int, context: int, steps: int = 8) -> 
     return {"wall_ms": wall, "step_ms": step_ms, **kernels_of(prof, steps)}
 
 
+def _sync(core: EngineCore) -> None:
+    if core.device.type == "cuda":
+        torch.cuda.synchronize(core.device)
+
+
+def mixed_table(
+    core: EngineCore, decodes: int = 16, chunk: int = 64, context: int = 512, steps: int = 8
+) -> dict[str, Any]:
+    """Mixed steps as a lightly loaded server runs them (issue 16 item 2's premise): `decodes`
+    requests decoding while every step also prefills one new prompt of `chunk` tokens, so no
+    step is decode-only and none replays a graph. Each step's wall time unprofiled (`step_ms`)
+    against its kernels' time (profiled): where the step is longer than its kernels, the host's
+    launches are what the step waits for."""
+    vocab = _vocab(core)
+    budget = 4 * steps + 8  # the decoders outlive every timed step
+    params = SamplingParams(temperature=1.0, max_tokens=budget, ignore_eos=True)
+    for i, p in enumerate(random_prompts(decodes, context, vocab, 7)):
+        core.add_request(EngineCoreRequest(f"mixed-d{i}", p, params, [], budget))
+    while core.scheduler.waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running
+    ):
+        core.step()
+    one = SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True)
+    prompts = iter(random_prompts(3 * steps + 4, chunk, vocab, 8))
+    serial = iter(range(1 << 30))
+
+    def mixed_step() -> None:
+        core.add_request(EngineCoreRequest(f"mixed-c{next(serial)}", next(prompts), one, [], 1))
+        core.step()
+
+    for _ in range(2):
+        mixed_step()
+    _sync(core)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        mixed_step()
+    _sync(core)
+    step_ms = (time.perf_counter() - t0) * 1e3 / steps
+    activities = [ProfilerActivity.CUDA] if core.device.type == "cuda" else [ProfilerActivity.CPU]
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            mixed_step()
+        _sync(core)
+    wall = (time.perf_counter() - t0) * 1e3 / steps
+    while core.has_unfinished_requests():
+        core.step()
+    return {"wall_ms": wall, "step_ms": step_ms, **kernels_of(prof, steps)}
+
+
 def prefill_table(core: EngineCore, n: int = 8, length: int = 2048) -> dict[str, Any]:
     params = SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True)
     for rep in ("warm", "run"):
@@ -138,9 +190,13 @@ def main() -> None:
         "b1": ("decode batch 1, context 512", lambda: decode_table(core, 1, 512)),
         "b128": ("decode batch 128, context 1024", lambda: decode_table(core, 128, 1024)),
         "prefill": ("prefill 8 x 2048 in one step", lambda: prefill_table(core)),
+        "mixed": (
+            "mixed steps: 16 decoding, one new 64-token prompt each step",
+            lambda: mixed_table(core),
+        ),
     }
     if args.graphs:
-        del cases["prefill"]
+        del cases["prefill"]  # (the mixed steps stay: they are eager either way, as served)
     for key, (title, measure) in cases.items():
         measured = measure()
         table, counts, wall = (
