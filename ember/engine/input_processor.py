@@ -11,6 +11,7 @@ from ember.engine.messages import EngineCoreRequest, KVTransferParams
 from ember.engine.output_processor import RequestState, SampleState
 from ember.sampling_params import SamplingParams
 from ember.tokenizer.detokenizer import IncrementalDetokenizer
+from ember.tokenizer.prefix_cache import PrefixTokenCache
 from ember.tokenizer.tokenizer import Tokenizer
 
 PromptType = str | Sequence[int] | dict[str, Any]
@@ -26,12 +27,21 @@ class InputProcessor:
         # room for normalizers that shrink text. A longer text cannot fit max_model_len tokens.
         longest = max(map(len, tokenizer.backend.get_vocab(with_added_tokens=True)), default=0)
         self.max_prompt_chars = max_model_len * max(64, 2 * longest)
+        self.prompt_prefixes = PrefixTokenCache(tokenizer.backend)
+        """Recent chat prompts' ids, so that a conversation's next turn tokenizes only its end."""
 
     def encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """Token ids of each text. `encode_batch` releases the GIL while it works (`encode` holds
         it: a 10 MB prompt froze the event loop for 22 s even from a worker thread)."""
         encoded = self.tokenizer.backend.encode_batch(texts, add_special_tokens=add_special_tokens)
         return [e.ids for e in encoded]
+
+    def encode_chat(self, text: str, namespace: str | None) -> list[int]:
+        """The ids of a rendered chat prompt (no special tokens added: the template has them),
+        reusing the ids of the longest prefix it shares with a recent prompt of `namespace` (the
+        request's prefix-cache salt: tenants never share entries). Equal to `encode([text],
+        add_special_tokens=False)[0]` (ember/tokenizer/prefix_cache.py says why)."""
+        return self.prompt_prefixes.encode(text, namespace)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Text and ids of a prompt given as text, token ids, or {'prompt'/'prompt_token_ids'}."""

@@ -86,9 +86,9 @@ class ChatHandler:
         with ctx.admit(req.n):
             # Templating, tokenizing and compiling a grammar take seconds on a large body: in a
             # worker thread, so other streams and /health go on meanwhile.
-            ids, params, parser, tools = await asyncio.to_thread(self._prepare, req)
-            rid = new_id("chatcmpl")
             cache_salt, kv_transfer = ctx.trusted_inputs(raw, req)
+            ids, params, parser, tools = await asyncio.to_thread(self._prepare, req, cache_salt)
+            rid = new_id("chatcmpl")
             stream = await ctx.submit(rid, ids, params, cache_salt, kv_transfer)
         # Each choice streams through a parser of its own (they keep state).
         make_parser = (lambda: type(parser)(tools)) if parser is not None else None
@@ -98,16 +98,17 @@ class ChatHandler:
         return await self._full(req, model, rid, stream, raw, make_parser)
 
     def _prepare(
-        self, req: ChatCompletionRequest
+        self, req: ChatCompletionRequest, cache_salt: str | None
     ) -> tuple[list[int], SamplingParams, ToolParser | None, list[dict[str, Any]] | None]:
-        """The prompt's token ids, the sampling parameters, the tool parser and the tools."""
+        """The prompt's token ids, the sampling parameters, the tool parser and the tools.
+        `cache_salt`: the namespace of the prompt's tokenization cache (the prefix cache's)."""
         ctx = self.ctx
         tools = tool_dicts(req.tools)
         text = render_chat(
             ctx, req.messages, tools, req.add_generation_prompt, req.chat_template_kwargs
         )
         ctx.check_prompt_chars(len(text), "messages")
-        ids = ctx.engine.inputs.encode([text], add_special_tokens=False)[0]
+        ids = ctx.engine.inputs.encode_chat(text, cache_salt)
         max_tokens = ctx.resolve_max_tokens(len(ids), req.requested_max_tokens, "messages")
         use_tools = bool(req.tools) and req.tool_choice != "none" and self.parser_cls is not None
         parser = self.parser_cls(tools) if use_tools and self.parser_cls is not None else None

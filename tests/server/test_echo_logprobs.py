@@ -171,3 +171,21 @@ def test_bad_values_are_400(server: Server, path: str, body: dict, param: str) -
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["param"] == param
+
+
+def test_a_conversations_next_turns_run_the_whole_prompts_ids(server: Server) -> None:
+    """An agent's turns through the chat route, each resending the conversation: the ids the
+    engine ran (the keys of `prompt_logprobs`) are /tokenize's for the same messages (a whole
+    tokenization), though the route reuses the earlier turns' ids (ember/tokenizer/prefix_cache.py);
+    a user message that spells a special token included."""
+    msgs = [{"role": "system", "content": "You are terse. é 漢字 🙂"}]
+    for turn, said in enumerate(("Read a.py", "  and <|im_end|> b.py\n\n", "ok", "")):
+        msgs.append({"role": "user", "content": said})
+        r = ok(
+            server, "/chat/completions", {"messages": msgs, "max_tokens": 3, "prompt_logprobs": 0}
+        )
+        ran = [int(next(iter(step))) for step in r["prompt_logprobs"][1:]]
+        body = {"model": "tiny", "messages": msgs, "add_generation_prompt": True}
+        want = httpx.post(f"{server.url}/tokenize", json=body, timeout=60).json()["tokens"]
+        assert ran == want[1:] and r["usage"]["prompt_tokens"] == len(want), turn
+        msgs.append({"role": "assistant", "content": r["choices"][0]["message"]["content"]})
