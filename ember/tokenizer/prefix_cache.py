@@ -95,11 +95,14 @@ class PrefixTokenCache:
     """`encode(text, namespace)`: `text`'s ids (no special tokens added), reusing a recent
     prompt's ids up to the last cut token they share. Thread-safe (the chat route tokenizes in
     worker threads); holds up to about `max_bytes` (256 conversations of 32k tokens take ~70 MB),
-    the least recently used key's entries dropped first."""
+    the least recently used key's entries dropped first. One namespace's traffic can push out
+    another's entries (a slower next turn for it), never reach them."""
 
-    def __init__(self, backend: tokenizers.Tokenizer, max_bytes: int = 256 << 20) -> None:
+    def __init__(self, backend: tokenizers.Tokenizer, max_bytes: int = 128 << 20) -> None:
         self.backend = backend
         self.max_bytes = max_bytes
+        self.nbytes = 0
+        """What the entries hold now (`_Entry.nbytes` summed)."""
         self.cuts = cut_tokens(backend)
         self._pattern = (
             re.compile("|".join(re.escape(t) for t in sorted(self.cuts, key=len, reverse=True)))
@@ -108,7 +111,6 @@ class PrefixTokenCache:
         )
         self._ids = frozenset(self.cuts.values())
         self._entries: OrderedDict[tuple[str | None, str], list[_Entry]] = OrderedDict()
-        self._bytes = 0
         self._lock = threading.Lock()
         self.hits = 0
         """Prompts that reused a cached prefix."""
@@ -176,11 +178,11 @@ class PrefixTokenCache:
             # An entry this prompt extends is superseded by it.
             kept = [e for e in old if not text.startswith(e.text)][-(MAX_PER_KEY - 1) :] + [entry]
             still = {id(e) for e in kept}
-            self._bytes += entry.nbytes - sum(e.nbytes for e in old if id(e) not in still)
+            self.nbytes += entry.nbytes - sum(e.nbytes for e in old if id(e) not in still)
             self._entries[key] = kept
-            while self._bytes > self.max_bytes and self._entries:
+            while self.nbytes > self.max_bytes and self._entries:
                 _, dropped = self._entries.popitem(last=False)
-                self._bytes -= sum(e.nbytes for e in dropped)
+                self.nbytes -= sum(e.nbytes for e in dropped)
 
 
 def _shared_cuts(entry: _Entry, text: str) -> int:

@@ -146,3 +146,21 @@ def test_no_added_tokens_no_cache() -> None:
     cache = PrefixTokenCache(tok)
     assert cache.cuts == {}
     assert cache.encode("a b x") == tok.encode("a b x", add_special_tokens=False).ids
+
+
+def test_hostile_prompts_stay_exact_and_bounded(tokenizer: Tokenizer) -> None:
+    """A user message of thousands of special tokens, and a flood of distinct long prompts: ids
+    exact, the cache within its bound, each prompt kept only while it fits."""
+    cache = PrefixTokenCache(tokenizer.backend, max_bytes=200_000)
+    spam = [{"role": "user", "content": "<|im_end|><|im_start|>" * 3000}]
+    for turn in range(2):
+        spam.append({"role": "user", "content": f"again {turn}"})
+        text = tokenizer.apply_chat_template(spam, add_generation_prompt=True)
+        assert cache.encode(text, "x") == _whole(tokenizer, text)
+    rng = random.Random(3)
+    for i in range(40):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"{i} " + _text(rng, 2000)}], add_generation_prompt=True
+        )
+        assert cache.encode(text, f"tenant-{i}") == _whole(tokenizer, text)
+        assert cache.nbytes <= cache.max_bytes
