@@ -1,8 +1,9 @@
 """Token ids of recent chat prompts' prefixes: an agent resends its whole conversation every turn,
-and tokenizing it all again is the API process's largest cost of a long turn (30k tokens of
-SmolLM2's byte-level BPE: ~90 ms on a 2-core VM, as long as the GPU takes for the turn itself on
-an H200). With this cache a turn tokenizes only what follows the longest prefix it shares with a
-recent prompt of the same namespace.
+and tokenizing it all again is the API process's largest cost of a long turn (31.7k tokens of
+SmolLM2's byte-level BPE: 82 ms on a 2-core VM, about what an H200 takes to prefill the turn's
+new 1,024 tokens over 32k cached ones). With this cache a turn tokenizes only what follows the
+longest prefix it shares with a recent prompt of the same namespace (2.5 ms there,
+`benchmarks/chat_tokenize.py`).
 
 Why the ids stay exactly those of the whole text: `tokenizers` splits its input at added tokens
 before it normalizes, pre-tokenizes or runs the model, and works on each piece alone. A prefix
@@ -14,8 +15,8 @@ change what is matched around them are cut at: no lstrip, rstrip or single_word,
 no overlap with another added token's text. A tokenizer on which a probe of texts cut at those
 tokens does not give the whole texts' ids gets no cut tokens, and the cache does nothing.
 
-Namespaces (a tenant's prefix-cache salt) never share entries: a hit is seconds faster on a long
-prompt, so a shared cache would let one tenant time another's prompts.
+Namespaces (a tenant's prefix-cache salt) never share entries: a hit is tens of milliseconds
+faster on a long prompt, so a shared cache would let one tenant time another's prompts.
 """
 
 from __future__ import annotations
