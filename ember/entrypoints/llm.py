@@ -84,10 +84,10 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 **(chat_template_kwargs or {}),
             )
-            # The template already holds any BOS; don't add special tokens twice.
-            prompts.append(
-                {"prompt_token_ids": tok.encode(text, add_special_tokens=False), "prompt": text}
-            )
+            # The template already holds any BOS; don't add special tokens twice. A conversation
+            # resent with a new turn tokenizes only its end (ember/tokenizer/prefix_cache.py).
+            ids = self.engine.inputs.encode_chat(text, None)
+            prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params)
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:

@@ -222,3 +222,19 @@ def test_bad_input_names_the_problem(llm: LLM, qwen3: Path, tmp_path: Path) -> N
         LLM(str(nottok))
     with pytest.raises(TypeError, match="unknown LLM arguments"):
         LLM(str(qwen3), gpu_memory_utilisation=0.5)
+
+
+def test_chat_turns_reuse_the_conversations_ids_exactly(llm: LLM) -> None:
+    """`LLM.chat` over a conversation's turns: each prompt's ids are a whole tokenization's, and
+    every turn after the first reuses the ids of the turns before (the prefix cache's hits)."""
+    tok = llm.engine.tokenizer
+    cache = llm.engine.inputs.prompt_prefixes
+    hits = cache.hits
+    msgs = [{"role": "system", "content": "Be brief. é 漢字"}]
+    for turn, said in enumerate(("read a.py", "now b.py <|im_end|> ok", "done")):
+        msgs.append({"role": "user", "content": said})
+        out = llm.chat(msgs, greedy(4))[0]
+        text = tok.apply_chat_template(msgs, add_generation_prompt=True)
+        assert out.prompt_token_ids == tok.encode(text, add_special_tokens=False)
+        assert cache.hits == hits + turn
+        msgs.append({"role": "assistant", "content": out.outputs[0].text})
