@@ -273,6 +273,34 @@ def tile_config(max_query_len: int) -> tuple[int, int, int, int]:
     return (64 if max_query_len <= 64 else 128), PAGE_BLOCK_N, 4, 2
 
 
+def _launch(
+    kernel: triton.JITFunction,
+    q: torch.Tensor,
+    num_kv_heads: int,
+    num_seqs: int,
+    max_query_len: int,
+    *args: object,
+    **constexprs: object,
+) -> None:
+    """Launch one of the kernels above over q [T, Hq, D]: a program per (query tile, head), with
+    the tiles, warps and constexprs both take; `args` and `constexprs` are the kernel's own."""
+    num_tokens, num_heads, head_dim = q.shape
+    block_m, block_n, num_warps, num_stages = tile_config(max_query_len)
+    triton.set_allocator(_scratch)
+    kernel[((num_tokens // block_m + num_seqs) * num_heads,)](
+        *args,
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **constexprs,
+    )
+
+
 def fresh_attention_tma(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -285,31 +313,12 @@ def fresh_attention_tma(
     """Causal attention of fresh sequences, q [T, Hq, D] and k, v [T, Hkv, D] (sequence i's rows
     query_start_loc[i]:query_start_loc[i+1]), into out; prefill_attention has checked the
     shapes and `usable` the layout. Rows outside the sequences are neither read nor written."""
-    num_tokens, num_heads, head_dim = q.shape
     num_seqs = query_start_loc.shape[0] - 1
-    block_m, block_n, num_warps, num_stages = tile_config(max_query_len)
-    triton.set_allocator(_scratch)
-    _fresh_tma_kernel[((num_tokens // block_m + num_seqs) * num_heads,)](
-        q,
-        k,
-        v,
-        out,
-        query_start_loc,
-        scale * LOG2E,
-        num_seqs,
-        q.stride(0),
-        k.stride(0),
-        v.stride(0),
-        out.stride(0),
-        NUM_HEADS=num_heads,
-        NUM_KV_HEADS=k.shape[1],
-        HEAD_DIM=head_dim,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
+    _launch(
+        _fresh_tma_kernel, q, k.shape[1], num_seqs, max_query_len,
+        q, k, v, out, query_start_loc, scale * LOG2E, num_seqs,
+        q.stride(0), k.stride(0), v.stride(0), out.stride(0),
+    )  # fmt: skip
     return out
 
 
@@ -326,33 +335,12 @@ def paged_attention_tma(
     """Causal attention of each sequence's new queries over its whole context in the paged cache
     (one layer's [num_blocks, 2, block_size, Hkv, D], this step's K and V already written), into
     out; prefill_attention has checked the shapes and `paged_usable` the layout."""
-    num_tokens, num_heads, head_dim = q.shape
     num_blocks, _, page, num_kv_heads, _ = kv_cache.shape
     num_seqs = seq_lens.shape[0]
-    block_m, block_n, num_warps, num_stages = tile_config(max_query_len)
-    triton.set_allocator(_scratch)
-    _paged_tma_kernel[((num_tokens // block_m + num_seqs) * num_heads,)](
-        q,
-        kv_cache,
-        out,
-        query_start_loc,
-        seq_lens,
-        block_tables,
-        scale * LOG2E,
-        num_seqs,
-        num_blocks,
-        q.stride(0),
-        out.stride(0),
-        block_tables.stride(0),
-        kv_cache.stride(0),
-        NUM_HEADS=num_heads,
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
+    _launch(
+        _paged_tma_kernel, q, num_kv_heads, num_seqs, max_query_len,
+        q, kv_cache, out, query_start_loc, seq_lens, block_tables, scale * LOG2E, num_seqs,
+        num_blocks, q.stride(0), out.stride(0), block_tables.stride(0), kv_cache.stride(0),
         PAGE_SIZE=page,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
+    )  # fmt: skip
     return out
