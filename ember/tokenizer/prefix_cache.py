@@ -63,11 +63,9 @@ class _Entry:
 
 def cut_tokens(backend: tokenizers.Tokenizer) -> dict[str, int]:
     """The added tokens (text -> id) a prompt may be cut after; {} if the probe fails."""
-    added = {t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.content}
-    flags = {t.content: t for t in backend.get_added_tokens_decoder().values()}
+    added = {t.content: (i, t) for i, t in backend.get_added_tokens_decoder().items() if t.content}
     cuts = {}
-    for text, i in added.items():
-        t = flags[text]
+    for text, (i, t) in added.items():
         if t.lstrip or t.rstrip or t.single_word or t.normalized:
             continue
         if any(_overlap(text, other) for other in added if other != text):
@@ -129,7 +127,6 @@ class PrefixTokenCache:
             n = _shared_cuts(e, text)
             if n > k:
                 best, k = e, n
-        ids = None
         if best is not None:
             cut, count = best.cuts[k - 1], best.counts[k - 1]
             token = self._token_ending_at(text, cut)
