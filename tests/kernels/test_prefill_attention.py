@@ -26,23 +26,30 @@ def _check(
     device: str,
     seed: int,
     tol: float,
+    tma: bool | None = None,
+    front: int = 0,
 ) -> None:
+    """prefill_attention against the reference; `tma` as prefill_attention takes it (True: the
+    paged TMA kernel, on a CPU in Triton's interpreter); the first `front` sequences are decode
+    rows with their own output, left alone."""
     batch = make_paged_batch(shapes, *heads, block_size, dtype, device, seed)
     md = batch.metadata
     scale = heads[2] ** -0.5
     out = torch.full_like(batch.q, float("nan"))
+    out[:front] = 7.0
     got = prefill_attention(
         batch.q,
         batch.kv_cache,
-        md.query_start_loc,
-        md.seq_lens,
-        md.block_tables,
+        md.query_start_loc[front:],
+        md.seq_lens[front:],
+        md.block_tables[front:],
         scale,
-        md.max_query_len,
+        max(n for _, n in shapes[front:]),
         out=out,
+        tma=tma,
     )
-    assert got is out
-    assert_rel_close(out, attention_reference(batch, scale), tol)
+    assert got is out and bool((out[:front] == 7).all())
+    assert_rel_close(out[front:], attention_reference(batch, scale)[front:], tol)
 
 
 def _random_shapes(n: int, max_cached: int, max_new: int, seed: int) -> list[tuple[int, int]]:
@@ -413,31 +420,6 @@ PAGED = {
 }
 
 
-def _paged_tma_check(
-    make_paged_batch, attention_reference, assert_rel_close, shapes, heads, block_size, dtype,
-    device, seed, tol, front: int = 0,
-) -> None:  # fmt: skip
-    """The paged TMA kernel (forced: on a CPU it runs in Triton's interpreter) against the
-    reference; the first `front` sequences are decode rows with their own output, left alone."""
-    batch = make_paged_batch(shapes, *heads, block_size, dtype, device, seed)
-    md, scale = batch.metadata, heads[2] ** -0.5
-    out = torch.full_like(batch.q, float("nan"))
-    out[:front] = 7.0
-    got = prefill_attention(
-        batch.q,
-        batch.kv_cache,
-        md.query_start_loc[front:],
-        md.seq_lens[front:],
-        md.block_tables[front:],
-        scale,
-        max(n for _, n in shapes[front:]),
-        out=out,
-        tma=True,
-    )
-    assert got is out and bool((out[:front] == 7).all())
-    assert_rel_close(out[front:], attention_reference(batch, scale)[front:], tol)
-
-
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("block_size", [64, 128])
 @pytest.mark.parametrize("heads", [(2, 2, 16), (4, 1, 64)], ids=["gqa1-d16", "gqa4-d64"])
@@ -447,9 +429,9 @@ def test_paged_tma_kernel_matches_reference(
 ) -> None:
     if device == "cuda" and not _tma_runs():
         pytest.skip("TMA needs a Hopper GPU")
-    _paged_tma_check(
+    _check(
         make_paged_batch, attention_reference, assert_rel_close, PAGED[case], heads, block_size,
-        torch.float32, device, seed, 1e-5,
+        torch.float32, device, seed, 1e-5, tma=True,
     )  # fmt: skip
 
 
@@ -459,9 +441,9 @@ def test_paged_tma_kernel_after_decode_rows(
     if device == "cuda" and not _tma_runs():
         pytest.skip("TMA needs a Hopper GPU")
     shapes = [(40, 1), (100, 1), (0, 30), (70, 17)]
-    _paged_tma_check(
+    _check(
         make_paged_batch, attention_reference, assert_rel_close, shapes, (2, 1, 16), 64,
-        torch.float32, device, 3, 1e-5, front=2,
+        torch.float32, device, 3, 1e-5, tma=True, front=2,
     )  # fmt: skip
 
 
