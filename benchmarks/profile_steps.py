@@ -10,7 +10,9 @@ time is then the profiler's, ~0.5 s a step with graph kernels traced: each decod
 times as many steps again without the profiler, its "step_ms").
 Prints a table per case and writes JSON beside the engine benchmark's.
 
-    python benchmarks/profile_steps.py [--shape llama] [--graphs]
+With --host: the host's side of mixed steps (cProfile) and one small kernel's launch cost.
+
+    python benchmarks/profile_steps.py [--shape llama] [--graphs | --host]
 """
 
 from __future__ import annotations
@@ -110,13 +112,19 @@ def _sync(core: EngineCore) -> None:
 
 
 def mixed_table(
-    core: EngineCore, decodes: int = 16, chunk: int = 64, context: int = 512, steps: int = 8
+    core: EngineCore,
+    decodes: int = 16,
+    chunk: int = 64,
+    context: int = 512,
+    steps: int = 8,
+    host: Any = None,
 ) -> dict[str, Any]:
     """Mixed steps as a lightly loaded server runs them (issue 16 item 2's premise): `decodes`
     requests decoding while every step also prefills one new prompt of `chunk` tokens, so no
     step is decode-only and none replays a graph. Each step's wall time unprofiled (`step_ms`)
     against its kernels' time (profiled): where the step is longer than its kernels, the host's
-    launches are what the step waits for."""
+    launches are what the step waits for. With `host` (a cProfile.Profile) the timed steps run
+    under it instead, and the kernels are not profiled."""
     vocab = _vocab(core)
     budget = 4 * steps + 8  # the decoders outlive every timed step
     params = SamplingParams(temperature=1.0, max_tokens=budget, ignore_eos=True)
@@ -137,11 +145,18 @@ def mixed_table(
     for _ in range(2):
         mixed_step()
     _sync(core)
+    if host is not None:
+        host.enable()
     t0 = time.perf_counter()
     for _ in range(steps):
         mixed_step()
     _sync(core)
     step_ms = (time.perf_counter() - t0) * 1e3 / steps
+    if host is not None:
+        host.disable()
+        while core.has_unfinished_requests():
+            core.step()
+        return {"step_ms": step_ms}
     activities = [ProfilerActivity.CUDA] if core.device.type == "cuda" else [ProfilerActivity.CPU]
     t0 = time.perf_counter()
     with profile(activities=activities) as prof:
@@ -152,6 +167,50 @@ def mixed_table(
     while core.has_unfinished_requests():
         core.step()
     return {"wall_ms": wall, "step_ms": step_ms, **kernels_of(prof, steps)}
+
+
+def host_profile(core: EngineCore, chunk: int, steps: int = 8, lines: int = 40) -> dict[str, Any]:
+    """The host's side of mixed steps (`mixed_table`'s, a new prompt of `chunk` tokens each):
+    their unprofiled wall time, then cProfile's functions by own time over as many steps (its
+    own overhead inflates every call, so read the shares, not the totals)."""
+    import cProfile
+    import io
+    import pstats
+
+    plain = mixed_table(core, chunk=chunk, steps=steps)["step_ms"]
+    prof = cProfile.Profile()
+    mixed_table(core, chunk=chunk, steps=steps, host=prof)
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text).sort_stats("tottime")
+    stats.print_stats(lines)
+    stats.sort_stats("cumulative").print_stats(lines)
+    return {"chunk": chunk, "step_ms": plain, "stats": text.getvalue()}
+
+
+def launch_costs(n: int = 2000) -> dict[str, float]:
+    """Host microseconds a call of one small kernel, eager, back to back (the GPU idles: each
+    is the launch's own cost): ember's Triton RMSNorm, torch's matmul (cuBLAS) and torch's add."""
+    from ember.kernels.rmsnorm import rms_norm
+
+    x = torch.randn(80, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+    m = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    calls = {
+        "triton rms_norm": lambda: rms_norm(x, w, 1e-5),
+        "torch matmul": lambda: x @ m,
+        "torch add": lambda: x + x,
+    }
+    result = {}
+    for name, call in calls.items():
+        for _ in range(50):
+            call()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            call()
+        result[name] = (time.perf_counter() - t0) * 1e6 / n
+        torch.cuda.synchronize()
+    return result
 
 
 def prefill_table(core: EngineCore, n: int = 8, length: int = 2048) -> dict[str, Any]:
@@ -181,10 +240,28 @@ def main() -> None:
         help="decode steps from the engine's CUDA graphs (batch 1 and 128 only): the kernels "
         "and the idle time between them as a served step pays them",
     )
+    ap.add_argument(
+        "--host",
+        action="store_true",
+        help="the host's side instead: mixed steps (new prompts of 64 and 1,024 tokens) under "
+        "cProfile, and one small kernel's launch cost",
+    )
     args = ap.parse_args()
     # Eager by default, so that the profiler can attribute every launch to its step.
     core = EngineCore(engine_config(shape_dir(args.shape), enforce_eager=not args.graphs))
     gpu = torch.cuda.get_device_name()
+    if args.host:
+        host = {"gpu": gpu, "launch_us": launch_costs()}
+        print("launch cost, us a call:", {k: round(v, 1) for k, v in host["launch_us"].items()})
+        for chunk in (64, 1024):
+            host[f"mixed-{chunk}"] = found = host_profile(core, chunk)
+            print(f"\n## mixed steps, a new {chunk}-token prompt each: {found['step_ms']:.2f} ms")
+            print(found["stats"])
+        out = Path(os.environ.get("OUT") or "benchmarks/results")
+        (out / f"profile_host-{args.shape}-{gpu.replace(' ', '_')}.json").write_text(
+            json.dumps(host, indent=2)
+        )
+        return
     result = {"gpu": gpu, "shape": args.shape, "graphs": args.graphs, "tables": {}}
     cases = {
         "b1": ("decode batch 1, context 512", lambda: decode_table(core, 1, 512)),
