@@ -94,6 +94,7 @@ EMBER_VARIANTS = {
     "ember-no-warmup": ["--no-warmup"],
     "ember-no-host-tier": ["--kv-host-gb", "0"],
     "ember-pages-16": ["--block-size", "16"],  # the GPU default before session 14
+    "ember-no-pieces": ["--max-piecewise-tokens", "0"],  # prefill steps launched from Python
 }
 """ember at its defaults, and without the start-up warm-up or the host KV tier (whose memory is
 pinned in the background while the first requests run) to compare in the same run. A variant

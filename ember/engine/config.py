@@ -33,6 +33,10 @@ class EngineConfig:
     enforce_eager: bool = False
     """On a GPU: no CUDA graphs (every kernel launched from Python)."""
     max_cuda_graph_batch: int = 256
+    max_piecewise_tokens: int = 1024
+    """On a GPU: steps with prompt tokens (a new turn beside running decodes, a prompt's chunk)
+    of up to this many tokens replay piecewise CUDA graphs (everything but attention; capped by
+    the token budget); 0 launches them from Python (ember/engine/piecewise_graphs.py)."""
     warmup: bool = True
     """On a GPU: at start-up, compile the Triton kernel variants of the batch shapes serving meets
     (ember/engine/warmup.py), in parallel, so that no request waits on a compilation. Off, only
@@ -79,6 +83,8 @@ class EngineConfig:
             self.block_size = default_block_size(self.device)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_piecewise_tokens < 0:
+            raise ValueError(f"max_piecewise_tokens must be >= 0, got {self.max_piecewise_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if not 0.05 <= self.gpu_memory_utilization <= 1.0:

@@ -189,7 +189,9 @@ class EngineCore:
             # The host tier pins its memory in the background: not while graphs are captured.
             paused = self.tiers.growth_paused() if self.tiers else contextlib.nullcontext()
             with paused:
-                self.runner.capture_cuda_graphs(*self._graph_plan())
+                self.runner.capture_cuda_graphs(
+                    *self._graph_plan(), piecewise_tokens=self._piecewise_tokens()
+                )
             clock.mark("cuda graphs")
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
@@ -212,6 +214,12 @@ class EngineCore:
         rows = verify_graph_rows(spec, batch) if spec else 0
         return batch, self.resolved.max_model_len, rows, k + 1
 
+    def _piecewise_tokens(self) -> int:
+        """The largest step with prompt tokens that replays piecewise graphs (0: none)."""
+        if self.config.enforce_eager:
+            return 0
+        return min(self.config.max_piecewise_tokens, self.resolved.max_num_batched_tokens)
+
     def _precompile(self, clock: StartupClock) -> None:
         """Compile, in parallel and before anything runs for real, the Triton variants of the
         profiled step and (with the warm-up) of the batch shapes serving meets
@@ -229,7 +237,9 @@ class EngineCore:
             )
         graphs_dry = None
         if not config.enforce_eager:
-            graphs_dry = self.runner.prepare_cuda_graphs(*self._graph_plan())
+            graphs_dry = self.runner.prepare_cuda_graphs(
+                *self._graph_plan(), piecewise_tokens=self._piecewise_tokens()
+            )
         done = precompile_start_up(self.runner, batches, graphs_dry)
         clock.mark("precompile")
         if done is not None:

@@ -22,10 +22,12 @@ from ember.attention.backend import AttentionBackend
 from ember.attention.context import ForwardContext
 from ember.attention.metadata import AttentionMetadata
 from ember.engine.cuda_graphs import DecodeGraphs, feed_input_ids, feed_row
+from ember.engine.piecewise_graphs import PiecewiseGraphs
 from ember.engine.prompt_logprobs import PromptScoring, plan_prompt_scoring
 from ember.engine.sampler import Sampler, SamplerOutput, score_tokens
 from ember.engine.sampling_rows import sample_rows
-from ember.engine.warmup import blocks_of, dummy_inputs, profile_runs
+from ember.engine.warmup import blocks_of, dummy_inputs, one_layer_of_each_kind, profile_runs
+from ember.kernels.precompile import precompile
 from ember.spec.eagle3_step import draft_after_step
 from ember.spec.verify import last_rows, num_accepted, verify_rows
 
@@ -120,6 +122,8 @@ class ModelRunner:
         """The last launched step's sampled tokens, in its sampling-row order."""
         self._prev_rows: dict[str, int] = {}
         self.graphs = DecodeGraphs(model, backend, block_size, self.prev_tokens, device)
+        self.piecewise = PiecewiseGraphs(model, backend, device)
+        """Steps with prompt tokens, up to a size: graphs of everything but attention."""
         self.sync_wait_s = 0.0
         """Wall time spent blocked on the GPU (the host's idle share of each step)."""
         self.gpu_timing = False
@@ -240,7 +244,12 @@ class ModelRunner:
                 logits = logits[self._tensor(sample_at, torch.int64)]
         else:
             ids, positions, md = self.prepare(so, order)
-            hidden = self.model(ids, positions, ForwardContext(md, self.kv_cache, self.backend))
+            size = self.piecewise.size_for(num_rows)
+            if size is not None:
+                hidden = self.piecewise.run(ids, positions, md, size)
+            else:
+                ctx = ForwardContext(md, self.kv_cache, self.backend)
+                hidden = self.model(ids, positions, ctx)
             scores = None if prompt is None else self._score_prompt(hidden, prompt)
             if not rows:
                 self._prev_rows = {}
@@ -396,11 +405,17 @@ class ModelRunner:
     # -- CUDA graphs -----------------------------------------------------------------------------
 
     def capture_cuda_graphs(
-        self, max_batch: int, max_model_len: int, max_rows: int = 0, max_group: int = 1
+        self,
+        max_batch: int,
+        max_model_len: int,
+        max_rows: int = 0,
+        max_group: int = 1,
+        piecewise_tokens: int = 0,
     ) -> None:
         """Capture one decode graph per batch size; replays pad a batch up to the next size.
         `max_rows`: verify batches (speculation) of up to that many rows, `max_group` (k + 1) a
-        request, get graphs too."""
+        request, get graphs too. `piecewise_tokens`: steps with prompt tokens of up to that many
+        tokens in all replay piecewise graphs (ember/engine/piecewise_graphs.py)."""
         if self._cuda:
             self.graphs.capture(
                 self.kv_cache,
@@ -409,19 +424,36 @@ class ModelRunner:
                 max_rows,
                 max_group,
             )
+            self.piecewise.prepare(piecewise_tokens)
+            if self.piecewise.sizes:
+                with one_layer_of_each_kind(self.model):
+                    # Variants the start-up compile missed (none where it ran the dry run).
+                    precompile(lambda: self.piecewise.run_dry(self.kv_cache))
+                self.piecewise.capture(self.kv_cache, self.config.num_hidden_layers)
 
     def prepare_cuda_graphs(
-        self, max_batch: int, max_model_len: int, max_rows: int = 0, max_group: int = 1
+        self,
+        max_batch: int,
+        max_model_len: int,
+        max_rows: int = 0,
+        max_group: int = 1,
+        piecewise_tokens: int = 0,
     ) -> Callable[[], None] | None:
-        """Size the decode graphs `capture_cuda_graphs` will capture (the same arguments), and
-        return their dry run over the current (temporary) KV cache for the start-up compile: so
-        their Triton variants compile with the rest, in parallel. None on the CPU."""
+        """Size the graphs `capture_cuda_graphs` will capture (the same arguments), and return
+        their dry run over the current (temporary) KV cache for the start-up compile: so their
+        Triton variants compile with the rest, in parallel. None on the CPU."""
         if not self._cuda:
             return None
         self.graphs.prepare(
             min(max_batch, len(self.prev_tokens)), max_model_len, max_rows, max_group
         )
-        return lambda: self.graphs.run_dry(self.kv_cache)
+        self.piecewise.prepare(piecewise_tokens)
+
+        def run_dry() -> None:
+            self.graphs.run_dry(self.kv_cache)
+            self.piecewise.run_dry(self.kv_cache)
+
+        return run_dry
 
     # -- memory ----------------------------------------------------------------------------------
 

@@ -166,6 +166,9 @@ class DecoderModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     layer_cls: type[DecoderLayer] = DecoderLayer
+    piecewise_graphs = True
+    """Steps with prompt tokens may replay piecewise CUDA graphs (ember/engine/piecewise_graphs):
+    one attention call a layer through the context's backend, nothing read on the host."""
     # (our parameter, checkpoint name, shard): checkpoint matrices that land in a fused weight.
     stacked_params: tuple[tuple[str, str, str], ...] = (
         (".qkv_proj.", ".q_proj.", "q"),

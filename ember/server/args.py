@@ -57,6 +57,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
+        "--max-piecewise-tokens",
+        type=int,
+        default=1024,
+        help="GPU: steps with prompt tokens of up to this many tokens replay piecewise CUDA "
+        "graphs (everything but attention); 0: launched from Python (default: 1024)",
+    )
+    p.add_argument(
         "--warmup",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -282,6 +289,7 @@ def engine_config_from_args(args: argparse.Namespace, cluster_secret: str = "") 
         cpu_threads=args.cpu_threads,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        max_piecewise_tokens=args.max_piecewise_tokens,
         warmup=args.warmup,
         async_scheduling=args.async_scheduling,
         kv_role=args.role,
