@@ -33,7 +33,7 @@ class EngineConfig:
     enforce_eager: bool = False
     """On a GPU: no CUDA graphs (every kernel launched from Python)."""
     max_cuda_graph_batch: int = 256
-    max_piecewise_tokens: int = 1024
+    max_piecewise_tokens: int = 2048
     """On a GPU: steps with prompt tokens (a new turn beside running decodes, a prompt's chunk)
     of up to this many tokens replay piecewise CUDA graphs (everything but attention; capped by
     the token budget); 0 launches them from Python (ember/engine/piecewise_graphs.py)."""

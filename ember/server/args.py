@@ -59,9 +59,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-piecewise-tokens",
         type=int,
-        default=1024,
+        default=2048,
         help="GPU: steps with prompt tokens of up to this many tokens replay piecewise CUDA "
-        "graphs (everything but attention); 0: launched from Python (default: 1024)",
+        "graphs (everything but attention); 0: launched from Python (default: 2048)",
     )
     p.add_argument(
         "--warmup",
