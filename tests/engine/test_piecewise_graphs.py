@@ -66,6 +66,8 @@ def _run(path: str, dtype: str, pieces: int) -> tuple[list[list[int]], list[torc
     on pieces."""
     from tests.capture import captured_logits
 
+    gc.collect()  # engines of earlier tests
+    torch.cuda.empty_cache()
     llm = LLM(
         path,
         device="cuda",
@@ -75,6 +77,7 @@ def _run(path: str, dtype: str, pieces: int) -> tuple[list[list[int]], list[torc
         num_kv_blocks=512,
         max_num_batched_tokens=96,  # prompts chunk; decodes ride in the same steps
         max_piecewise_tokens=pieces,
+        kv_host_gb=0,  # no host tier: its background copies could reorder the two runs' steps
     )
     g = torch.Generator().manual_seed(3)
     shared = torch.randint(10, 3000, (150,), generator=g).tolist()
