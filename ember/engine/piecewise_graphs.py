@@ -209,23 +209,22 @@ class PiecewiseGraphs:
         before = torch.cuda.memory_reserved(self.device)
         self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
-        self._forward(self.sizes[-1], kv_cache, capture=False)
-        torch.cuda.synchronize(self.device)
-        with torch.cuda.stream(stream):
-            for size in reversed(self.sizes):
-                captured = self._forward(size, kv_cache, capture=True)
-                if len(captured.calls) != num_layers:
-                    log.warning(
-                        "piecewise CUDA graphs off: the forward made %d attention calls for %d "
-                        "layers",
-                        len(captured.calls),
-                        num_layers,
-                    )
-                    self.captured.clear()
-                    self.sizes = []
-                    return
-                self.captured[size] = captured
-        torch.cuda.synchronize(self.device)
+        try:
+            self._forward(self.sizes[-1], kv_cache, capture=False)
+            torch.cuda.synchronize(self.device)
+            with torch.cuda.stream(stream):
+                for size in reversed(self.sizes):
+                    captured = self._forward(size, kv_cache, capture=True)
+                    calls = len(captured.calls)
+                    if calls != num_layers:
+                        self._off(f"the forward made {calls} attention calls, {num_layers} layers")
+                        return
+                    self.captured[size] = captured
+            torch.cuda.synchronize(self.device)
+        except torch.OutOfMemoryError as e:
+            # A card the KV cache filled to its limit: steps launch from Python, as before.
+            self._off(f"out of memory ({e})")
+            return
         log.info(
             "captured piecewise CUDA graphs for prefill steps of up to %d tokens (%d sizes, %d "
             "pieces each) in %.1f s, %.0f MiB",
@@ -235,6 +234,13 @@ class PiecewiseGraphs:
             time.perf_counter() - t0,
             (torch.cuda.memory_reserved(self.device) - before) / 2**20,
         )
+
+    def _off(self, why: str) -> None:
+        log.warning("piecewise CUDA graphs off: %s", why)
+        self.captured.clear()
+        self.sizes = []
+        self._buffers = None
+        torch.cuda.empty_cache()
 
     def run(
         self, ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata, size: int

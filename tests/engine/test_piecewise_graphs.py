@@ -61,6 +61,35 @@ def test_the_cpu_engine_captures_no_pieces(tiny_model_dir) -> None:
     assert runner.piecewise.captured == {} and runner.piecewise.replays == 0
 
 
+def test_a_dry_forward_splits_once_a_layer_and_fills_the_buffers(tiny_model_dir) -> None:
+    """The split as start-up's dry run takes it (no capture, so it runs on the CPU too): one
+    attention call a layer, each on its layer's KV cache, q/k/v handed to the fixed buffers and
+    the fixed output returned to the model."""
+    from ember.engine.piecewise_graphs import PiecewiseGraphs
+
+    llm = LLM(str(tiny_model_dir("llama")), max_model_len=128, num_kv_blocks=64)
+    runner = llm.engine.core.runner
+    cfg = runner.config
+    pieces = PiecewiseGraphs(runner.model, runner.backend, torch.device("cpu"))
+    pieces.prepare(64)
+    assert pieces.sizes == [16, 32, 64]
+    pieces._ids[:32] = torch.arange(10, 42)
+    pieces._pos[:32] = torch.arange(32)
+    with torch.inference_mode():
+        got = pieces._forward(32, runner.kv_cache, capture=False)
+    assert got.pieces == []  # nothing captured in a dry run
+    assert len(got.calls) == cfg.num_hidden_layers
+    for i, call in enumerate(got.calls):
+        assert call.kv_cache.data_ptr() == runner.kv_cache[:, i].data_ptr()
+        assert call.scale == cfg.head_dim**-0.5
+    assert got.hidden.shape == (32, cfg.hidden_size)
+    buf = pieces._buffers
+    assert buf is not None and buf.q.shape == (64, cfg.num_attention_heads, cfg.head_dim)
+    assert buf.k.shape == buf.v.shape == (64, cfg.num_key_value_heads, cfg.head_dim)
+    assert buf.q[:32].abs().sum() > 0 and buf.q[32:].abs().sum() == 0  # the size's rows only
+    assert pieces.size_for(10) is None  # nothing captured: steps launch from Python
+
+
 def _run(path: str, dtype: str, pieces: int) -> tuple[list[list[int]], list[torch.Tensor], int]:
     """Greedy tokens, the logits of every step launched from Python, and the steps replayed
     on pieces."""

@@ -34,3 +34,17 @@ def test_gpu_flags() -> None:
     assert cfg.device == "cuda" and cfg.async_scheduling is False and cfg.enforce_eager
     assert cfg.gpu_memory_utilization == 0.5 and not cfg.enable_prefix_caching
     assert engine_config_from_args(parse("--async-scheduling")).async_scheduling is True
+
+
+def test_piecewise_graphs_flag() -> None:
+    """On by default up to 2,048 tokens (EngineConfig's default too); 0 turns them off; a
+    negative count is refused."""
+    import pytest
+
+    from ember.engine.config import EngineConfig
+
+    assert engine_config_from_args(parse()).max_piecewise_tokens == 2048
+    assert EngineConfig(model="m").max_piecewise_tokens == 2048
+    assert engine_config_from_args(parse("--max-piecewise-tokens", "0")).max_piecewise_tokens == 0
+    with pytest.raises(ValueError, match="max_piecewise_tokens"):
+        engine_config_from_args(parse("--max-piecewise-tokens", "-5"))
