@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -131,19 +131,20 @@ class _SplitBackend(AttentionBackend):
         return buf.out[:t]
 
 
-@dataclass
 class PiecewiseGraphs:
     """The captured pieces of each padded token count and their fixed inputs."""
 
-    model: nn.Module
-    backend: AttentionBackend
-    device: torch.device
-    sizes: list[int] = field(default_factory=list)
-    captured: dict[int, _Captured] = field(default_factory=dict)
-    pool: object = None
-    replays: int = 0
-    """Steps run on the pieces (tests and benchmarks count them)."""
-    _buffers: _Buffers | None = None
+    def __init__(self, model: nn.Module, backend: AttentionBackend, device: torch.device) -> None:
+        self.model = model
+        self.backend = backend
+        self.device = device
+        self.sizes: list[int] = []
+        self.captured: dict[int, _Captured] = {}
+        self.pool: object = None
+        self.replays = 0
+        """Steps run on the pieces (tests and benchmarks count them)."""
+        self._ids = self._pos = self._slots = torch.empty(0, dtype=torch.int64)
+        self._buffers: _Buffers | None = None
 
     def prepare(self, max_tokens: int) -> None:
         """The sizes up to `max_tokens` and the fixed ids, positions and slots (before `run_dry`
