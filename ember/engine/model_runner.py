@@ -244,7 +244,7 @@ class ModelRunner:
                 logits = logits[self._tensor(sample_at, torch.int64)]
         else:
             ids, positions, md = self.prepare(so, order)
-            size = self.piecewise.size_for(num_rows)
+            size = self.piecewise.size_for(ids.shape[0])
             if size is not None:
                 hidden = self.piecewise.run(ids, positions, md, size)
             else:
