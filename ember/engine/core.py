@@ -189,9 +189,7 @@ class EngineCore:
             # The host tier pins its memory in the background: not while graphs are captured.
             paused = self.tiers.growth_paused() if self.tiers else contextlib.nullcontext()
             with paused:
-                self.runner.capture_cuda_graphs(
-                    *self._graph_plan(), piecewise_tokens=self._piecewise_tokens()
-                )
+                self.runner.capture_cuda_graphs(*self._graph_plan())
             clock.mark("cuda graphs")
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
@@ -205,20 +203,16 @@ class EngineCore:
         self._pace_host_tier()  # no work yet: it grows
         clock.report()
 
-    def _graph_plan(self) -> tuple[int, int, int, int]:
-        """The decode graphs' (max batch, max model length, verify rows, rows a request)."""
-        config = self.config
+    def _graph_plan(self) -> tuple[int, int, int, int, int]:
+        """The decode graphs' (max batch, max model length, verify rows, rows a request) and the
+        largest step with prompt tokens that replays piecewise graphs."""
+        config, r = self.config, self.resolved
         batch = min(config.max_cuda_graph_batch, config.max_num_seqs)
         spec = config.speculative
         k = spec.num_speculative_tokens if spec else 0
         rows = verify_graph_rows(spec, batch) if spec else 0
-        return batch, self.resolved.max_model_len, rows, k + 1
-
-    def _piecewise_tokens(self) -> int:
-        """The largest step with prompt tokens that replays piecewise graphs (0: none)."""
-        if self.config.enforce_eager:
-            return 0
-        return min(self.config.max_piecewise_tokens, self.resolved.max_num_batched_tokens)
+        pieces = min(config.max_piecewise_tokens, r.max_num_batched_tokens)
+        return batch, r.max_model_len, rows, k + 1, pieces
 
     def _precompile(self, clock: StartupClock) -> None:
         """Compile, in parallel and before anything runs for real, the Triton variants of the
@@ -237,9 +231,7 @@ class EngineCore:
             )
         graphs_dry = None
         if not config.enforce_eager:
-            graphs_dry = self.runner.prepare_cuda_graphs(
-                *self._graph_plan(), piecewise_tokens=self._piecewise_tokens()
-            )
+            graphs_dry = self.runner.prepare_cuda_graphs(*self._graph_plan())
         done = precompile_start_up(self.runner, batches, graphs_dry)
         clock.mark("precompile")
         if done is not None:

@@ -26,8 +26,7 @@ from ember.engine.piecewise_graphs import PiecewiseGraphs
 from ember.engine.prompt_logprobs import PromptScoring, plan_prompt_scoring
 from ember.engine.sampler import Sampler, SamplerOutput, score_tokens
 from ember.engine.sampling_rows import sample_rows
-from ember.engine.warmup import blocks_of, dummy_inputs, one_layer_of_each_kind, profile_runs
-from ember.kernels.precompile import precompile
+from ember.engine.warmup import blocks_of, dummy_inputs, profile_runs
 from ember.spec.eagle3_step import draft_after_step
 from ember.spec.verify import last_rows, num_accepted, verify_rows
 
@@ -424,12 +423,7 @@ class ModelRunner:
                 max_rows,
                 max_group,
             )
-            self.piecewise.prepare(piecewise_tokens)
-            if self.piecewise.sizes:
-                with one_layer_of_each_kind(self.model):
-                    # Variants the start-up compile missed (none where it ran the dry run).
-                    precompile(lambda: self.piecewise.run_dry(self.kv_cache))
-                self.piecewise.capture(self.kv_cache, self.config.num_hidden_layers)
+            self.piecewise.capture(self.kv_cache, piecewise_tokens, self.config.num_hidden_layers)
 
     def prepare_cuda_graphs(
         self,

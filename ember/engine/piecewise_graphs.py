@@ -31,6 +31,8 @@ import torch
 from ember.attention.backend import AttentionBackend
 from ember.attention.context import ForwardContext
 from ember.attention.metadata import AttentionMetadata
+from ember.engine.warmup import one_layer_of_each_kind
+from ember.kernels.precompile import precompile
 
 if TYPE_CHECKING:
     from torch import nn
@@ -145,10 +147,12 @@ class PiecewiseGraphs:
         """Steps run on the pieces (tests and benchmarks count them)."""
         self._ids = self._pos = self._slots = torch.empty(0, dtype=torch.int64)
         self._buffers: _Buffers | None = None
+        self._prepared: int | None = None
 
     def prepare(self, max_tokens: int) -> None:
         """The sizes up to `max_tokens` and the fixed ids, positions and slots (before `run_dry`
         and `capture`)."""
+        self._prepared = max_tokens
         self.sizes = piecewise_sizes(max_tokens) if supports_piecewise(self.model) else []
         top = self.sizes[-1] if self.sizes else 0
         self._ids = torch.zeros(top, dtype=torch.int64, device=self.device)
@@ -201,11 +205,17 @@ class PiecewiseGraphs:
             self._forward(size, kv_cache, capture=False)
 
     @torch.inference_mode()
-    def capture(self, kv_cache: torch.Tensor, num_layers: int) -> None:
-        """Capture every size's pieces, largest first (its memory serves the rest), after one
-        uncaptured run (lazy set-up must not happen inside a capture)."""
+    def capture(self, kv_cache: torch.Tensor, max_tokens: int, num_layers: int) -> None:
+        """Capture every size's pieces up to `max_tokens` (`prepare` is called here unless it
+        was, with it), largest first (its memory serves the rest), after one uncaptured run (lazy
+        set-up must not happen inside a capture). Their Triton variants were compiled ahead
+        where the start-up compile ran `run_dry`; any it missed are compiled here first."""
+        if self._prepared != max_tokens:
+            self.prepare(max_tokens)
         if not self.sizes:
             return
+        with one_layer_of_each_kind(self.model):
+            precompile(lambda: self.run_dry(kv_cache))
         t0 = time.perf_counter()
         before = torch.cuda.memory_reserved(self.device)
         self.pool = torch.cuda.graph_pool_handle()
