@@ -24,10 +24,11 @@ def test_sizes_cover_every_count_up_to_the_maximum() -> None:
     assert piecewise_sizes(300) == [16, 32, 64, 128, 256, 300]
     sizes = piecewise_sizes(1024)
     assert sizes == sorted(set(sizes)) and sizes[-1] == 1024
-    # Every step of 1..1024 tokens finds a size, and pads by at most 128 tokens past 64.
+    # Every step of 1..1024 tokens finds a size: under 16 tokens of padding up to 16, under 32
+    # up to 64, under 128 past it.
     for n in range(1, 1025):
         size = next(s for s in sizes if s >= n)
-        assert size - n < (16 if n <= 16 else max(n, 128))
+        assert size - n < (16 if n <= 16 else 32 if n <= 64 else 128)
 
 
 def test_only_models_that_opt_in_and_carry_no_draft_head_take_pieces() -> None:
