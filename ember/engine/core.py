@@ -239,13 +239,14 @@ class EngineCore:
                 "start-up compile: %d Triton kernel variants from %d batch shapes run dry "
                 "(%.1f s, compiling in parallel as they were met, in %d forked processes), "
                 "all compiled or loaded %.1f s after the dry run began and their launchers "
-                "built %.1f s after it ended",
+                "built %.1f s after it ended; the last compiled: %s",
                 done.variants,
                 len(batches),
                 done.dry_s,
                 done.workers,
                 done.compiled_s,
                 done.compile_s,
+                done.critical(),
             )
         if self.compile_log is not None:
             self.compile_log.mark()

@@ -186,6 +186,17 @@ class Precompiled:
     the launchers were built."""
     workers: int = 0
     """Worker processes forked to compile (0: in threads only)."""
+    timeline: tuple[tuple[str, float, float], ...] = ()
+    """(kernel name, seconds from the dry run's start to the variant's first meeting, to its
+    compile's end) of each variant compiled in the pool: the start-up's critical path is the
+    one that ends last."""
+
+    def critical(self, n: int = 4) -> str:
+        """The `n` variants whose compiles ended last, as a phrase for the start-up log."""
+        last = sorted(self.timeline, key=lambda t: t[2], reverse=True)[:n]
+        return ", ".join(
+            f"{name} (met {met:.1f} s in, done {done:.1f} s)" for name, met, done in last
+        )
 
 
 class _Pool(ThreadPoolExecutor):
@@ -196,16 +207,25 @@ class _Pool(ThreadPoolExecutor):
 
     after: tuple[Future[Compiled], Callable[[], bool]] | None = None
     """(the worker's future, whether the variant is in the on-disk cache already)."""
+    label: tuple[str, float] | None = None
+    """(kernel name, perf_counter() when the dry run met it) of the compile submitted next."""
     last_done: float = 0.0
     """perf_counter() when the last compile submitted here finished."""
 
+    def __init__(self, workers: int, thread_name_prefix: str) -> None:
+        super().__init__(workers, thread_name_prefix=thread_name_prefix)
+        self.timeline: list[tuple[str, float, float]] = []
+        """(kernel name, perf_counter() met, perf_counter() compiled) of each compile."""
+
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         remote, self.after = self.after, None
-        return super().submit(self._timed, remote, fn, *args, **kwargs)
+        label, self.label = self.label, None
+        return super().submit(self._timed, remote, label, fn, *args, **kwargs)
 
     def _timed(
         self,
         remote: tuple[Future[Compiled], Callable[[], bool]] | None,
+        label: tuple[str, float] | None,
         fn: Callable[..., Any],
         *args: Any,
         **kwargs: Any,
@@ -213,7 +233,10 @@ class _Pool(ThreadPoolExecutor):
         try:
             return fn(*args, **kwargs) if remote is None else _after(remote, fn, *args, **kwargs)
         finally:
-            self.last_done = max(self.last_done, time.perf_counter())
+            done = time.perf_counter()
+            self.last_done = max(self.last_done, done)
+            if label is not None:
+                self.timeline.append((*label, done))  # list.append: atomic under the GIL
 
 
 def _after(
@@ -263,10 +286,11 @@ def precompile(
             future = None if procs is None else procs.submit(kernel, data, target)
             if future is not None:
                 pool.after = (future, lambda: cached(kernel, data, target))
+            pool.label = (getattr(kernel, "__name__", "?"), time.perf_counter())
             try:
                 kernel.preload(data)  # under the async mode: submits its compile to the pool
             finally:
-                pool.after = None  # a preload that submitted nothing (a duplicate key)
+                pool.after = pool.label = None  # a preload that submitted nothing (a duplicate)
 
         # The mode's exit waits for every compile and files each in its kernel's cache: after
         # the recording's exit has put the caches back as they were.
@@ -282,4 +306,5 @@ def precompile(
         kernels = {id(fn): fn for fn, _ in found.values()}.values()
         list(pool.map(lambda job: _load(*job), _unloaded(kernels)))
     forked = procs.forked if procs is not None else 0
-    return Precompiled(len(found), t1 - t0, time.perf_counter() - t1, compiled_s, forked)
+    timeline = tuple(sorted((n, met - t0, done - t0) for n, met, done in pool.timeline))
+    return Precompiled(len(found), t1 - t0, time.perf_counter() - t1, compiled_s, forked, timeline)

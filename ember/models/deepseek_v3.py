@@ -179,6 +179,8 @@ class DeepseekV3DecoderLayer(DecoderLayer):
 
 class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
     layer_cls = DeepseekV3DecoderLayer
+    piecewise_graphs = False
+    """MLA calls its own attention (ember/attention/mla.py), not the backend the pieces split at."""
     # The MLPs' gate and up, and MLA's two projections of the hidden state, load fused.
     stacked_params = (
         (".gate_up_proj.", ".gate_proj.", "gate"),

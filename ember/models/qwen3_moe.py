@@ -33,7 +33,8 @@ class Qwen3MoeDecoderLayer(DecoderLayer):
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     layer_cls = Qwen3MoeDecoderLayer
-    piecewise_graphs = False  # the MoE layers' pieces are not yet checked against eager on a GPU
+    # Inherits piecewise_graphs: the MoE layers are graph safe (routing, expert alignment and the
+    # grouped GEMMs on the device, shapes from the token count alone).
 
     def map_weight(
         self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]

@@ -12,6 +12,7 @@ import torch
 from ember import LLM, SamplingParams
 from ember.engine.config import EngineConfig
 from ember.engine.piecewise_graphs import piecewise_sizes, supports_piecewise
+from ember.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ember.models.llama import LlamaForCausalLM
 from ember.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -42,7 +43,8 @@ def test_only_models_that_opt_in_and_carry_no_draft_head_take_pieces() -> None:
             super().__init__()
             self.model = Inner()
 
-    assert LlamaForCausalLM.piecewise_graphs and not Qwen3MoeForCausalLM.piecewise_graphs
+    assert LlamaForCausalLM.piecewise_graphs and Qwen3MoeForCausalLM.piecewise_graphs
+    assert not DeepseekV3ForCausalLM.piecewise_graphs  # MLA does not call the backend
     model = Dense()
     assert supports_piecewise(model)
     model.model.aux_layers = (2, 5)  # EAGLE-3 reads the hidden states of a step
@@ -125,7 +127,7 @@ def _run(path: str, dtype: str, pieces: int) -> tuple[list[list[int]], list[torc
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_pieces_give_the_logits_of_python_launches(tiny_model_dir, arch: str, dtype: str) -> None:
     """The same steps (decodes beside prompt chunks, a prefix-cache hit) with and without the
