@@ -34,6 +34,7 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
         scale: float,
         kv_written: bool = False,
-    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        out: torch.Tensor | None = None,  # [T, num_heads, head_dim]: where to write, else new
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]: `out` when given
         """Write this step's K and V into the cache (unless `kv_written`: the rotation did),
         then attend causally over each context."""

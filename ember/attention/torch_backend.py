@@ -97,7 +97,9 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         kv_written: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not kv_written:
             write_kv(kv_cache, k, v, metadata.slot_mapping)
-        return paged_attention_ref(q, kv_cache, metadata, scale)
+        o = paged_attention_ref(q, kv_cache, metadata, scale)
+        return o if out is None else out.copy_(o)

@@ -8,6 +8,8 @@ host data, so a decode-only step can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ember.attention.backend import AttentionBackend
@@ -17,9 +19,33 @@ from ember.kernels.kv_write import write_kv
 from ember.kernels.prefill_attention import prefill_attention
 
 
+@dataclass(slots=True)
+class _Run:
+    """Prefill rows of one kind: sequences [first, end) of the step, fresh or over a cache."""
+
+    query_start_loc: torch.Tensor  # [n + 1], absolute offsets into q and out
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    fresh: bool
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """What every layer's attention takes of one step's metadata, sliced once at its first layer
+    (a mixed step on the piecewise graphs launches attention from Python 32 times a step)."""
+
+    metadata: AttentionMetadata
+    decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None
+    """The decode rows' seq_lens, block tables and row groups; None without decode rows."""
+    runs: list[_Run]
+
+
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     fuses_kv_write = True
+
+    def __init__(self) -> None:
+        self._plan: _StepPlan | None = None
 
     def forward(
         self,
@@ -30,39 +56,65 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         kv_written: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not kv_written:
             write_kv(kv_cache, k, v, metadata.slot_mapping)
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
+        plan = self._plan
+        if plan is None or plan.metadata is not metadata:
+            plan = self._plan = self._make_plan(metadata)
         nd = metadata.num_decodes
-        groups = metadata.decode_groups
-        if nd:
+        if plan.decode is not None:
+            seq_lens, block_tables, groups = plan.decode
             decode_attention(
                 q[:nd],
                 kv_cache,
-                metadata.seq_lens[:nd],
-                metadata.block_tables[:nd],
+                seq_lens,
+                block_tables,
                 scale,
                 out=out[:nd],
                 max_seq_len=metadata.max_seq_len,
-                row_groups=None if groups is None else groups[:nd],
+                row_groups=groups,
                 max_group=metadata.max_decode_group,
             )
-        for first, end, fresh in self._prefill_runs(metadata, nd):
+        for run in plan.runs:
             # The prefill rows keep their absolute offsets into q and out.
             prefill_attention(
                 q,
                 kv_cache,
-                metadata.query_start_loc[first : end + 1],
-                metadata.seq_lens[first:end],
-                metadata.block_tables[first:end],
+                run.query_start_loc,
+                run.seq_lens,
+                run.block_tables,
                 scale,
                 max_query_len=metadata.max_query_len,
                 out=out,
-                k=k if fresh else None,
-                v=v if fresh else None,
+                k=k if run.fresh else None,
+                v=v if run.fresh else None,
             )
         return out
+
+    @classmethod
+    def _make_plan(cls, md: AttentionMetadata) -> _StepPlan:
+        nd, groups = md.num_decodes, md.decode_groups
+        decode = None
+        if nd:
+            decode = (
+                md.seq_lens[:nd],
+                md.block_tables[:nd],
+                None if groups is None else groups[:nd],
+            )
+        runs = [
+            _Run(
+                md.query_start_loc[first : end + 1],
+                md.seq_lens[first:end],
+                md.block_tables[first:end],
+                fresh,
+            )
+            for first, end, fresh in cls._prefill_runs(md, nd)
+        ]
+        return _StepPlan(md, decode, runs)
 
     @staticmethod
     def _prefill_runs(md: AttentionMetadata, nd: int) -> list[tuple[int, int, bool]]:

@@ -219,7 +219,7 @@ class EngineCore:
         profiled step and (with the warm-up) of the batch shapes serving meets
         (ember/engine/warmup.py), so no request waits on a compilation."""
         config, r = self.config, self.resolved
-        batches = [profile_runs(r.max_num_batched_tokens, r.max_model_len, config.max_num_seqs)]
+        batches = []
         graph_batch = 0 if config.enforce_eager else config.max_cuda_graph_batch
         if config.warmup:
             batches += warmup_batches(
@@ -229,6 +229,9 @@ class EngineCore:
                 graph_batch,
                 config.block_size,
             )
+        # Last: the warm-up's first batches start the slowest compiles, and this one step of the
+        # whole token budget took ~1 s of a fresh dry run (H200) before the next batch began.
+        batches.append(profile_runs(r.max_num_batched_tokens, r.max_model_len, config.max_num_seqs))
         graphs_dry = None
         if not config.enforce_eager:
             graphs_dry = self.runner.prepare_cuda_graphs(*self._graph_plan())

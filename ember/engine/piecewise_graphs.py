@@ -120,6 +120,7 @@ class _SplitBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         kv_written: bool = False,
+        out: torch.Tensor | None = None,  # (the model passes none: the buffer is the output)
     ) -> torch.Tensor:
         buf = self.owner.buffers_for(q, k, v)
         t = q.shape[0]
@@ -267,12 +268,10 @@ class PiecewiseGraphs:
             self._slots[n:size].fill_(-1)  # padding rows write no KV slot
         buf = self._buffers
         assert buf is not None
+        q, k, v, out = buf.q[:n], buf.k[:n], buf.v[:n], buf.out[:n]
         for piece, call in zip(got.pieces, got.calls, strict=False):
             piece.replay()
-            o = self.backend.forward(
-                buf.q[:n], buf.k[:n], buf.v[:n], call.kv_cache, md, call.scale, call.kv_written
-            )
-            buf.out[:n].copy_(o)
+            self.backend.forward(q, k, v, call.kv_cache, md, call.scale, call.kv_written, out)
         got.pieces[-1].replay()
         self.replays += 1
         return got.hidden[:n]

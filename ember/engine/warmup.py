@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -83,6 +84,15 @@ def dummy_step(runner, runs: list[Run], max_seq_len: int | None = None) -> torch
     return runner.model.compute_logits(hidden[last])
 
 
+def _describe(runs: list[Run]) -> str:
+    """A dummy batch in a few words: its runs of (new tokens, cached tokens), repeats counted."""
+    parts = []
+    for run in dict.fromkeys(runs):
+        count = runs.count(run)
+        parts.append(f"{count} x {run}" if count > 1 else str(run))
+    return "[" + ", ".join(parts) + "]"
+
+
 def warmup_batches(
     max_tokens: int, max_seqs: int, max_model_len: int, graph_batch: int, block_size: int
 ) -> list[list[Run]]:
@@ -101,7 +111,11 @@ def warmup_batches(
     # needs more than 64 routed rows an expert); variants do not depend on the count otherwise
     # (batch-dependent ints do not specialize), so no batch needs the full token budget.
     small = {1, 2, 15, 16, 17, 40, 100}
-    batches: list[list[Run]] = []
+    # First, one batch of each prefill attention tile class (fresh and over a cached prefix; up
+    # to 64 query rows and past it): the slowest variants to compile (the TMA kernels, ~2 s each
+    # on an H200's host, the start-up's critical path when the dry run met them 1.1-1.6 s in),
+    # so their compiles start within the dry run's first batches.
+    batches: list[list[Run]] = [[(2, 0)], [(100, 0)], [(2, ctx)], [(100, ctx)]]
     for n in sorted(small | {256, 1000, max_tokens // 2 + 1}):
         batches.append([(n, 0)])  # a fresh prompt (or chunk) alone
     for n in sorted(small):
@@ -155,14 +169,26 @@ def precompile_start_up(
     if need == 0:
         return None
     saved = runner.kv_cache
+    seconds: list[tuple[float, str]] = []  # (seconds, what) of each part of the dry run
 
     def run_dry() -> None:
         for runs in batches:
+            t = time.perf_counter()
             logits = dummy_step(runner, runs)
+            seconds.append((time.perf_counter() - t, _describe(runs)))
         # The fused sampler's variant (ember.kernels.sampling), on logits of the model's dtype.
         gumbel_sample(logits, torch.ones(len(logits), device=logits.device), 0)
         if graphs_dry is not None:
+            t = time.perf_counter()
             graphs_dry()
+            seconds.append((time.perf_counter() - t, "the CUDA graphs' sizes"))
+        slowest = sorted(seconds, reverse=True)[:3]
+        log.info(
+            "start-up dry run: %d batches in %.2f s, the slowest %s",
+            len(seconds),
+            sum(s for s, _ in seconds),
+            ", ".join(f"{what} {s:.2f} s" for s, what in slowest),
+        )
 
     try:
         runner.allocate_kv_cache(need)

@@ -14,6 +14,8 @@ on an H100 (~3.0 TB/s measured copy) and ~0.25 ms on an H200 (~4.3 TB/s); comput
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -30,6 +32,7 @@ MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of ints, asked once a layer per eager step
 def choose_num_splits(
     batch_size: int,
     num_kv_heads: int,

@@ -63,3 +63,50 @@ def test_the_triton_path_answers_as_the_torch_path(
         assert [t for t, _ in got[rid]] == [t for t, _ in want[rid]], rid
         for (_, lp_got), (_, lp_want) in zip(got[rid], want[rid], strict=True):
             assert lp_got == pytest.approx(lp_want, abs=1e-4)
+
+
+def test_the_triton_backend_writes_where_told_and_slices_a_step_once(monkeypatch) -> None:
+    """`out=` is written and returned; the metadata's slices are taken at a step's first layer
+    and reused by its other layers, and a new step's metadata gets its own."""
+    from ember.attention.metadata import AttentionMetadata
+    from ember.attention.torch_backend import TorchAttentionBackend
+
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, bs = 4, 2, 16, 4
+    layers = [torch.randn(16, 2, bs, kv_heads, dim, generator=g) for _ in range(2)]
+    # Two decode rows over 5 and 3 cached tokens, then a fresh prompt of 4 and a chunk of 3
+    # over 6 cached tokens: 9 query rows.
+    qsl, lens = [0, 1, 2, 6, 9], [6, 4, 4, 9]
+    tables = torch.tensor([[0, 1, 0], [2, 3, 0], [4, 5, 0], [6, 7, 8]], dtype=torch.int32)
+    slots = [1 * bs + 1, 2 * bs + 3, 16, 17, 18, 19, 7 * bs + 2, 7 * bs + 3, 8 * bs]  # new rows
+
+    def metadata() -> AttentionMetadata:
+        return AttentionMetadata(
+            torch.tensor(qsl, dtype=torch.int32),
+            torch.tensor(lens, dtype=torch.int32),
+            tables,
+            torch.tensor(slots, dtype=torch.int64),
+            4,
+            9,
+            qsl,
+            lens,
+            num_decodes=2,
+        )
+
+    q = torch.randn(9, heads, dim, generator=g)
+    k = torch.randn(9, kv_heads, dim, generator=g)
+    v = torch.randn(9, kv_heads, dim, generator=g)
+    triton_be, ref = TritonAttentionBackend(), TorchAttentionBackend()
+    md = metadata()
+    for cache in layers:
+        want = ref.forward(q, k, v, cache.clone(), md, 0.25)
+        out = torch.full_like(q, float("nan"))
+        got = triton_be.forward(q, k, v, cache.clone(), md, 0.25, out=out)
+        assert got is out
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    plan = triton_be._plan
+    assert plan is not None and plan.metadata is md  # one plan for the step's layers
+    assert [r.fresh for r in plan.runs] == [True, False]
+    md2 = metadata()
+    triton_be.forward(q, k, v, layers[0].clone(), md2, 0.25)
+    assert triton_be._plan is not plan and triton_be._plan.metadata is md2
