@@ -233,6 +233,7 @@ def run_loads(url: str, out: Path, tag: str, wanted: list[str], loads: Loads, ag
 STARTUP_MARKS = (
     "Triton",
     "start-up:",
+    "start-up dry run",
     "warm-up:",
     "serving ",
     "captured",

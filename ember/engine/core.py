@@ -240,13 +240,15 @@ class EngineCore:
         if done is not None:
             log.info(
                 "start-up compile: %d Triton kernel variants from %d batch shapes run dry "
-                "(%.1f s, compiling in parallel as they were met, in %d forked processes), "
+                "(%.1f s, compiling in parallel as they were met, in %d processes forked in "
+                "%.2f s), "
                 "all compiled or loaded %.1f s after the dry run began and their launchers "
                 "built %.1f s after it ended; the last compiled: %s",
                 done.variants,
                 len(batches),
                 done.dry_s,
                 done.workers,
+                done.fork_s,
                 done.compiled_s,
                 done.compile_s,
                 done.critical(),

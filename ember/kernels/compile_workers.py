@@ -87,6 +87,8 @@ class CompileWorkers:
         self._closed = False
         self.forked = 0
         """Workers forked so far."""
+        self.fork_s = 0.0
+        """Seconds this process spent in fork() (on the thread that submitted the job)."""
         self._results_r, self._results_w = os.pipe()
         self._reader = threading.Thread(
             target=self._read, name="triton-compile-results", daemon=True
@@ -141,7 +143,10 @@ class CompileWorkers:
                 # holds stays held in the child. The worker takes none of the core's locks that
                 # way (no CUDA, no logging, no torch; Python resets its own at fork).
                 warnings.filterwarnings("ignore", ".*multi-threaded.*", DeprecationWarning)
+                t = time.perf_counter()
                 pid = os.fork()
+                if pid:
+                    self.fork_s += time.perf_counter() - t
         except OSError as e:
             os.close(job_r)
             os.close(job_w)

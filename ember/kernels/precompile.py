@@ -186,17 +186,24 @@ class Precompiled:
     the launchers were built."""
     workers: int = 0
     """Worker processes forked to compile (0: in threads only)."""
+    fork_s: float = 0.0
+    """Seconds the dry run's thread spent forking them."""
     timeline: tuple[tuple[str, float, float], ...] = ()
     """(kernel name, seconds from the dry run's start to the variant's first meeting, to its
     compile's end) of each variant compiled in the pool: the start-up's critical path is the
     one that ends last."""
 
     def critical(self, n: int = 4) -> str:
-        """The `n` variants whose compiles ended last, as a phrase for the start-up log."""
+        """The `n` variants whose compiles ended last and the first one met, as a phrase for
+        the start-up log."""
+        if not self.timeline:
+            return "none"
+        first = min(self.timeline, key=lambda t: t[1])
         last = sorted(self.timeline, key=lambda t: t[2], reverse=True)[:n]
-        return ", ".join(
+        ends = ", ".join(
             f"{name} (met {met:.1f} s in, done {done:.1f} s)" for name, met, done in last
         )
+        return f"{ends}; the first met {first[1]:.2f} s in ({first[0]})"
 
 
 class _Pool(ThreadPoolExecutor):
@@ -306,5 +313,8 @@ def precompile(
         kernels = {id(fn): fn for fn, _ in found.values()}.values()
         list(pool.map(lambda job: _load(*job), _unloaded(kernels)))
     forked = procs.forked if procs is not None else 0
+    fork_s = procs.fork_s if procs is not None else 0.0
     timeline = tuple(sorted((n, met - t0, done - t0) for n, met, done in pool.timeline))
-    return Precompiled(len(found), t1 - t0, time.perf_counter() - t1, compiled_s, forked, timeline)
+    return Precompiled(
+        len(found), t1 - t0, time.perf_counter() - t1, compiled_s, forked, fork_s, timeline
+    )
