@@ -111,11 +111,15 @@ def warmup_batches(
     # needs more than 64 routed rows an expert); variants do not depend on the count otherwise
     # (batch-dependent ints do not specialize), so no batch needs the full token budget.
     small = {1, 2, 15, 16, 17, 40, 100}
-    # First, one batch of each prefill attention tile class (fresh and over a cached prefix; up
-    # to 64 query rows and past it): the slowest variants to compile (the TMA kernels, ~2 s each
-    # on an H200's host, the start-up's critical path when the dry run met them 1.1-1.6 s in),
-    # so their compiles start within the dry run's first batches.
-    batches: list[list[Run]] = [[(2, 0)], [(100, 0)], [(2, ctx)], [(100, ctx)]]
+    # First, a decode row beside a fresh prompt and a chunk over a cached prefix, of each
+    # prefill tile class (up to 64 query rows and past it): the prefill attention's TMA
+    # variants are the slowest to compile (~1.5-2 s each on an H200's host, the start-up's
+    # critical path when the dry run met them 1.1-1.6 s in), so their compiles start first,
+    # with the eager decode kernels'. Smaller where the step's budgets are.
+    batches: list[list[Run]] = []
+    for n in (2, 100):
+        n = max(2, min(n, (max_tokens - 1) // 2))
+        batches.append([(1, ctx), (n, 0), (n, ctx)])
     for n in sorted(small | {256, 1000, max_tokens // 2 + 1}):
         batches.append([(n, 0)])  # a fresh prompt (or chunk) alone
     for n in sorted(small):
@@ -162,9 +166,9 @@ def precompile_start_up(
     runner, batches: list[list[Run]], graphs_dry: Callable[[], None] | None = None
 ) -> Precompiled | None:
     """Run `batches` dry over a temporary KV cache and compile every Triton variant they reach in
-    parallel (None: there was nothing to run). `graphs_dry`: the decode graphs' dry run
-    (`ModelRunner.prepare_cuda_graphs`), whose variants (the graphs' own input buffers) then
-    compile in the same pool."""
+    parallel (None: there was nothing to run). `graphs_dry`: the CUDA graphs' dry run
+    (`ModelRunner.prepare_cuda_graphs`), run first, whose variants (the graphs' own input
+    buffers) compile in the same pool."""
     need = max((blocks_of(b, runner.block_size) for b in batches), default=0)
     if need == 0:
         return None
@@ -172,16 +176,18 @@ def precompile_start_up(
     seconds: list[tuple[float, str]] = []  # (seconds, what) of each part of the dry run
 
     def run_dry() -> None:
+        if graphs_dry is not None:
+            # First: ~1 ms a size, and the graphs' own variants (their int64 input buffers) are
+            # then among the first to compile.
+            t = time.perf_counter()
+            graphs_dry()
+            seconds.append((time.perf_counter() - t, "the CUDA graphs' sizes"))
         for runs in batches:
             t = time.perf_counter()
             logits = dummy_step(runner, runs)
             seconds.append((time.perf_counter() - t, _describe(runs)))
         # The fused sampler's variant (ember.kernels.sampling), on logits of the model's dtype.
         gumbel_sample(logits, torch.ones(len(logits), device=logits.device), 0)
-        if graphs_dry is not None:
-            t = time.perf_counter()
-            graphs_dry()
-            seconds.append((time.perf_counter() - t, "the CUDA graphs' sizes"))
         slowest = sorted(seconds, reverse=True)[:3]
         log.info(
             "start-up dry run: %d batches in %.2f s, the slowest %s",
