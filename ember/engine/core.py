@@ -35,7 +35,7 @@ from ember.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ember.engine.speculation import Speculator, verify_graph_rows
 from ember.engine.startup_clock import StartupClock
 from ember.engine.structured_output import GrammarCompiler
-from ember.engine.warmup import precompile_start_up, profile_runs, warmup_batches
+from ember.engine.warmup import PROBES, precompile_start_up, profile_runs, warmup_batches
 from ember.kernels import compile_log
 from ember.kv.kv_cache_manager import KVCacheManager
 from ember.models.config import ModelConfig
@@ -235,7 +235,8 @@ class EngineCore:
         graphs_dry = None
         if not config.enforce_eager:
             graphs_dry = self.runner.prepare_cuda_graphs(*self._graph_plan())
-        done = precompile_start_up(self.runner, batches, graphs_dry)
+        probes = PROBES if config.warmup else 0
+        done = precompile_start_up(self.runner, batches, graphs_dry, graphs_after=probes)
         clock.mark("precompile")
         if done is not None:
             log.info(

@@ -110,7 +110,9 @@ def _key_tile(
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+# query_start_loc is sliced past a step's decode rows (any offset): its alignment does not
+# specialize, so a fresh prompt after 1 or 16 decode rows takes the same variant.
+@triton.jit(do_not_specialize=["num_seqs"], do_not_specialize_on_alignment=["query_start_loc_ptr"])
 def _fresh_tma_kernel(
     q_ptr,
     k_ptr,

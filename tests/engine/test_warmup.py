@@ -129,3 +129,28 @@ def test_a_start_up_compile_that_does_not_fit_is_skipped_and_leaves_the_cache(
     assert precompile_start_up(runner, [[(5, 0)], [(1, 3)]]) is None
     assert runner.kv_cache is cache
     llm.close()
+
+
+@pytest.mark.parametrize("after", [0, 1, 5])
+def test_the_graphs_dry_run_comes_after_the_probes(tiny_model_dir, monkeypatch, after) -> None:
+    """The graphs' sizes (most of a dry run's time) run after the first `graphs_after` batches,
+    which reach the slowest compiles; past the last batch they run last."""
+    from ember.engine import warmup
+
+    llm = LLM(str(tiny_model_dir("qwen3")), num_kv_blocks=64, block_size=4, max_model_len=128)
+    order: list[object] = []
+    real = warmup.dummy_step
+
+    def step(runner, runs, max_seq_len=None):
+        order.append(runs)
+        return real(runner, runs, max_seq_len)
+
+    monkeypatch.setattr(warmup, "dummy_step", step)
+    batches = [[(5, 0)], [(1, 3), (4, 0)], [(2, 6)]]
+    done = precompile_start_up(
+        llm.engine.core.runner, batches, lambda: order.append("graphs"), graphs_after=after
+    )
+    assert done is not None
+    at = min(after, len(batches))
+    assert order == batches[:at] + ["graphs"] + batches[at:]
+    llm.close()
