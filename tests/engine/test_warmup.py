@@ -134,7 +134,8 @@ def test_a_start_up_compile_that_does_not_fit_is_skipped_and_leaves_the_cache(
 @pytest.mark.parametrize("after", [0, 1, 5])
 def test_the_graphs_dry_run_comes_after_the_probes(tiny_model_dir, monkeypatch, after) -> None:
     """The graphs' sizes (most of a dry run's time) run after the first `graphs_after` batches,
-    which reach the slowest compiles; past the last batch they run last."""
+    which reach the slowest compiles (their attention alone runs before anything); past the
+    last batch they run last."""
     from ember.engine import warmup
 
     llm = LLM(str(tiny_model_dir("qwen3")), num_kv_blocks=64, block_size=4, max_model_len=128)
@@ -146,11 +147,41 @@ def test_the_graphs_dry_run_comes_after_the_probes(tiny_model_dir, monkeypatch, 
         return real(runner, runs, max_seq_len)
 
     monkeypatch.setattr(warmup, "dummy_step", step)
+    probe = warmup.probe_attention
+    monkeypatch.setattr(
+        warmup, "probe_attention", lambda r, runs: (order.append(("probe", runs)), probe(r, runs))
+    )
     batches = [[(5, 0)], [(1, 3), (4, 0)], [(2, 6)]]
     done = precompile_start_up(
         llm.engine.core.runner, batches, lambda: order.append("graphs"), graphs_after=after
     )
     assert done is not None
     at = min(after, len(batches))
-    assert order == batches[:at] + ["graphs"] + batches[at:]
+    # The probes' attention alone first (before any layer's GEMMs), then the probes themselves.
+    probes = [("probe", b) for b in batches[:at]]
+    assert order == probes + batches[:at] + ["graphs"] + batches[at:]
+    llm.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_a_probe_runs_one_attention_call_and_none_for_mla(tiny_model_dir, arch) -> None:
+    from ember.engine.warmup import probe_attention
+
+    llm = LLM(str(tiny_model_dir(arch)), num_kv_blocks=64, block_size=4, max_model_len=128)
+    runner = llm.engine.core.runner
+    calls: list[tuple] = []
+    forward = runner.backend.forward
+
+    def counted(q, k, v, cache, md, scale, kv_written=False, out=None):
+        calls.append((q.shape, k.shape, v.shape, md.num_decodes, md.num_seqs))
+        return forward(q, k, v, cache, md, scale, kv_written, out)
+
+    runner.backend.forward = counted
+    probe_attention(runner, [(1, 7), (2, 0), (2, 7)])
+    cfg = runner.config
+    if cfg.uses_mla:
+        assert calls == []
+    else:
+        h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        assert calls == [((5, h, d), (5, kv, d), (5, kv, d), 1, 3)]
     llm.close()
