@@ -75,6 +75,10 @@ def engine_core_entry(
     config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int
 ) -> None:
     """The spawned process's entry: imports the engine (torch) there, not in the parent."""
+    if config.device != "cpu":
+        from ember.kernels import triton_key
+
+        triton_key.start()  # beside the imports below: its reads and hashing release the GIL
     from ember.engine.core_proc import engine_core_main
 
     engine_core_main(config, input_addr, output_addr, parent_pid)
