@@ -36,7 +36,7 @@ from ember.engine.speculation import Speculator, verify_graph_rows
 from ember.engine.startup_clock import StartupClock
 from ember.engine.structured_output import GrammarCompiler
 from ember.engine.warmup import PROBES, precompile_start_up, profile_runs, warmup_batches
-from ember.kernels import compile_log, triton_key
+from ember.kernels import compile_log, triton_setup
 from ember.kv.kv_cache_manager import KVCacheManager
 from ember.models.config import ModelConfig
 from ember.models.loader import load_model
@@ -76,13 +76,16 @@ class EngineCore:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.compile_log = None
         if on_gpu:
-            triton_key.start()  # (a spawned core began it before its imports)
+            triton_setup.start()  # (a spawned core began it before its imports)
             torch.cuda.set_device(self.device)
             free0, total = torch.cuda.mem_get_info(self.device)
             # Triton's binaries in ember's home, and a count of what start-up compiles and loads.
             compile_log.use_ember_cache()
             self.compile_log = compile_log.install()
             self.compile_log.begin()
+            # Done before anything here uses Triton (a spawned core began it before importing
+            # torch; an engine made in process pays it here, as its first compile would).
+            triton_setup.wait()
         clock.mark("config")
         model = load_model(
             config.model,
@@ -236,7 +239,6 @@ class EngineCore:
         graphs_dry = None
         if not config.enforce_eager:
             graphs_dry = self.runner.prepare_cuda_graphs(*self._graph_plan())
-        triton_key.wait()  # before the first variant's cache key (and the workers' forks)
         probes = PROBES if config.warmup else 0
         done = precompile_start_up(self.runner, batches, graphs_dry, graphs_after=probes)
         clock.mark("precompile")

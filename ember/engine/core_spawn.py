@@ -76,9 +76,9 @@ def engine_core_entry(
 ) -> None:
     """The spawned process's entry: imports the engine (torch) there, not in the parent."""
     if config.device != "cpu":
-        from ember.kernels import triton_key
+        from ember.kernels import triton_setup
 
-        triton_key.start()  # beside the imports below: its reads and hashing release the GIL
+        triton_setup.start()  # beside the imports below: its reads and hashing release the GIL
     from ember.engine.core_proc import engine_core_main
 
     engine_core_main(config, input_addr, output_addr, parent_pid)
