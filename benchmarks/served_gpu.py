@@ -278,6 +278,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="served-gpu-"))
     shape = "tiny-qwen3" if args.device == "cpu" else args.shape
     report: dict = {"gpu": gpu, "shape": shape, "loads": loads.__dict__, "engines": {}}
+    out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
+    out = out_dir / f"served_gpu-{gpu.replace(' ', '_')}.json"
     for engine in args.engines.split(","):
         slug = engine.replace("/", "_")
         caches = work / f"{slug}-caches"  # empty at the first start, kept for the second
@@ -307,6 +309,10 @@ def main() -> None:
             finally:
                 stop_processes([proc], 30.0)
             runs[start_kind]["startup_log"] = startup_lines(log)
+            # Written after every start: a run cut short (a device call's time limit) keeps
+            # what it finished.
+            report["engines"][engine] = runs
+            out.write_text(json.dumps(report, indent=1))
         if "mixed" in wanted and {"fresh", "warm"} <= runs.keys():
             warm = runs["warm"].pop("mixed_latency_s")
             runs["first_minute"] = first_minute(runs["fresh"].pop("mixed_latency_s"), warm)
@@ -314,8 +320,6 @@ def main() -> None:
             runs["warm_again"] = first_minute(runs["warm"].pop("mixed_again_latency_s"), warm)
         report["engines"][engine] = runs
     print_table(report)
-    out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
-    out = out_dir / f"served_gpu-{gpu.replace(' ', '_')}.json"
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out} (logs and runs in {work})")
 
