@@ -100,8 +100,10 @@ def _describe(runs: list[Run]) -> str:
 def probe_attention(runner, runs: list[Run]) -> None:
     """The attention of a dummy batch alone, on q, k and v laid out as a layer hands them over
     (q and k out of the rotation, v a view of the fused q/k/v projection) over layer 0's cache:
-    a dry run meets the attention kernels' variants first, before any layer's GEMMs (a fresh
-    process's first cuBLAS calls took ~0.7 s of the first dry batch on an H200). MLA models call
+    a dry run meets the attention kernels' variants (the slowest to compile) first, before any
+    layer's GEMMs (each new GEMM shape costs cuBLAS a first-use load of its kernels). Measured on
+    an H200, the wait before them was mostly Triton's install key, since computed ahead
+    (ember/kernels/triton_setup.py): the probe alone is not separately measured. MLA models call
     their own attention: nothing to probe."""
     cfg = runner.config
     if cfg.uses_mla:
