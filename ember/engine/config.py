@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ember.models.config import ModelConfig, parse_dtype
+from ember.models.config import DTYPE_BYTES, ModelConfig, dtype_name, parse_dtype
 from ember.spec.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -112,9 +112,8 @@ class EngineConfig:
 
     def resolve(self, model_config: ModelConfig) -> ResolvedConfig:
         """Fill in what depends on the model: dtype, context length, token budget, KV blocks."""
-        import torch  # here, not at the top: the config is built before torch is imported
-
-        dtype = parse_dtype(self.dtype, default=model_config.dtype)
+        # Without torch: the API process resolves its engine's config too.
+        dtype = dtype_name(self.dtype, default=model_config.dtype_name)
         max_len = self.max_model_len or model_config.max_position_embeddings
         budget = self.max_num_batched_tokens or default_token_budget(self.device, max_len)
         if budget < 1:
@@ -126,7 +125,7 @@ class EngineConfig:
             * self.block_size
             * heads
             * dim
-            * torch.tensor([], dtype=dtype).element_size()
+            * DTYPE_BYTES[dtype]
         )
         min_blocks = -(-max_len // self.block_size)
         if self.num_kv_blocks is not None:
@@ -175,8 +174,14 @@ def default_token_budget(device: str, max_model_len: int) -> int:
 
 @dataclass(slots=True, frozen=True)
 class ResolvedConfig:
-    dtype: torch.dtype
+    dtype_name: str
+    """float32, float16 or bfloat16; `dtype` is torch's."""
     max_model_len: int
     max_num_batched_tokens: int
     num_kv_blocks: int
     kv_block_bytes: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The engine's torch dtype (imports torch: the engine's side only)."""
+        return parse_dtype(self.dtype_name)

@@ -7,12 +7,17 @@ byte-level vocabulary, supports JSON schema, regex and Lark, and has no dependen
 
 from __future__ import annotations
 
-import torch
+import functools
+from typing import TYPE_CHECKING
+
 from llguidance import LLMatcher, LLTokenizer
 
 from ember.models.config import ModelConfig
 from ember.sampling_params import StructuredOutputsParams
 from ember.tokenizer.tokenizer import tokenizer_json
+
+if TYPE_CHECKING:
+    import torch  # (the API process validates grammars here and imports no torch)
 
 
 def grammar_of(so: StructuredOutputsParams) -> str:
@@ -70,7 +75,11 @@ class GrammarCompiler:
         return m
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
+@functools.cache
+def _bits() -> torch.Tensor:
+    import torch
+
+    return torch.arange(32, dtype=torch.int32)
 
 
 def apply_grammar_masks(
@@ -104,6 +113,8 @@ def apply_grammar_masks(
 
 
 def _mask_row(row: torch.Tensor, m: LLMatcher, vocab: int) -> None:
+    import torch
+
     words = torch.frombuffer(bytearray(m.compute_bitmask()), dtype=torch.int32)
-    allowed = ((words.unsqueeze(-1) >> _BITS) & 1).reshape(-1)[:vocab].bool()
+    allowed = ((words.unsqueeze(-1) >> _bits()) & 1).reshape(-1)[:vocab].bool()
     row.masked_fill_(~allowed.to(row.device), float("-inf"))

@@ -32,6 +32,23 @@ def read_config_json(directory: str | Path, what: str) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def dtype_name(value: str | torch.dtype | None, default: str = "float32") -> str:
+    """A dtype ("bf16", "torch.float16", torch.bfloat16, ...) as one of float32, float16 or
+    bfloat16; `default` for None or "auto". Checked without torch: the API process parses
+    configs too and imports no torch."""
+    if value is None or value == "auto":
+        return default
+    try:
+        return _DTYPES[str(value).removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(
+            f"unsupported dtype {value!r}; use one of float32, float16, bfloat16"
+        ) from None
+
+
 def parse_dtype(value: str | torch.dtype | None, default: torch.dtype | None = None) -> torch.dtype:
     """A dtype from its name ("bf16", "torch.float16", ...) or itself; `default` (float32 when
     None) for None or "auto"."""
@@ -68,7 +85,8 @@ class ModelConfig:
     attention_bias: bool
     qk_norm: bool
     hidden_act: str
-    dtype: torch.dtype
+    dtype_name: str
+    """The checkpoint's dtype (`dtype_name`): float32, float16 or bfloat16; `dtype` is torch's."""
     # Mixture of experts (Qwen3-MoE); zero experts means a dense model.
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -90,6 +108,11 @@ class ModelConfig:
     # `weight_scale_inv` entry covers; None for an unquantized checkpoint.
     fp8_block_size: tuple[int, int] | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The checkpoint's torch dtype (imports torch: the engine's side only)."""
+        return parse_dtype(self.dtype_name)
 
     @property
     def uses_mla(self) -> bool:
@@ -159,7 +182,7 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             hidden_act=cfg.get("hidden_act", "silu"),
-            dtype=parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype")),
+            dtype_name=dtype_name(cfg.get("dtype") or cfg.get("torch_dtype")),
             num_experts=cfg.get("num_experts") or cfg.get("n_routed_experts") or 0,
             num_experts_per_tok=cfg.get("num_experts_per_tok", 0) or 0,
             moe_intermediate_size=cfg.get("moe_intermediate_size", 0) or 0,

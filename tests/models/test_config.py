@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from ember.models.config import ModelConfig, parse_dtype
+from ember.models.config import ModelConfig, dtype_name, parse_dtype
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],
@@ -86,6 +86,11 @@ def test_dtypes() -> None:
     assert parse_dtype("auto", default=torch.bfloat16) is torch.bfloat16
     with pytest.raises(ValueError, match="unsupported dtype 'int4'"):
         parse_dtype("int4")
+    # The same names without torch (the API process's configs), and torch's dtypes as values.
+    assert dtype_name("bf16") == "bfloat16" and dtype_name(torch.float16) == "float16"
+    assert dtype_name(None) == "float32" and dtype_name("auto", default="bfloat16") == "bfloat16"
+    with pytest.raises(ValueError, match="unsupported dtype 'int4'"):
+        dtype_name("int4")
 
 
 def test_a_deepseek_v3_config_reads_mla_and_routing(tmp_path) -> None:

@@ -33,6 +33,26 @@ def test_the_path_to_the_spawn_imports_no_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
 
 
+def test_the_api_process_imports_no_torch(tiny_model_dir) -> None:
+    """The API process runs no model: its server module, the model's config and the engine's
+    resolved config (what AsyncLLM reads) come without torch, which it used to import for ~1.3 s
+    of CPU and a few hundred MB of memory beside the engine core's own."""
+    path = tiny_model_dir("qwen3")
+    code = (
+        "import sys\n"
+        "import ember.server.api_server, ember.engine.async_llm\n"
+        "from ember.engine.config import EngineConfig\n"
+        "from ember.models.config import ModelConfig\n"
+        f"mc = ModelConfig.from_dir({str(path)!r})\n"
+        f"r = EngineConfig(model={str(path)!r}, dtype='bf16').resolve(mc)\n"
+        "assert r.dtype_name == 'bfloat16' and mc.dtype_name in ('float32', 'bfloat16'), r\n"
+        "assert 'torch' not in sys.modules\n"
+        "import torch\n"
+        "assert r.dtype is torch.bfloat16 and mc.dtype is getattr(torch, mc.dtype_name)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+
+
 def test_a_start_that_fails_after_the_spawn_stops_its_core(tiny_model_dir, tmp_path) -> None:
     """A missing API keys file is found after the core was spawned: serve exits 2 at once (not
     after the core has loaded), and leaves no IPC directory behind."""

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Literal
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
+
     from ember.kv.tiers.host_memory import HostMemory
 
 Medium = Literal["gpu", "cpu", "disk", "store"]
@@ -24,6 +24,8 @@ Medium = Literal["gpu", "cpu", "disk", "store"]
 
 def dtype_itemsize(dtype: str) -> int:
     """Bytes per element of a torch dtype named without its prefix ("bfloat16", "float32")."""
+    import torch  # here: the API process imports this module (TierStats) and no torch
+
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
         raise ValueError(f"unknown torch dtype {dtype!r}")
@@ -189,6 +191,8 @@ def leading(found: Sequence[bool]) -> int:
 
 def check_rows(t: torch.Tensor, n: int, nbytes: int, what: str) -> None:
     """Raise unless `t` is a CPU uint8 tensor of shape [n, nbytes] (contiguous rows)."""
+    import torch
+
     if t.dtype != torch.uint8 or t.device.type != "cpu":
         raise ValueError(f"{what} must be a CPU uint8 tensor, got {t.dtype} on {t.device}")
     if tuple(t.shape) != (n, nbytes):
@@ -238,6 +242,8 @@ class Tier(ABC):
         `put`."""
         if not keys:
             return []
+        import torch
+
         return self.put(keys, torch.stack([memory.row(s) for s in slots]))
 
     def get_into_rows(
@@ -247,6 +253,8 @@ class Tier(ABC):
         into a gathered copy and scatters the rows it found."""
         if not keys:
             return []
+        import torch
+
         staging = torch.empty((len(keys), memory.row_bytes), dtype=torch.uint8)
         found = self.get_into(keys, staging)
         for i, ok in enumerate(found):
