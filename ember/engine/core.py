@@ -233,8 +233,7 @@ class EngineCore:
                 graph_batch,
                 config.block_size,
             )
-        # Last: the warm-up's first batches start the slowest compiles, and this one step of the
-        # whole token budget took ~1 s of a fresh dry run (H200) before the next batch began.
+        # Last: the warm-up's first batches are the ones that start the slowest compiles.
         batches.append(profile_runs(r.max_num_batched_tokens, r.max_model_len, config.max_num_seqs))
         graphs_dry = None
         if not config.enforce_eager:

@@ -236,7 +236,7 @@ def precompile_start_up(
         gumbel_sample(logits, torch.ones(len(logits), device=logits.device), 0)
         slowest = sorted(seconds, reverse=True)[:3]
         log.info(
-            "start-up dry run: %d batches in %.2f s, the slowest %s",
+            "start-up dry run: %d parts in %.2f s, the slowest %s",
             len(seconds),
             sum(s for s, _ in seconds),
             ", ".join(f"{what} {s:.2f} s" for s, what in slowest),
