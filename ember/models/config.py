@@ -58,12 +58,7 @@ def parse_dtype(value: str | torch.dtype | None, default: torch.dtype | None = N
         return torch.float32 if default is None else default
     if isinstance(value, torch.dtype):
         return value
-    try:
-        return getattr(torch, _DTYPES[str(value).removeprefix("torch.")])
-    except KeyError:
-        raise ValueError(
-            f"unsupported dtype {value!r}; use one of float32, float16, bfloat16"
-        ) from None
+    return getattr(torch, dtype_name(value))
 
 
 @dataclass(slots=True)
