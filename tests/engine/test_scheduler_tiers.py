@@ -350,3 +350,38 @@ def test_a_request_waiting_for_blocks_counts_one_decision(managers: list[TierMan
     assert y.num_cached_tokens == 6 * BLOCK
     cpu = tiers.stats()["cpu"]
     assert (cpu.loads, cpu.recomputes) == (1, 0)
+
+
+def test_a_prefetch_landing_while_a_lookup_counts_host_is_loaded_from_host(
+    managers: list[TierManager],
+) -> None:
+    """The race behind a flaky run: the store's blocks finish their prefetch into host after the
+    admission lookup counted host (0) and before it asked whether a prefetch is in flight (no
+    longer): the request was admitted as a store hit and loaded from the store, with the blocks
+    sitting in host. Forced here: the engine thread's host count waits for the prefetch to land."""
+    store = SlowStore()
+    store.release.set()
+    kv = KVCacheManager(32, BLOCK, track_writes=True)
+    tiers = real_tiers(managers, 32, [store])
+    engine = threading.get_ident()
+    count = tiers.host.contains_prefix
+
+    def count_then_land(keys: Sequence[bytes]) -> int:
+        n = count(keys)
+        if threading.get_ident() == engine:
+            tiers.lower.join()  # the prefetch in flight lands now, after host was counted
+        return n
+
+    tiers.host.contains_prefix = count_then_land  # type: ignore[method-assign]
+    s = Scheduler(SchedulerConfig(4, 64, 128), kv, tiers=tiers)
+    y = make_request("y", stored_prompt(kv, store, 26, seed=4), 2)
+    s.add_request(y)
+    tiers.prefetches._lookups["y"].future.result(timeout=10)  # answered; its prefetch queued
+    deadline = time.monotonic() + 20
+    while y.status != RequestStatus.RUNNING and time.monotonic() < deadline:
+        s.schedule()
+        tiers.flush()
+    assert y.status == RequestStatus.RUNNING and y.num_cached_tokens == 6 * BLOCK
+    st = tiers.stats()
+    assert st["store"].prefetched == 6
+    assert (st["cpu"].loads, st["store"].loads) == (1, 0)

@@ -199,19 +199,23 @@ class TierManager:
         ends no later than that load would). Without `request_id`, the store is asked here and
         may take up to its lookup timeout (tests, tools).
         """
-        host = self.host.contains_prefix(keys)
         known: Found | None = None
         pending = False
         if request_id is not None:
             self.prefetches.start(request_id, keys)
-            known = self.prefetches.result(request_id)
+            known = self.prefetches.result(request_id)  # an answer's prefetch is queued before it
             pending = known is None
+            # Asked before host is counted: a prefetch commits its blocks to host before it
+            # stops being in flight, so one that lands after this question is counted in host
+            # below. Asked after (as it was), a prefetch landing between the two was seen in
+            # neither and its blocks were loaded again from the store.
+            if self.lower.prefetching(keys):
+                return None  # being read into host: a load now would find the blocks reserved
+        host = self.host.contains_prefix(keys)
         below = self.lower.lookup(keys[host:], {} if pending else known)
         hit = TierHit(host=host, disk=below["disk"], store=below["store"])
         if pending and hit.num_blocks < len(keys):
             return None
-        if request_id is not None and self.lower.prefetching(keys[host : hit.num_blocks]):
-            return None  # being read into host: a load now would find the blocks reserved
         return hit
 
     def forget(self, request_id: str) -> None:
