@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,11 +36,22 @@ from ember.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ember.engine.speculation import Speculator, verify_graph_rows
 from ember.engine.startup_clock import StartupClock
 from ember.engine.structured_output import GrammarCompiler
-from ember.engine.warmup import PROBES, precompile_start_up, profile_runs, warmup_batches
+from ember.engine.warmup import (
+    PROBES,
+    AttentionOnly,
+    Run,
+    compile_probes_early,
+    precompile_start_up,
+    profile_runs,
+    warmup_batches,
+)
 from ember.kernels import compile_log, triton_setup
 from ember.kv.kv_cache_manager import KVCacheManager
 from ember.models.config import ModelConfig
 from ember.models.loader import load_model
+
+if TYPE_CHECKING:
+    from ember.kernels.compile_workers import CompileWorkers
 
 log = logging.getLogger(__name__)
 
@@ -87,41 +99,21 @@ class EngineCore:
             # torch; an engine made in process pays it here, as its first compile would).
             triton_setup.wait()
         clock.mark("config")
-        model = load_model(
-            config.model,
-            self.model_config,
-            dtype=r.dtype,
-            device=self.device,
-            load_format=config.load_format,
-            max_position=r.max_model_len,
-        )
-        self.runner = ModelRunner(
-            model,
-            self.model_config,
-            config.block_size,
-            r.dtype,
-            self.device,
-            backend or default_backend(self.device),
-            max_num_seqs=config.max_num_seqs,
-        )
-        clock.mark("load")
-        spec = config.speculative
-        if spec is not None and spec.method == "eagle3" and spec.draft_model:
-            from ember.spec.eagle3 import Eagle3Drafter
-
-            # Before the KV sizing and the graphs: the head's weights count as weights, and the
-            # target hands out its hidden states in every captured step.
-            self.runner.drafter = Eagle3Drafter(
-                spec.draft_model,
-                model,
-                config.block_size,
-                r.dtype,
-                self.device,
-                self.runner.backend,
+        backend = backend or default_backend(self.device)
+        early = None
+        if on_gpu and config.warmup:
+            # The slowest compiles start now and go on while the weights load.
+            stand_in = AttentionOnly(
+                self.model_config, config.block_size, r.dtype, self.device, backend
             )
-            self.runner.num_draft_tokens = spec.num_speculative_tokens
-        if on_gpu:
-            self._precompile(clock)
+            early = compile_probes_early(stand_in, self._warmup_batches()[:PROBES])
+        try:
+            self._load(clock, backend)
+            if on_gpu:
+                self._precompile(clock, early)
+        finally:
+            if early is not None:
+                early.close()  # (the start-up compile closed it; not if the load failed)
         num_blocks = r.num_kv_blocks
         if on_gpu and config.num_kv_blocks is None:
             num_blocks = size_kv_cache(self.runner, r, config, total - free0, total)
@@ -207,6 +199,54 @@ class EngineCore:
         self._pace_host_tier()  # no work yet: it grows
         clock.report()
 
+    def _load(self, clock: StartupClock, backend: AttentionBackend) -> None:
+        """The model's weights, its runner and (EAGLE-3) the draft head."""
+        config, r = self.config, self.resolved
+        model = load_model(
+            config.model,
+            self.model_config,
+            dtype=r.dtype,
+            device=self.device,
+            load_format=config.load_format,
+            max_position=r.max_model_len,
+        )
+        self.runner = ModelRunner(
+            model,
+            self.model_config,
+            config.block_size,
+            r.dtype,
+            self.device,
+            backend,
+            max_num_seqs=config.max_num_seqs,
+        )
+        clock.mark("load")
+        spec = config.speculative
+        if spec is not None and spec.method == "eagle3" and spec.draft_model:
+            from ember.spec.eagle3 import Eagle3Drafter
+
+            # Before the KV sizing and the graphs: the head's weights count as weights, and the
+            # target hands out its hidden states in every captured step.
+            self.runner.drafter = Eagle3Drafter(
+                spec.draft_model,
+                model,
+                config.block_size,
+                r.dtype,
+                self.device,
+                self.runner.backend,
+            )
+            self.runner.num_draft_tokens = spec.num_speculative_tokens
+
+    def _warmup_batches(self) -> list[list[Run]]:
+        config, r = self.config, self.resolved
+        graph_batch = 0 if config.enforce_eager else config.max_cuda_graph_batch
+        return warmup_batches(
+            r.max_num_batched_tokens,
+            config.max_num_seqs,
+            r.max_model_len,
+            graph_batch,
+            config.block_size,
+        )
+
     def _graph_plan(self) -> tuple[int, int, int, int, int]:
         """The decode graphs' (max batch, max model length, verify rows, rows a request) and the
         largest step with prompt tokens that replays piecewise graphs."""
@@ -218,28 +258,25 @@ class EngineCore:
         pieces = min(config.max_piecewise_tokens, r.max_num_batched_tokens)
         return batch, r.max_model_len, rows, k + 1, pieces
 
-    def _precompile(self, clock: StartupClock) -> None:
+    def _precompile(self, clock: StartupClock, early: CompileWorkers | None = None) -> None:
         """Compile, in parallel and before anything runs for real, the Triton variants of the
         profiled step and (with the warm-up) of the batch shapes serving meets
-        (ember/engine/warmup.py), so no request waits on a compilation."""
+        (ember/engine/warmup.py), so no request waits on a compilation. `early`: the workers
+        already compiling the probes' variants (started before the model loaded)."""
         config, r = self.config, self.resolved
         batches = []
-        graph_batch = 0 if config.enforce_eager else config.max_cuda_graph_batch
         if config.warmup:
-            batches += warmup_batches(
-                r.max_num_batched_tokens,
-                config.max_num_seqs,
-                r.max_model_len,
-                graph_batch,
-                config.block_size,
-            )
+            batches += self._warmup_batches()
         # Last: the warm-up's first batches are the ones that start the slowest compiles.
         batches.append(profile_runs(r.max_num_batched_tokens, r.max_model_len, config.max_num_seqs))
         graphs_dry = None
         if not config.enforce_eager:
             graphs_dry = self.runner.prepare_cuda_graphs(*self._graph_plan())
         probes = PROBES if config.warmup else 0
-        done = precompile_start_up(self.runner, batches, graphs_dry, graphs_after=probes)
+        early_n = early.submitted if early is not None else 0
+        done = precompile_start_up(
+            self.runner, batches, graphs_dry, graphs_after=probes, workers=early
+        )
         clock.mark("precompile")
         if done is not None:
             log.info(
@@ -247,7 +284,8 @@ class EngineCore:
                 "(%.1f s, compiling in parallel as they were met, in %d processes forked in "
                 "%.2f s), "
                 "all compiled or loaded %.1f s after the dry run began and their launchers "
-                "built %.1f s after it ended; the last compiled: %s",
+                "built %.1f s after it ended (%d of them started before the model loaded); "
+                "the last compiled: %s",
                 done.variants,
                 len(batches),
                 done.dry_s,
@@ -255,6 +293,7 @@ class EngineCore:
                 done.fork_s,
                 done.compiled_s,
                 done.compile_s,
+                early_n,
                 done.critical(),
             )
         if self.compile_log is not None:

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from ember.attention.context import ForwardContext
 from ember.attention.metadata import AttentionMetadata
 from ember.kernels.precompile import Precompiled, precompile
 from ember.kernels.sampling import gumbel_sample
+
+if TYPE_CHECKING:
+    from ember.kernels.compile_workers import CompileWorkers
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +121,64 @@ def probe_attention(runner, runs: list[Run]) -> None:
     runner.backend.forward(q, k, v, runner.kv_cache[:, 0], md, d**-0.5, kv_written=fused)
 
 
+class AttentionOnly:
+    """What `probe_attention` (and `dummy_inputs`) use of a model runner, before there is a
+    model: the model's shape, the KV layout (one layer's cache: a probe reads only layer 0) and
+    the attention backend. The probes then run while the weights are still to load."""
+
+    def __init__(self, config, block_size: int, dtype: torch.dtype, device, backend) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.backend = backend
+        self.kv_cache = torch.empty(0, device=self.device)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        planes, heads, dim = self.config.kv_cache_dims
+        shape = (num_blocks, 1, planes, self.block_size, heads, dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def _tensor(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
+
+def compile_probes_early(
+    stand_in: AttentionOnly, probes: list[list[Run]], workers: int | None = None
+) -> CompileWorkers | None:
+    """Meet the probes' attention variants and the fused sampler's (the slowest compiles of a
+    start-up) before the model loads, and start their compiles in forked workers without
+    waiting for them: the weights load meanwhile, and `precompile_start_up(..., workers=...)`
+    after it takes each of these compiles as its own when its dry run meets the variant again.
+    Nothing runs on the GPU (the launches are recorded, not made). None where there is nothing
+    to start (no CUDA, no probes, MLA's own attention) or the probes' cache does not fit."""
+    if stand_in.device.type != "cuda" or not probes or stand_in.config.uses_mla:
+        return None
+    from triton.runtime import driver
+
+    from ember.kernels.compile_workers import CompileWorkers
+    from ember.kernels.precompile import default_workers, recording
+
+    target = driver.active.get_current_target()
+    procs = CompileWorkers(workers or default_workers())
+    try:
+        stand_in.allocate_kv_cache(max(blocks_of(runs, stand_in.block_size) for runs in probes))
+        with recording(on_found=lambda kernel, data: procs.submit(kernel, data, target)):
+            for runs in probes:
+                probe_attention(stand_in, runs)
+            vocab = stand_in.config.vocab_size
+            dev = stand_in.device
+            gumbel_sample(torch.zeros(2, vocab, device=dev), torch.ones(2, device=dev), 0)
+    except torch.OutOfMemoryError as e:  # what was submitted goes on compiling
+        log.warning("early start-up compile cut short (the probes' cache does not fit): %s", e)
+    except Exception:
+        procs.close()
+        raise
+    finally:
+        stand_in.kv_cache = torch.empty(0, device=stand_in.device)
+    return procs
+
+
 def warmup_batches(
     max_tokens: int, max_seqs: int, max_model_len: int, graph_batch: int, block_size: int
 ) -> list[list[Run]]:
@@ -191,11 +253,13 @@ def precompile_start_up(
     batches: list[list[Run]],
     graphs_dry: Callable[[], None] | None = None,
     graphs_after: int = 0,
+    workers: CompileWorkers | None = None,
 ) -> Precompiled | None:
     """Run `batches` dry over a temporary KV cache and compile every Triton variant they reach in
     parallel (None: there was nothing to run). `graphs_dry`: the CUDA graphs' dry run
     (`ModelRunner.prepare_cuda_graphs`), run after the first `graphs_after` batches, whose
-    variants (the graphs' own input buffers) compile in the same pool.
+    variants (the graphs' own input buffers) compile in the same pool. `workers`: the compile
+    workers `compile_probes_early` started before the model loaded (closed here either way).
 
     Where the time goes (H200, 8B shape): the graphs' sizes take most of a dry run (1.4-1.7 of
     1.6-1.9 s: each size is a new GEMM shape, and cuBLAS loads its kernels at their first use;
@@ -203,6 +267,8 @@ def precompile_start_up(
     the slowest compiles go first (`PROBES`), then the graphs, then the rest."""
     need = max((blocks_of(b, runner.block_size) for b in batches), default=0)
     if need == 0:
+        if workers is not None:
+            workers.close()
         return None
     saved = runner.kv_cache
     seconds: list[tuple[float, str]] = []  # (seconds, what) of each part of the dry run
@@ -245,12 +311,15 @@ def precompile_start_up(
     try:
         runner.allocate_kv_cache(need)
         with one_layer_of_each_kind(runner.model):
-            return precompile(run_dry, processes=runner.device.type == "cuda")
+            cuda = runner.device.type == "cuda"
+            return precompile(run_dry, processes=cuda, procs=workers)
     except torch.OutOfMemoryError as e:
         # A model that barely fits: its kernels then compile at their first launch, as before.
         log.warning("start-up compile skipped (%d temporary KV blocks do not fit): %s", need, e)
         return None
     finally:
+        if workers is not None:
+            workers.close()  # (precompile closed them; not if the cache did not fit)
         runner.kv_cache = saved
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)

@@ -85,6 +85,10 @@ class CompileWorkers:
         self._idle: list[int] = []  # job pipes of the workers that wait for a job
         self._running: dict[int, int] = {}  # job pipe -> the job its worker runs
         self._closed = False
+        self._futures: dict[tuple[str, str, str, str], Future[Compiled]] = {}
+        """Each variant's future, by its kernel's address and specialization: a variant
+        submitted again (met before the model loaded, then by the start-up's dry run) is the
+        same job."""
         self.forked = 0
         """Workers forked so far."""
         self.fork_s = 0.0
@@ -98,10 +102,16 @@ class CompileWorkers:
     def submit(self, kernel: Any, data: str, target: Any) -> Future[Compiled] | None:
         """Compile one variant (Triton's specialization data for `kernel`) for `target` (a
         triton GPUTarget) in a worker. None: it cannot (a kernel another process cannot
-        import by name, or closed); compile it here."""
+        import by name, or closed); compile it here. A variant submitted before gets the
+        future of its first submission."""
         address = kernel_address(kernel)
         if address is None or self._closed:
             return None
+        key = (*address, data, repr(target))
+        with self._lock:
+            known = self._futures.get(key)
+        if known is not None:
+            return known
         job_id = next(self._ids)
         line = json.dumps(
             {
@@ -114,10 +124,16 @@ class CompileWorkers:
         )
         future: Future[Compiled] = Future()
         with self._lock:
+            self._futures[key] = future
             self._pending[job_id] = future
             self._queue.append((job_id, (line + "\n").encode()))
             self._dispatch()
         return future
+
+    @property
+    def submitted(self) -> int:
+        """Variants submitted so far (each once)."""
+        return len(self._futures)
 
     def _dispatch(self) -> None:
         """Hand queued jobs to free workers, forking one while under the limit (lock held)."""

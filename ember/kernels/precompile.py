@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from ember.kernels.compile_log import PRECOMPILE_THREADS, compiled_elsewhere
 
 if TYPE_CHECKING:
-    from ember.kernels.compile_workers import Compiled
+    from ember.kernels.compile_workers import Compiled, CompileWorkers
 
 log = logging.getLogger(__name__)
 
@@ -267,20 +267,26 @@ def _after(
 
 
 def precompile(
-    run_dry: Callable[[], object], workers: int | None = None, processes: bool = False
+    run_dry: Callable[[], object],
+    workers: int | None = None,
+    processes: bool = False,
+    procs: CompileWorkers | None = None,
 ) -> Precompiled:
     """Run `run_dry`, compiling in parallel each variant it would compile as it is met (the
     compiles run while the dry run goes on), then build the variants' launchers and load them.
     `processes`: compile in up to `workers` processes forked from this one as they are needed
-    (the threads then load what they compiled). (Where Triton runs in its interpreter no hook
-    is called: `run_dry` simply runs, and no variant is found.)"""
+    (the threads then load what they compiled). `procs`: compile in these workers, which may
+    be compiling variants submitted before (`warmup.compile_probes_early`; one the dry run meets
+    again is waited for, not compiled twice); closed at the end either way. (Where Triton runs
+    in its interpreter no hook is called: `run_dry` simply runs, and no variant is found.)"""
     from triton.runtime._async_compile import AsyncCompileMode
 
     from ember.kernels.compile_workers import CompileWorkers, cached
 
     t0 = time.perf_counter()
     workers = workers or default_workers()
-    procs = CompileWorkers(workers) if processes else None
+    if procs is None and processes:
+        procs = CompileWorkers(workers)
     target = None
     if procs is not None:
         from triton.runtime import driver

@@ -185,3 +185,64 @@ def test_a_probe_runs_one_attention_call_and_none_for_mla(tiny_model_dir, arch) 
         h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         assert calls == [((5, h, d), (5, kv, d), (5, kv, d), 1, 3)]
     llm.close()
+
+
+def test_a_probe_needs_no_model_and_early_compiles_start_only_on_a_gpu(tiny_model_dir) -> None:
+    """The probes run on a stand-in (the model's shape, a one-layer cache, the backend) before
+    the weights load: the same attention call a runner makes. Off a GPU nothing starts early."""
+    from ember.engine.warmup import AttentionOnly, compile_probes_early, probe_attention
+
+    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, block_size=4, max_model_len=128)
+    runner = llm.engine.core.runner
+    stand_in = AttentionOnly(runner.config, 4, runner.dtype, "cpu", runner.backend)
+    calls: list[tuple] = []
+    forward = runner.backend.forward
+
+    def counted(q, k, v, cache, md, scale, kv_written=False, out=None):
+        calls.append((q.shape, cache.shape, md.num_decodes, md.num_seqs))
+        return forward(q, k, v, cache, md, scale, kv_written, out)
+
+    runner.backend.forward = counted
+    runs = [(1, 7), (2, 0), (2, 7)]
+    stand_in.allocate_kv_cache(8)
+    probe_attention(stand_in, runs)
+    probe_attention(runner, runs)
+    assert len(calls) == 2 and calls[0][0] == calls[1][0] and calls[0][2:] == calls[1][2:]
+    assert calls[0][1] == runner.kv_cache[:8, 0].shape  # layer 0's cache, one layer held
+    assert compile_probes_early(stand_in, [runs]) is None  # on the CPU: nothing to start
+    llm.close()
+
+
+EARLY = """
+import json, sys
+import torch
+from ember.attention.triton_backend import TritonAttentionBackend
+from ember.engine.warmup import PROBES, AttentionOnly, compile_probes_early, warmup_batches
+from ember.models.config import ModelConfig
+
+cfg = ModelConfig.from_dir(sys.argv[1])
+stand_in = AttentionOnly(cfg, 16, torch.bfloat16, "cuda", TritonAttentionBackend())
+procs = compile_probes_early(stand_in, warmup_batches(2048, 64, 1024, 32, 16)[:PROBES])
+answers = [f.result(timeout=120) for f in list(procs._futures.values())]
+print(json.dumps({
+    "submitted": procs.submitted, "forked": procs.forked,
+    "compiled": [not a.cache_hit for a in answers], "cache_left": stand_in.kv_cache.numel(),
+}))
+procs.close()
+"""
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_early_compiles_start_before_a_model_and_compile_in_workers(
+    tiny_model_dir, tmp_path
+) -> None:
+    """In a fresh process (nothing compiled in memory) with an empty Triton cache: the probes'
+    attention variants and the sampler's are submitted before any model exists and compile in
+    forked workers."""
+    from tests.outside_interpreter import run_script
+
+    out = run_script(EARLY, tmp_path, str(tiny_model_dir("llama")))
+    assert out["submitted"] >= 3 and 1 <= out["forked"] <= out["submitted"]
+    assert out["compiled"] == [True] * out["submitted"]
+    assert out["cache_left"] == 0  # the probes' cache is given back

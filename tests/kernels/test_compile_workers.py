@@ -75,11 +75,24 @@ SCRIPT = textwrap.dedent(
         compile_variant(kernel.__module__, kernel.fn.__name__, data, ["cuda", 90, 32])
         print(json.dumps({"before": before, "after": in_cache(src, target, options)}))
         sys.exit(0)
+    procs = None
+    if mode == "early":  # met before "the model loads", compiled meanwhile, met again after
+        from ember.kernels.precompile import recording
+
+        procs = compile_workers.CompileWorkers(2)
+        target = GPUTarget("cuda", 90, 32)
+        with recording(on_found=lambda k, d: procs.submit(k, d, target)):
+            rms_norm(x, w, 1e-6)
+        assert procs.submitted == 1 and procs.forked == 1
     if mode == "worker-dies":
         compile_workers._work = lambda job_r, results_w: os._exit(3)
     elif mode == "bad-module":
         compile_workers.kernel_address = lambda kernel: ("ember.no_such_module", "k")
-    done = precompile(lambda: rms_norm(x, w, 1e-6), workers=2, processes=mode != "threads")
+    done = precompile(
+        lambda: rms_norm(x, w, 1e-6), workers=2, processes=mode != "threads", procs=procs
+    )
+    if procs is not None:
+        assert procs.submitted == 1  # met again: the same job, not a second compile
     deadline = time.monotonic() + 30
     while children() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -111,6 +124,17 @@ def test_a_variant_compiles_in_a_forked_worker_and_the_engine_only_loads_it(
     again = _run("procs", tmp_path)
     assert again["hits"] == [True]
     assert (again["compiled"], again["loaded"]) == (0, 1)
+
+
+def test_a_variant_started_before_the_dry_run_is_compiled_once_and_loaded(
+    tmp_path: Path,
+) -> None:
+    """`warmup.compile_probes_early`'s path: a variant submitted before the start-up's dry run
+    (while the model loads) is met again by it and waited for, not compiled a second time."""
+    out = _run("early", tmp_path)
+    assert (out["variants"], out["workers"]) == (1, 1)  # one worker forked, for the early job
+    assert out["hits"] == [True] and (out["compiled"], out["loaded"]) == (1, 0)
+    assert out["children_left"] == []
 
 
 def test_the_cache_lookup_finds_what_the_worker_compiled(tmp_path: Path) -> None:
