@@ -273,10 +273,11 @@ class EngineCore:
         if not config.enforce_eager:
             graphs_dry = self.runner.prepare_cuda_graphs(*self._graph_plan())
         probes = PROBES if config.warmup else 0
-        early_n = early.submitted if early is not None else 0
         done = precompile_start_up(
             self.runner, batches, graphs_dry, graphs_after=probes, workers=early
         )
+        # The dry run's variants whose compiles had started before the load (the same jobs).
+        early_n = early.reused if early is not None else 0
         clock.mark("precompile")
         if done is not None:
             log.info(

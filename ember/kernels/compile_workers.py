@@ -91,6 +91,8 @@ class CompileWorkers:
         same job."""
         self.forked = 0
         """Workers forked so far."""
+        self.reused = 0
+        """Submissions answered with an earlier submission's future."""
         self.fork_s = 0.0
         """Seconds this process spent in fork() (on the thread that submitted the job)."""
         self._results_r, self._results_w = os.pipe()
@@ -110,8 +112,9 @@ class CompileWorkers:
         key = (*address, data, repr(target))
         with self._lock:
             known = self._futures.get(key)
-        if known is not None:
-            return known
+            if known is not None:
+                self.reused += 1
+                return known
         job_id = next(self._ids)
         line = json.dumps(
             {

@@ -213,6 +213,62 @@ def test_a_probe_needs_no_model_and_early_compiles_start_only_on_a_gpu(tiny_mode
     llm.close()
 
 
+SAME = """
+import json, sys
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+
+class StubDriver:  # an H100 for the specializations; nothing is compiled or launched
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+driver.set_active(StubDriver())
+
+from ember.attention.triton_backend import TritonAttentionBackend
+from ember.engine.warmup import PROBES, AttentionOnly, blocks_of, probe_attention, warmup_batches
+from ember.kernels.precompile import recording
+from ember.models.config import ModelConfig
+
+cfg = ModelConfig.from_dir(sys.argv[1])
+probes = warmup_batches(2048, 64, 1024, 32, 16)[:PROBES]
+
+
+def met(layers):
+    probe = AttentionOnly(cfg, 16, torch.bfloat16, "cpu", TritonAttentionBackend())
+    planes, heads, dim = cfg.kv_cache_dims
+    n = max(blocks_of(r, 16) for r in probes)
+    probe.kv_cache = torch.zeros((n, layers, planes, 16, heads, dim), dtype=torch.bfloat16)
+    with recording() as found:
+        for runs in probes:
+            probe_attention(probe, runs)
+    return sorted(f"{k.__name__} {d}" for k, d in found.values())
+
+
+one, every = met(1), met(cfg.num_hidden_layers)
+print(json.dumps({"kernels": sorted({v.split()[0] for v in one}), "same": one == every}))
+"""
+
+
+def test_the_stand_ins_one_layer_cache_meets_the_runners_variants(tiny_model_dir, tmp_path):
+    """The early compiles are the start-up's own only if the probe over a one-layer cache
+    specializes the kernels as over the runner's whole cache (its strides differ). Triton's
+    real specialization (not the interpreter) for an H100 target, on the CPU."""
+    from tests.outside_interpreter import run_script
+
+    out = run_script(SAME, tmp_path, str(tiny_model_dir("llama")))
+    assert out["same"] is True
+    assert {"_decode_split_kernel", "_prefill_kernel"} <= set(out["kernels"])
+
+
 EARLY = """
 import json, sys
 import torch
