@@ -14,14 +14,16 @@ and Triton caches) and again on a warm one (the same caches, the server restarte
 seconds to ready are timed, and the first start's mixed requests are compared one by one with the
 same requests on the warm start ("first minute": no request more than 5% slower, the goal).
 
-The model is a shape of benchmarks/engine_gpu.py with dummy weights and a word-level tokenizer
+The model is a shape of benchmarks/engine_gpu.py with dummy weights (`--weights files`: random
+weights written as a checkpoint's safetensors, so that each start reads ~16 GB of files as a
+user's does) and a word-level tokenizer
 that spells every id of its vocabulary (so both servers detokenize whatever a random model emits).
 vLLM comes from scripts/vllm_pack.sh's archives, unpacked by scripts/vllm_device_env.sh
 ($VLLM_SITE). `--device cpu` runs ember alone on its tiny model with tiny loads: a smoke test of
 this script.
 
     python benchmarks/served_gpu.py [--shape llama] [--engines ember,vllm] [--loads mixed,b1,sweep,agent]
-        [--starts fresh,warm]
+        [--starts fresh,warm] [--weights dummy|files]
 
 Prints a table and writes $OUT/served_gpu-<GPU>.json (or benchmarks/results/).
 """
@@ -89,6 +91,57 @@ def model_dir(shape: str) -> Path:
     return d
 
 
+def write_weights(d: Path, cfg: dict, device: str = "cpu", seed: int = 0) -> int:
+    """Random bf16 weights of a dense Llama-style shape under a Hugging Face checkpoint's names,
+    one safetensors shard a layer (a start then reads real files, as a user's does, instead of
+    making dummy weights in place). Made on `device` a layer at a time, so the host holds one
+    layer. Returns the bytes written."""
+    import torch
+    from safetensors.torch import save_file
+
+    if cfg.get("num_experts") or cfg.get("n_routed_experts") or "kv_lora_rank" in cfg:
+        raise SystemExit("--weights files: dense Llama-style shapes only")
+    gen = torch.Generator(device).manual_seed(seed)
+    hidden, vocab, inter = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
+    head = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head, cfg["num_key_value_heads"] * head
+
+    def rand(*shape: int, scale: float = 0.02) -> torch.Tensor:
+        t = torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * scale
+        return t.to(torch.bfloat16).cpu()
+
+    layers = cfg["num_hidden_layers"]
+    shards: list[dict[str, torch.Tensor]] = [{"model.embed_tokens.weight": rand(vocab, hidden)}]
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        shard = {
+            f"{p}.input_layernorm.weight": 1.0 + rand(hidden),
+            f"{p}.self_attn.q_proj.weight": rand(q, hidden),
+            f"{p}.self_attn.k_proj.weight": rand(kv, hidden),
+            f"{p}.self_attn.v_proj.weight": rand(kv, hidden),
+            f"{p}.self_attn.o_proj.weight": rand(hidden, q),
+            f"{p}.post_attention_layernorm.weight": 1.0 + rand(hidden),
+            f"{p}.mlp.gate_proj.weight": rand(inter, hidden),
+            f"{p}.mlp.up_proj.weight": rand(inter, hidden),
+            f"{p}.mlp.down_proj.weight": rand(hidden, inter),
+        }
+        shards.append(shard)
+    last = {"model.norm.weight": 1.0 + rand(hidden)}
+    if not cfg.get("tie_word_embeddings"):
+        last["lm_head.weight"] = rand(vocab, hidden)
+    shards.append(last)
+    weight_map, total = {}, 0
+    for n, shard in enumerate(shards):
+        name = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(d / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+        total += sum(t.numel() * t.element_size() for t in shard.values())
+        shards[n] = {}  # written: the host holds the next layer only
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    return total
+
+
 EMBER_VARIANTS = {
     "ember": [],
     "ember-no-warmup": ["--no-warmup"],
@@ -103,18 +156,21 @@ named `VARIANT@DIR` runs the ember package of another tree (an earlier commit's 
 same call."""
 
 
-def command(engine: str, model: str, port: int, device: str) -> list[str]:
+def command(engine: str, model: str, port: int, device: str, dummy: bool = True) -> list[str]:
+    """The server's command line; `dummy`: weights made in place (`--load-format dummy`), else
+    read from the model directory's files (`--weights files`)."""
+    load = ["--load-format", "dummy"] if dummy else []
     variant = engine.split("@")[0]
     if variant in EMBER_VARIANTS:
         # -P: not the working directory's ember first (a `@DIR` tree leads PYTHONPATH).
         cmd = [sys.executable, "-P", "-m", "ember.cli", "serve", model, "--device", device]
         if device == "cuda":
-            cmd += ["--load-format", "dummy"]
+            cmd += load
         return cmd + EMBER_VARIANTS[variant] + ["--port", str(port), "--served-model-name", "m"]
     if engine == "vllm":
         return [
             sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
-            "--load-format", "dummy", "--port", str(port), "--served-model-name", "m",
+            *load, "--port", str(port), "--served-model-name", "m",
         ]  # fmt: skip
     raise ValueError(f"unknown engine {engine!r}")
 
@@ -265,6 +321,13 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--ready-timeout", type=float, default=600.0)
     ap.add_argument("--starts", default="fresh,warm", help="fresh, warm or both (in that order)")
+    ap.add_argument(
+        "--weights",
+        default="dummy",
+        choices=["dummy", "files"],
+        help="dummy: made in place at load (both servers' --load-format dummy); files: random "
+        "bf16 safetensors written once into the model directory and read at every start",
+    )
     args = ap.parse_args()
     wanted = args.loads.split(",")
     if args.device == "cpu":
@@ -275,9 +338,19 @@ def main() -> None:
         import torch
 
         model, loads, gpu = str(model_dir(args.shape)), GPU_LOADS, torch.cuda.get_device_name()
+        if args.weights == "files":
+            t = time.perf_counter()
+            size = write_weights(Path(model), SHAPES[args.shape], "cuda")
+            print(f"wrote {size / 1e9:.1f} GB of weights in {time.perf_counter() - t:.0f} s")
     work = Path(tempfile.mkdtemp(prefix="served-gpu-"))
     shape = "tiny-qwen3" if args.device == "cpu" else args.shape
-    report: dict = {"gpu": gpu, "shape": shape, "loads": loads.__dict__, "engines": {}}
+    report: dict = {
+        "gpu": gpu,
+        "shape": shape,
+        "weights": args.weights if args.device == "cuda" else "files",
+        "loads": loads.__dict__,
+        "engines": {},
+    }
     out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
     out = out_dir / f"served_gpu-{gpu.replace(' ', '_')}.json"
     for engine in args.engines.split(","):
@@ -292,7 +365,7 @@ def main() -> None:
             port = free_port("127.0.0.1")
             url = f"http://127.0.0.1:{port}"
             log = work / f"{slug}-{start_kind}.log"
-            cmd = command(engine, model, port, args.device)
+            cmd = command(engine, model, port, args.device, dummy=args.weights == "dummy")
             proc, ready_s = start(cmd, environment(engine, caches), url, log, args.ready_timeout)
             try:
                 runs[start_kind] = {

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -65,3 +67,43 @@ def test_a_variant_at_a_directory_runs_that_trees_ember(tmp_path: Path) -> None:
     # Without a tree, the server imports what the environment gives it.
     plain = served_gpu.environment("ember", tmp_path / "caches")
     assert plain.get("PYTHONPATH") == os.environ.get("PYTHONPATH")
+
+
+def test_weights_as_files_load_through_the_real_loader(tmp_path: Path) -> None:
+    """`--weights files`: the random checkpoint has every weight a Llama model asks for, under
+    the names Hugging Face checkpoints use, in one shard a layer with an index."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from served_gpu import write_weights
+
+    from ember.models.config import ModelConfig
+    from ember.models.loader import load_model
+
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    size = write_weights(tmp_path, cfg)
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    assert len(shards) == 2 + 2  # the embedding, a shard a layer, the norm and LM head
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == size
+    model = load_model(tmp_path, ModelConfig.from_dir(tmp_path), torch.bfloat16)
+    params = dict(model.named_parameters())
+    assert sum(p.numel() * 2 for p in params.values()) == size
+    assert all(torch.isfinite(p).all() for p in params.values())
+    with pytest.raises(SystemExit, match="dense"):
+        write_weights(tmp_path, {**cfg, "num_experts": 8})
