@@ -11,6 +11,26 @@ import sys
 from pathlib import Path
 from typing import Any
 
+STUB_H100 = """
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+
+class StubDriver:  # an H100 for the compiler and the specializations; nothing is launched
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+driver.set_active(StubDriver())
+"""
+"""A script's first lines where Triton must compile (or specialize) for an H100 with no GPU."""
+
 
 def run_script(source: str, tmp_path: Path, *args: str) -> Any:
     """Run `source` (its own Triton cache under tmp_path) and return the JSON of the last line

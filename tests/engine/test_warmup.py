@@ -10,6 +10,7 @@ import torch
 
 from ember import LLM, SamplingParams
 from ember.engine.warmup import dummy_inputs, precompile_start_up, warmup_batches
+from tests.outside_interpreter import STUB_H100, run_script
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -216,23 +217,8 @@ def test_a_probe_needs_no_model_and_early_compiles_start_only_on_a_gpu(tiny_mode
 SAME = """
 import json, sys
 import torch
-from triton.backends.compiler import GPUTarget
-from triton.runtime import driver
-
-
-class StubDriver:  # an H100 for the specializations; nothing is compiled or launched
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device):
-        return 0
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-
-driver.set_active(StubDriver())
-
+"""
+SAME += STUB_H100 + """
 from ember.attention.triton_backend import TritonAttentionBackend
 from ember.engine.warmup import PROBES, AttentionOnly, blocks_of, probe_attention, warmup_batches
 from ember.kernels.precompile import recording
@@ -262,7 +248,6 @@ def test_the_stand_ins_one_layer_cache_meets_the_runners_variants(tiny_model_dir
     """The early compiles are the start-up's own only if the probe over a one-layer cache
     specializes the kernels as over the runner's whole cache (its strides differ). Triton's
     real specialization (not the interpreter) for an H100 target, on the CPU."""
-    from tests.outside_interpreter import run_script
 
     out = run_script(SAME, tmp_path, str(tiny_model_dir("llama")))
     assert out["same"] is True
@@ -296,8 +281,6 @@ def test_early_compiles_start_before_a_model_and_compile_in_workers(
     """In a fresh process (nothing compiled in memory) with an empty Triton cache: the probes'
     attention variants and the sampler's are submitted before any model exists and compile in
     forked workers."""
-    from tests.outside_interpreter import run_script
-
     out = run_script(EARLY, tmp_path, str(tiny_model_dir("llama")))
     assert out["submitted"] >= 3 and 1 <= out["forked"] <= out["submitted"]
     assert out["compiled"] == [True] * out["submitted"]

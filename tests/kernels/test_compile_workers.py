@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.outside_interpreter import run_script
+from tests.outside_interpreter import STUB_H100, run_script
 
 pytest.importorskip("triton")
 
@@ -23,17 +23,6 @@ SCRIPT = textwrap.dedent(
     import torch
     from triton import knobs
     from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
-
-    class StubDriver:  # an H100 for the compiler; nothing is launched
-        def get_current_device(self):
-            return 0
-        def get_current_stream(self, device):
-            return 0
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-    driver.set_active(StubDriver())
 
     from ember.kernels import compile_log, compile_workers
     from ember.kernels.precompile import precompile
@@ -106,7 +95,7 @@ SCRIPT = textwrap.dedent(
 
 
 def _run(mode: str, tmp_path: Path) -> dict:
-    return run_script(SCRIPT, tmp_path, mode)
+    return run_script(STUB_H100 + SCRIPT, tmp_path, mode)
 
 
 def test_a_variant_compiles_in_a_forked_worker_and_the_engine_only_loads_it(
