@@ -218,7 +218,9 @@ SAME = """
 import json, sys
 import torch
 """
-SAME += STUB_H100 + """
+SAME += (
+    STUB_H100
+    + """
 from ember.attention.triton_backend import TritonAttentionBackend
 from ember.engine.warmup import PROBES, AttentionOnly, blocks_of, probe_attention, warmup_batches
 from ember.kernels.precompile import recording
@@ -242,6 +244,7 @@ def met(layers):
 one, every = met(1), met(cfg.num_hidden_layers)
 print(json.dumps({"kernels": sorted({v.split()[0] for v in one}), "same": one == every}))
 """
+)
 
 
 def test_the_stand_ins_one_layer_cache_meets_the_runners_variants(tiny_model_dir, tmp_path):
