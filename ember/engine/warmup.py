@@ -171,11 +171,12 @@ def compile_probes_early(
             gumbel_sample(torch.zeros(2, vocab, device=dev), torch.ones(2, device=dev), 0)
     except torch.OutOfMemoryError as e:  # what was submitted goes on compiling
         log.warning("early start-up compile cut short (the probes' cache does not fit): %s", e)
-    except Exception:
+    except Exception:  # only a head start: the dry run after the load meets every variant
+        log.warning("early start-up compile skipped", exc_info=True)
         procs.close()
-        raise
+        return None
     finally:
-        stand_in.kv_cache = torch.empty(0, device=stand_in.device)
+        stand_in.kv_cache = stand_in.kv_cache.new_empty(0)  # the probes' cache given back
     return procs
 
 

@@ -288,3 +288,44 @@ def test_early_compiles_start_before_a_model_and_compile_in_workers(
     assert out["submitted"] >= 3 and 1 <= out["forked"] <= out["submitted"]
     assert out["compiled"] == [True] * out["submitted"]
     assert out["cache_left"] == 0  # the probes' cache is given back
+
+
+def test_an_early_compile_that_fails_is_only_skipped(tiny_model_dir, monkeypatch, caplog) -> None:
+    """A probe that raises before the model loads (say, a backend the stand-in does not suit)
+    costs the start-up nothing: no workers are left, and the dry run after the load does it all."""
+    from ember.engine import warmup
+    from ember.engine.warmup import AttentionOnly, compile_probes_early
+    from ember.kernels import compile_workers
+    from ember.models.config import ModelConfig
+
+    closed: list[bool] = []
+
+    class Workers:
+        def __init__(self, limit: int) -> None:
+            pass
+
+        def submit(self, *a):
+            return None
+
+        def close(self) -> None:
+            closed.append(True)
+
+    def boom(runner, runs):
+        raise RuntimeError("this backend needs the model")
+
+    monkeypatch.setattr(compile_workers, "CompileWorkers", Workers)
+    monkeypatch.setattr(warmup, "probe_attention", boom)
+    cfg = ModelConfig.from_dir(str(tiny_model_dir("llama")))
+    stand_in = AttentionOnly(cfg, 4, torch.float32, "cpu", None)
+    stand_in.device = torch.device("cuda")  # past the CPU check; nothing is allocated there
+    monkeypatch.setattr(stand_in, "allocate_kv_cache", lambda n: None)
+    import triton.runtime
+
+    monkeypatch.setattr(
+        triton.runtime.driver,
+        "_active",
+        type("D", (), {"get_current_target": lambda self: None})(),
+        raising=False,
+    )
+    assert compile_probes_early(stand_in, [[(1, 3)]]) is None
+    assert closed == [True] and "early start-up compile skipped" in caplog.text
