@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,32 +112,35 @@ def write_weights(d: Path, cfg: dict, device: str = "cpu", seed: int = 0) -> int
         return t.to(torch.bfloat16).cpu()
 
     layers = cfg["num_hidden_layers"]
-    shards: list[dict[str, torch.Tensor]] = [{"model.embed_tokens.weight": rand(vocab, hidden)}]
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        shard = {
-            f"{p}.input_layernorm.weight": 1.0 + rand(hidden),
-            f"{p}.self_attn.q_proj.weight": rand(q, hidden),
-            f"{p}.self_attn.k_proj.weight": rand(kv, hidden),
-            f"{p}.self_attn.v_proj.weight": rand(kv, hidden),
-            f"{p}.self_attn.o_proj.weight": rand(hidden, q),
-            f"{p}.post_attention_layernorm.weight": 1.0 + rand(hidden),
-            f"{p}.mlp.gate_proj.weight": rand(inter, hidden),
-            f"{p}.mlp.up_proj.weight": rand(inter, hidden),
-            f"{p}.mlp.down_proj.weight": rand(hidden, inter),
-        }
-        shards.append(shard)
-    last = {"model.norm.weight": 1.0 + rand(hidden)}
-    if not cfg.get("tie_word_embeddings"):
-        last["lm_head.weight"] = rand(vocab, hidden)
-    shards.append(last)
+
+    def shards() -> Iterator[dict[str, torch.Tensor]]:
+        """Made as they are written: the host holds one shard at a time."""
+        yield {"model.embed_tokens.weight": rand(vocab, hidden)}
+        for i in range(layers):
+            p = f"model.layers.{i}"
+            yield {
+                f"{p}.input_layernorm.weight": 1.0 + rand(hidden),
+                f"{p}.self_attn.q_proj.weight": rand(q, hidden),
+                f"{p}.self_attn.k_proj.weight": rand(kv, hidden),
+                f"{p}.self_attn.v_proj.weight": rand(kv, hidden),
+                f"{p}.self_attn.o_proj.weight": rand(hidden, q),
+                f"{p}.post_attention_layernorm.weight": 1.0 + rand(hidden),
+                f"{p}.mlp.gate_proj.weight": rand(inter, hidden),
+                f"{p}.mlp.up_proj.weight": rand(inter, hidden),
+                f"{p}.mlp.down_proj.weight": rand(hidden, inter),
+            }
+        last = {"model.norm.weight": 1.0 + rand(hidden)}
+        if not cfg.get("tie_word_embeddings"):
+            last["lm_head.weight"] = rand(vocab, hidden)
+        yield last
+
+    count = layers + 2  # the embedding, a shard a layer, the final norm and LM head
     weight_map, total = {}, 0
-    for n, shard in enumerate(shards):
-        name = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+    for n, shard in enumerate(shards()):
+        name = f"model-{n + 1:05d}-of-{count:05d}.safetensors"
         save_file(shard, str(d / name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, name))
         total += sum(t.numel() * t.element_size() for t in shard.values())
-        shards[n] = {}  # written: the host holds the next layer only
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
     return total
