@@ -135,9 +135,10 @@ class AttentionOnly:
         self.kv_cache = torch.empty(0, device=self.device)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        planes, heads, dim = self.config.kv_cache_dims
-        shape = (num_blocks, 1, planes, self.block_size, heads, dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        from ember.engine.model_runner import kv_cache_shape  # (it imports this module)
+
+        blocks, _, *rest = kv_cache_shape(self.config, num_blocks, self.block_size)
+        self.kv_cache = torch.zeros((blocks, 1, *rest), dtype=self.dtype, device=self.device)
 
     def _tensor(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
