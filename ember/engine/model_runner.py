@@ -27,6 +27,7 @@ from ember.engine.prompt_logprobs import PromptScoring, plan_prompt_scoring
 from ember.engine.sampler import Sampler, SamplerOutput, score_tokens
 from ember.engine.sampling_rows import sample_rows
 from ember.engine.warmup import blocks_of, dummy_inputs, profile_runs
+from ember.models.config import kv_cache_shape
 from ember.spec.eagle3_step import draft_after_step
 from ember.spec.verify import last_rows, num_accepted, verify_rows
 
@@ -87,12 +88,6 @@ class PendingStep:
     """With a draft head: the target's aux hidden states of every position, in `flat` order."""
     flat: list[int] = field(default_factory=list)
     """With a draft head: where each request's positions start in `aux` (by batch index)."""
-
-
-def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """[num_blocks, layers, planes, block_size, heads, dim]: block-major (`cfg.kv_cache_dims`)."""
-    planes, heads, dim = cfg.kv_cache_dims
-    return (num_blocks, cfg.num_hidden_layers, planes, block_size, heads, dim)
 
 
 class ModelRunner:

@@ -26,6 +26,7 @@ from ember.attention.context import ForwardContext
 from ember.attention.metadata import AttentionMetadata
 from ember.kernels.precompile import Precompiled, precompile
 from ember.kernels.sampling import gumbel_sample
+from ember.models.config import kv_cache_shape
 
 if TYPE_CHECKING:
     from ember.kernels.compile_workers import CompileWorkers
@@ -135,10 +136,8 @@ class AttentionOnly:
         self.kv_cache = torch.empty(0, device=self.device)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        from ember.engine.model_runner import kv_cache_shape  # (it imports this module)
-
-        blocks, _, *rest = kv_cache_shape(self.config, num_blocks, self.block_size)
-        self.kv_cache = torch.zeros((blocks, 1, *rest), dtype=self.dtype, device=self.device)
+        shape = kv_cache_shape(self.config, num_blocks, self.block_size, layers=1)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _tensor(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)

@@ -61,6 +61,16 @@ def parse_dtype(value: str | torch.dtype | None, default: torch.dtype | None = N
     return getattr(torch, dtype_name(value))
 
 
+def kv_cache_shape(
+    cfg: ModelConfig, num_blocks: int, block_size: int, layers: int | None = None
+) -> tuple[int, ...]:
+    """[num_blocks, layers, planes, block_size, heads, dim]: block-major (`cfg.kv_cache_dims`);
+    `layers`: all of the model's by default."""
+    planes, heads, dim = cfg.kv_cache_dims
+    layers = cfg.num_hidden_layers if layers is None else layers
+    return (num_blocks, layers, planes, block_size, heads, dim)
+
+
 @dataclass(slots=True)
 class ModelConfig:
     architecture: str
