@@ -23,7 +23,9 @@ vLLM comes from scripts/vllm_pack.sh's archives, unpacked by scripts/vllm_device
 this script.
 
     python benchmarks/served_gpu.py [--shape llama] [--engines ember,vllm] [--loads mixed,b1,sweep,agent]
-        [--starts fresh,warm] [--weights dummy|files]
+        [--starts fresh,warm] [--weights dummy|files [--cold-weights]]
+
+An engine named twice in `--engines` runs twice (the second as `ENGINE#2`, with caches of its own).
 
 Prints a table and writes $OUT/served_gpu-<GPU>.json (or benchmarks/results/).
 """
@@ -196,6 +198,35 @@ def environment(engine: str, caches: Path) -> dict[str, str]:
     return env
 
 
+def runs_of(engines: str) -> list[tuple[str, str]]:
+    """(report key, engine) for each entry of `--engines`; an engine named again runs again
+    under `ENGINE#2`, `#3`, ... with its own caches (a fresh start of its own), so an A/B can
+    alternate its order in one call (`ember,ember@.ab/base,ember@.ab/base,ember`)."""
+    seen: dict[str, int] = {}
+    out = []
+    for engine in engines.split(","):
+        seen[engine] = seen.get(engine, 0) + 1
+        out.append((engine if seen[engine] == 1 else f"{engine}#{seen[engine]}", engine))
+    return out
+
+
+def evict_weights(model: Path) -> int:
+    """Drops the model's weight files from the page cache (written back first: dirty pages stay
+    put), so the next start reads them from the disk as a fresh machine's first start does.
+    Returns the bytes evicted."""
+    files = sorted(model.glob("*.safetensors"))
+    total = 0
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            total += os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+    return total
+
+
 def start(cmd: list[str], env: dict[str, str], url: str, log: Path, timeout_s: float):
     """The server's process and its seconds from launch to /health answering 200 (both servers
     answer 503 or nothing while they load)."""
@@ -332,6 +363,12 @@ def main() -> None:
         help="dummy: made in place at load (both servers' --load-format dummy); files: random "
         "bf16 safetensors written once into the model directory and read at every start",
     )
+    ap.add_argument(
+        "--cold-weights",
+        action="store_true",
+        help="with --weights files: evict the files from the page cache before each fresh start "
+        "(read from the disk, as on a fresh machine; a warm start reads what the fresh one left)",
+    )
     args = ap.parse_args()
     wanted = args.loads.split(",")
     if args.device == "cpu":
@@ -357,8 +394,11 @@ def main() -> None:
     }
     out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
     out = out_dir / f"served_gpu-{gpu.replace(' ', '_')}.json"
-    for engine in args.engines.split(","):
-        slug = engine.replace("/", "_")
+    if args.cold_weights and (args.weights != "files" or args.device != "cuda"):
+        raise SystemExit("--cold-weights needs --weights files on cuda")
+    report["cold_weights"] = args.cold_weights
+    for key, engine in runs_of(args.engines):
+        slug = key.replace("/", "_")
         caches = work / f"{slug}-caches"  # empty at the first start, kept for the second
         runs = {}
         starts = args.starts.split(",")
@@ -370,10 +410,14 @@ def main() -> None:
             url = f"http://127.0.0.1:{port}"
             log = work / f"{slug}-{start_kind}.log"
             cmd = command(engine, model, port, args.device, dummy=args.weights == "dummy")
+            evicted = 0
+            if args.cold_weights and start_kind == "fresh":
+                evicted = evict_weights(Path(model))
             proc, ready_s = start(cmd, environment(engine, caches), url, log, args.ready_timeout)
             try:
                 runs[start_kind] = {
                     "ready_s": ready_s,
+                    "weights_evicted_bytes": evicted,
                     **run_loads(
                         url,
                         work / "bench",
@@ -388,14 +432,14 @@ def main() -> None:
             runs[start_kind]["startup_log"] = startup_lines(log)
             # Written after every start: a run cut short (a device call's time limit) keeps
             # what it finished.
-            report["engines"][engine] = runs
+            report["engines"][key] = runs
             out.write_text(json.dumps(report, indent=1))
         if "mixed" in wanted and {"fresh", "warm"} <= runs.keys():
             warm = runs["warm"].pop("mixed_latency_s")
             runs["first_minute"] = first_minute(runs["fresh"].pop("mixed_latency_s"), warm)
             # The same ratio between two runs of one warm server: what noise alone gives.
             runs["warm_again"] = first_minute(runs["warm"].pop("mixed_again_latency_s"), warm)
-        report["engines"][engine] = runs
+        report["engines"][key] = runs
     print_table(report)
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out} (logs and runs in {work})")

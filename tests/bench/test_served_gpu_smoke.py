@@ -107,3 +107,33 @@ def test_weights_as_files_load_through_the_real_loader(tmp_path: Path) -> None:
     assert all(torch.isfinite(p).all() for p in params.values())
     with pytest.raises(SystemExit, match="dense"):
         write_weights(tmp_path, {**cfg, "num_experts": 8})
+
+
+def test_an_engine_named_again_runs_again_under_its_own_key(tmp_path: Path) -> None:
+    """An A/B in alternating order: each repeat is a run of its own (its own key, so its own
+    caches and a fresh start of its own), the engine's command unchanged."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from served_gpu import runs_of
+
+    assert runs_of("ember,ember@.ab/base,ember@.ab/base,ember") == [
+        ("ember", "ember"),
+        ("ember@.ab/base", "ember@.ab/base"),
+        ("ember@.ab/base#2", "ember@.ab/base"),
+        ("ember#2", "ember"),
+    ]
+    assert runs_of("vllm") == [("vllm", "vllm")]
+
+
+def test_cold_weights_evicts_every_shard_and_leaves_them_readable(tmp_path: Path) -> None:
+    """`--cold-weights`: every safetensors file is written back and dropped from the page cache
+    (its bytes counted); the files are unchanged and the other files untouched."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from served_gpu import evict_weights
+
+    shards = {f"model-{i}.safetensors": os.urandom(4096 * (i + 1)) for i in range(3)}
+    for name, data in shards.items():
+        (tmp_path / name).write_bytes(data)
+    (tmp_path / "config.json").write_text("{}")
+    assert evict_weights(tmp_path) == sum(len(d) for d in shards.values())
+    assert all((tmp_path / n).read_bytes() == d for n, d in shards.items())
+    assert evict_weights(tmp_path / "missing") == 0
