@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 import torch
@@ -14,6 +14,7 @@ from torch import nn
 from ember.models.config import ModelConfig
 from ember.models.fp8 import dequantize_fp8
 from ember.models.registry import resolve_architecture
+from ember.models.weight_staging import iter_staged
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
@@ -92,9 +93,13 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
+        # On a GPU the shards are read by several threads into pinned buffers and reach the
+        # model as GPU tensors (weight_staging); elsewhere through safetensors' own reads.
+        on_gpu = torch.device(device).type == "cuda"
+        tensors = iter_staged(files, device) if on_gpu else iter_safetensors(files)
         # FP8 block-quantized checkpoints reach the model dequantized to its dtype.
-        weights = dequantize_fp8(iter_safetensors(files), config.fp8_block_size, dtype)
-        loaded = model.load_weights(weights)
+        with closing(tensors):
+            loaded = model.load_weights(dequantize_fp8(tensors, config.fp8_block_size, dtype))
         missing = sorted(set(dict(model.named_parameters())) - loaded)
         if missing:
             raise ValueError(f"checkpoint in {str(model_dir)!r} lacks weights: {missing[:8]}")
