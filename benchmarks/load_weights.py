@@ -27,7 +27,8 @@ import torch  # noqa: E402
 from engine_gpu import SHAPES  # noqa: E402
 from served_gpu import evict_weights, model_dir, write_weights  # noqa: E402
 
-from ember.models.loader import iter_safetensors, safetensors_files  # noqa: E402
+from ember.models.checkpoint_files import safetensors_files  # noqa: E402
+from ember.models.loader import iter_safetensors  # noqa: E402
 from ember.models.weight_staging import iter_staged  # noqa: E402
 
 SMOKE = {

@@ -23,7 +23,7 @@ vLLM comes from scripts/vllm_pack.sh's archives, unpacked by scripts/vllm_device
 this script.
 
     python benchmarks/served_gpu.py [--shape llama] [--engines ember,vllm] [--loads mixed,b1,sweep,agent]
-        [--starts fresh,warm] [--weights dummy|files [--cold-weights]]
+        [--starts fresh,warm] [--weights dummy|files [--cold-weights]] [--cold-libs]
 
 An engine named twice in `--engines` runs twice (the second as `ENGINE#2`, with caches of its own).
 
@@ -364,6 +364,12 @@ def main() -> None:
         "bf16 safetensors written once into the model directory and read at every start",
     )
     ap.add_argument(
+        "--cold-libs",
+        action="store_true",
+        help="evict torch's, the NVIDIA wheels' and Triton's libraries and compiled modules from "
+        "the page cache before each fresh start (benchmarks/cold_import.py's lists)",
+    )
+    ap.add_argument(
         "--cold-weights",
         action="store_true",
         help="with --weights files: evict the files from the page cache before each fresh start "
@@ -396,7 +402,7 @@ def main() -> None:
     out = out_dir / f"served_gpu-{gpu.replace(' ', '_')}.json"
     if args.cold_weights and (args.weights != "files" or args.device != "cuda"):
         raise SystemExit("--cold-weights needs --weights files on cuda")
-    report["cold_weights"] = args.cold_weights
+    report["cold_weights"], report["cold_libs"] = args.cold_weights, args.cold_libs
     for key, engine in runs_of(args.engines):
         slug = key.replace("/", "_")
         caches = work / f"{slug}-caches"  # empty at the first start, kept for the second
@@ -413,6 +419,10 @@ def main() -> None:
             evicted = 0
             if args.cold_weights and start_kind == "fresh":
                 evicted = evict_weights(Path(model))
+            if args.cold_libs and start_kind == "fresh":
+                from cold_import import evict, library_files, module_files
+
+                evict(library_files() + module_files())
             proc, ready_s = start(cmd, environment(engine, caches), url, log, args.ready_timeout)
             try:
                 runs[start_kind] = {

@@ -47,6 +47,7 @@ from ember.engine.warmup import (
 )
 from ember.kernels import compile_log, triton_setup
 from ember.kv.kv_cache_manager import KVCacheManager
+from ember.models import checkpoint_files
 from ember.models.config import ModelConfig
 from ember.models.loader import load_model
 
@@ -210,6 +211,10 @@ class EngineCore:
             load_format=config.load_format,
             max_position=r.max_model_len,
         )
+        ahead = checkpoint_files.started()
+        if ahead is not None:
+            ahead.stop.set()  # what it has not read by now the loader has
+            log.info("weights read ahead of the load: %s", ahead.summary())
         self.runner = ModelRunner(
             model,
             self.model_config,

@@ -75,6 +75,10 @@ def engine_core_entry(
     config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int
 ) -> None:
     """The spawned process's entry: imports the engine (torch) there, not in the parent."""
+    if config.load_format != "dummy":
+        from ember.models.checkpoint_files import start_read_ahead
+
+        start_read_ahead(config.model)  # the disk is idle while the imports below run
     if config.device != "cpu":
         from ember.kernels import triton_setup
 

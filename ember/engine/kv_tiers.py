@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ember.kv.tiers import BlockLayout, CostModel, DiskTier, HostTier, Tier, TierManager
-from ember.models.loader import safetensors_files
+from ember.models.checkpoint_files import safetensors_files
 
 if TYPE_CHECKING:
     from ember.engine.config import EngineConfig

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
 from pathlib import Path
@@ -11,33 +10,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from ember.models.checkpoint_files import safetensors_files
 from ember.models.config import ModelConfig
 from ember.models.fp8 import dequantize_fp8
 from ember.models.registry import resolve_architecture
 from ember.models.weight_staging import iter_staged
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-
-
-def safetensors_files(model_dir: Path) -> list[Path]:
-    """The checkpoint's files: the sharded index's, else model.safetensors, else every *.safetensors."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not weight_map:
-            raise ValueError(f"{index} has no weight_map")
-        files = [model_dir / f for f in sorted(set(weight_map.values()))]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(f"shards named in {index.name} are missing: {missing}")
-        return files
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in model directory {str(model_dir)!r}")
-    return files
 
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -26,12 +26,13 @@ from torch import nn
 from ember.attention.backend import AttentionBackend
 from ember.attention.context import ForwardContext
 from ember.attention.metadata import AttentionMetadata
+from ember.models.checkpoint_files import safetensors_files
 from ember.models.config import ModelConfig
 from ember.models.layers.linear import StackedLinear
 from ember.models.layers.norm import RMSNorm
 from ember.models.layers.rotary import RotaryEmbedding
 from ember.models.llama import MLP, Attention, LlamaForCausalLM
-from ember.models.loader import iter_safetensors, safetensors_files
+from ember.models.loader import iter_safetensors
 from ember.spec.eagle3_config import Eagle3Config
 from ember.spec.eagle3_config import default_aux_layers as default_aux_layers  # re-export
 

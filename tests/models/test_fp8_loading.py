@@ -16,9 +16,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ember import LLM, SamplingParams
+from ember.models.checkpoint_files import safetensors_files
 from ember.models.config import ModelConfig
 from ember.models.fp8 import dequantize_fp8
-from ember.models.loader import iter_safetensors, load_model, safetensors_files
+from ember.models.loader import iter_safetensors, load_model
 from ember.models.tiny import make_tiny
 from tests.capture import captured_logits
 from tests.models.test_vs_transformers import random_prompt
