@@ -328,6 +328,7 @@ STARTUP_MARKS = (
     "warm-up:",
     "serving ",
     "captured",
+    "read ahead",
     "KV host tier",
     "KV tiers:",
 )
