@@ -25,7 +25,12 @@ def shards(d: Path, sizes: list[int]) -> list[Path]:
     return files
 
 
-def test_reads_every_byte_of_every_shard(tmp_path: Path) -> None:
+@pytest.mark.parametrize("advise", [True, False], ids=["fadvise", "plain-reads"])
+def test_reads_every_byte_of_every_shard(tmp_path: Path, advise: bool, monkeypatch) -> None:
+    """Through the kernel's read-ahead (posix_fadvise, then each piece's last byte), or read
+    outright where there is no posix_fadvise."""
+    if not advise:
+        monkeypatch.delattr(os, "posix_fadvise")
     files = shards(tmp_path, [3000, 1, 70_000, 0, 5])
     state = read_ahead(tmp_path, limit=1 << 40, piece=4096)
     assert state is not None and state.thread is not None
