@@ -21,7 +21,7 @@ import os
 import struct
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,6 +161,11 @@ class _Buffers:
             self._closed = True
             self._ready.notify_all()
 
+    def drop(self) -> None:
+        """Lets go of the free buffers (after `close`, the readers done)."""
+        with self._ready:
+            self._free.clear()
+
     def give(self, buf: torch.Tensor) -> None:
         with self._ready:
             self._free.append(buf)
@@ -201,10 +206,13 @@ def iter_staged(
         return buf
 
     pool = ThreadPoolExecutor(threads, thread_name_prefix="weights-read")
+    futures: list[Future[torch.Tensor]] = []
+    buf: torch.Tensor | None = None
     try:
         # Submitted in order; a reader waits in `take` until the loading thread gives a buffer
         # back, so no more pieces than buffers are read ahead.
-        jobs = iter([pool.submit(read, n, *piece) for n, piece in enumerate(pieces)])
+        futures += [pool.submit(read, n, *piece) for n, piece in enumerate(pieces)]
+        jobs = iter(futures)
         for fi, (f, _) in enumerate(plans):
             if fi not in chunks:
                 yield from _safe_open(f, device)
@@ -229,10 +237,23 @@ def iter_staged(
         pool.shutdown(wait=True, cancel_futures=True)
         for fd in fds.values():
             os.close(fd)
-        if cuda:
-            # The chunks' memory goes back to the device: the KV cache is sized from what the
-            # driver reports free after the load.
-            torch.cuda.empty_cache()
+        futures.clear()  # (a finished future holds its buffer)
+        buf = None
+        buffers.drop()
+        _release(cuda)
+
+
+def _release(cuda: bool) -> None:
+    """Called once no staging buffer is referenced. On CUDA the chunks' memory goes back to the
+    device (the KV cache is sized from what the driver reports free after the load) and the
+    pinned buffers to the host: torch caches freed pinned memory for the process's life (640 MiB
+    locked). `_host_emptyCache` is private API (torch.cuda.graphs calls it too)."""
+    if not cuda:
+        return
+    torch.cuda.empty_cache()
+    release_host = getattr(torch._C, "_host_emptyCache", None)
+    if release_host is not None:
+        release_host()
 
 
 def _safe_open(path: Path, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:

@@ -239,3 +239,36 @@ def test_on_the_gpu_through_pinned_buffers(tmp_path: Path) -> None:
             w = want[name]
             assert (t.dtype, t.shape) == (w.dtype, w.shape), name
             assert torch.equal(as_bytes(t.cpu()), as_bytes(w)), name
+
+
+def test_no_staging_buffer_outlives_the_load(tmp_path: Path, monkeypatch) -> None:
+    """Every staging buffer is let go before the memory is released (on a GPU they are pinned
+    memory, which torch keeps cached for the process's life unless emptied once free), whether
+    the load finished or stopped early; the tensors it gave stay valid."""
+    import weakref
+
+    from ember.models import weight_staging
+
+    made: list[weakref.ref] = []
+    alive_at_release: list[int] = []
+    real = weight_staging._Buffers.__init__
+
+    def init(self, count: int, size: int, pin: bool) -> None:
+        real(self, count, size, pin)
+        made.extend(weakref.ref(b) for b in self._free)
+
+    monkeypatch.setattr(weight_staging._Buffers, "__init__", init)
+    monkeypatch.setattr(
+        weight_staging,
+        "_release",
+        lambda cuda: alive_at_release.append(sum(r() is not None for r in made)),
+    )
+    files = random_shards(tmp_path, seed=6)
+    got = dict(iter_staged(files, "cpu", threads=3, chunk_bytes=64))
+    assert made and alive_at_release == [0]
+    assert torch.equal(as_bytes(got["big"]), as_bytes(library(files)["big"]))
+    made.clear()
+    it = iter_staged(files, "cpu", threads=3, chunk_bytes=64)
+    next(it)
+    it.close()
+    assert made and alive_at_release == [0, 0]
