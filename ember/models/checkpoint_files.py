@@ -73,7 +73,11 @@ class ReadAhead:
 
     def summary(self) -> str:
         done = "done" if self.thread is None or not self.thread.is_alive() else "still reading"
-        text = f"{self.read / 1e9:.1f} of {self.total / 1e9:.1f} GB in {self.seconds:.1f} s, {done}"
+        scale, unit = (1e9, "GB") if self.total >= 1e9 else (1e6, "MB")
+        text = (
+            f"{self.read / scale:.1f} of {self.total / scale:.1f} {unit} in {self.seconds:.1f} s, "
+            f"{done}"
+        )
         return text + (f" (stopped: {self.error})" if self.error else "")
 
 
