@@ -24,12 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from cold_import import read_all  # noqa: E402
 from engine_gpu import SHAPES  # noqa: E402
 from served_gpu import evict_weights, model_dir, write_weights  # noqa: E402
 
 from ember.models.checkpoint_files import safetensors_files  # noqa: E402
-from ember.models.loader import iter_safetensors  # noqa: E402
-from ember.models.weight_staging import iter_staged  # noqa: E402
+from ember.models.weight_staging import iter_safetensors, iter_staged  # noqa: E402
 
 SMOKE = {
     "hidden_size": 64,
@@ -83,10 +83,7 @@ def main() -> None:
             if mode == "cold":
                 evict_weights(d)
             else:  # warm: every file read once, so the page cache holds it
-                for f in files:
-                    with open(f, "rb") as fh:
-                        while fh.read(64 << 20):
-                            pass
+                read_all(files, 8)
             if reader == "library":
                 it = ((n, t.to(dev)) for n, t in iter_safetensors(files))
             else:

@@ -211,20 +211,11 @@ def runs_of(engines: str) -> list[tuple[str, str]]:
 
 
 def evict_weights(model: Path) -> int:
-    """Drops the model's weight files from the page cache (written back first: dirty pages stay
-    put), so the next start reads them from the disk as a fresh machine's first start does.
-    Returns the bytes evicted."""
-    files = sorted(model.glob("*.safetensors"))
-    total = 0
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            total += os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-    return total
+    """Drops the model's weight files from the page cache, so the next start reads them from the
+    disk as a fresh machine's first start does. Returns the bytes evicted."""
+    from cold_import import evict
+
+    return evict(sorted(model.glob("*.safetensors")))
 
 
 def start(cmd: list[str], env: dict[str, str], url: str, log: Path, timeout_s: float):

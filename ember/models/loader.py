@@ -7,23 +7,15 @@ from contextlib import closing, contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from ember.models.checkpoint_files import safetensors_files
 from ember.models.config import ModelConfig
 from ember.models.fp8 import dequantize_fp8
 from ember.models.registry import resolve_architecture
-from ember.models.weight_staging import iter_staged
+from ember.models.weight_staging import iter_safetensors, iter_staged
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-
-
-def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as fh:
-            for name in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, fh.get_tensor(name)
 
 
 @contextmanager

@@ -63,6 +63,10 @@ class Chunk:
     end: int
     entries: tuple[Entry, ...]
 
+    def pieces(self, size: int) -> list[tuple[int, int]]:
+        """The byte ranges of at most `size` it is read in (one unless a tensor is larger)."""
+        return [(lo, min(lo + size, self.end)) for lo in range(self.start, self.end, size)]
+
 
 def read_header(path: Path) -> list[Entry] | None:
     """The file's tensors in file order; None if one has a dtype not in DTYPES. Raises
@@ -185,10 +189,7 @@ def iter_staged(
     plans = [(f, read_header(f)) for f in files]
     chunks = {fi: plan_chunks(e, chunk_bytes) for fi, (_, e) in enumerate(plans) if e is not None}
     pieces = [
-        (fi, lo, min(lo + chunk_bytes, c.end))
-        for fi, cs in chunks.items()
-        for c in cs
-        for lo in range(c.start, c.end, chunk_bytes)
+        (fi, lo, hi) for fi, cs in chunks.items() for c in cs for lo, hi in c.pieces(chunk_bytes)
     ]
     # Each reader holds one buffer while it reads; two more let the copies run behind them.
     threads = max(1, min(threads, len(pieces)))
@@ -215,13 +216,12 @@ def iter_staged(
         jobs = iter(futures)
         for fi, (f, _) in enumerate(plans):
             if fi not in chunks:
-                yield from _safe_open(f, device)
+                yield from iter_safetensors([f], device)
                 continue
             for chunk in chunks[fi]:
                 gpu = torch.empty(chunk.end - chunk.start, dtype=torch.uint8, device=device)
-                for lo in range(chunk.start, chunk.end, chunk_bytes):
+                for lo, hi in chunk.pieces(chunk_bytes):
                     buf = next(jobs).result()
-                    hi = min(lo + chunk_bytes, chunk.end)
                     gpu[lo - chunk.start : hi - chunk.start].copy_(
                         buf[: hi - lo], non_blocking=cuda
                     )
@@ -256,12 +256,17 @@ def _release(cuda: bool) -> None:
         release_host()
 
 
-def _safe_open(path: Path, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(
+    files: list[Path], device: torch.device | str = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of `files` through the safetensors library's own reads (off the GPU, and
+    for a file `iter_staged` cannot parse)."""
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt", device=str(device)) as fh:
-        for name in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
-            yield name, fh.get_tensor(name)
+    for f in files:
+        with safe_open(str(f), framework="pt", device=str(device)) as fh:
+            for name in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, fh.get_tensor(name)
 
 
 def _view(chunk: torch.Tensor, offset: int, e: Entry) -> torch.Tensor:

@@ -32,7 +32,7 @@ from ember.models.layers.linear import StackedLinear
 from ember.models.layers.norm import RMSNorm
 from ember.models.layers.rotary import RotaryEmbedding
 from ember.models.llama import MLP, Attention, LlamaForCausalLM
-from ember.models.loader import iter_safetensors
+from ember.models.weight_staging import iter_safetensors
 from ember.spec.eagle3_config import Eagle3Config
 from ember.spec.eagle3_config import default_aux_layers as default_aux_layers  # re-export
 

@@ -19,8 +19,9 @@ from ember import LLM, SamplingParams
 from ember.models.checkpoint_files import safetensors_files
 from ember.models.config import ModelConfig
 from ember.models.fp8 import dequantize_fp8
-from ember.models.loader import iter_safetensors, load_model
+from ember.models.loader import load_model
 from ember.models.tiny import make_tiny
+from ember.models.weight_staging import iter_safetensors
 from tests.capture import captured_logits
 from tests.models.test_vs_transformers import random_prompt
 
