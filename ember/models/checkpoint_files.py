@@ -15,14 +15,11 @@ evict its own first shards). Where there is no `posix_fadvise` each piece is rea
 from __future__ import annotations
 
 import json
-import logging
 import os
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-logger = logging.getLogger(__name__)
 
 PIECE_BYTES = 16 << 20
 
