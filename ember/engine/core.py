@@ -49,7 +49,7 @@ from ember.kernels import compile_log, triton_setup
 from ember.kv.kv_cache_manager import KVCacheManager
 from ember.models import checkpoint_files
 from ember.models.config import ModelConfig
-from ember.models.loader import load_model
+from ember.models.loader import WeightsLoading, build_model, load_model
 
 if TYPE_CHECKING:
     from ember.kernels.compile_workers import CompileWorkers
@@ -108,13 +108,22 @@ class EngineCore:
                 self.model_config, config.block_size, r.dtype, self.device, backend
             )
             early = compile_probes_early(stand_in, self._warmup_batches()[:PROBES])
+        loading = None
         try:
-            self._load(clock, backend)
+            # With the start-up compile to come, the weights load on a thread beside it.
+            loading = self._load(clock, backend, beside=early is not None)
             if on_gpu:
                 self._precompile(clock, early)
+            if loading is not None:
+                waited = loading.wait()
+                self._loaded(loading, waited)
+                loading = None
+                clock.mark("load")
         finally:
             if early is not None:
                 early.close()  # (the start-up compile closed it; not if the load failed)
+            if loading is not None:
+                loading.close()  # a start that failed before its weights were in
         num_blocks = r.num_kv_blocks
         if on_gpu and config.num_kv_blocks is None:
             num_blocks = size_kv_cache(self.runner, r, config, total - free0, total)
@@ -200,21 +209,38 @@ class EngineCore:
         self._pace_host_tier()  # no work yet: it grows
         clock.report()
 
-    def _load(self, clock: StartupClock, backend: AttentionBackend) -> None:
-        """The model's weights, its runner and (EAGLE-3) the draft head."""
+    def _load(
+        self, clock: StartupClock, backend: AttentionBackend, beside: bool = False
+    ) -> WeightsLoading | None:
+        """The model, its runner and (EAGLE-3) the draft head. `beside`: the start-up compile
+        follows, so a checkpoint's weights load on a thread while it runs (the loading is
+        returned, to wait for before anything runs for real); an EAGLE-3 head, built from the
+        target's weights, loads them first."""
         config, r = self.config, self.resolved
-        model = load_model(
-            config.model,
-            self.model_config,
-            dtype=r.dtype,
-            device=self.device,
-            load_format=config.load_format,
-            max_position=r.max_model_len,
-        )
-        ahead = checkpoint_files.started()
-        if ahead is not None:
-            ahead.stop.set()  # what it has not read by now the loader has
-            log.info("weights read ahead of the load: %s", ahead.summary())
+        spec = config.speculative
+        eagle3 = spec is not None and spec.method == "eagle3" and bool(spec.draft_model)
+        beside = beside and config.load_format != "dummy" and not eagle3
+        loading = None
+        if beside:
+            model = build_model(
+                config.model,
+                self.model_config,
+                dtype=r.dtype,
+                device=self.device,
+                load_format=config.load_format,
+                max_position=r.max_model_len,
+            )
+            loading = WeightsLoading(model, config.model, r.dtype, self.device)
+        else:
+            model = load_model(
+                config.model,
+                self.model_config,
+                dtype=r.dtype,
+                device=self.device,
+                load_format=config.load_format,
+                max_position=r.max_model_len,
+            )
+            self._loaded(None, 0.0)
         self.runner = ModelRunner(
             model,
             self.model_config,
@@ -224,9 +250,8 @@ class EngineCore:
             backend,
             max_num_seqs=config.max_num_seqs,
         )
-        clock.mark("load")
-        spec = config.speculative
-        if spec is not None and spec.method == "eagle3" and spec.draft_model:
+        clock.mark("model" if beside else "load")
+        if eagle3:
             from ember.spec.eagle3 import Eagle3Drafter
 
             # Before the KV sizing and the graphs: the head's weights count as weights, and the
@@ -240,6 +265,23 @@ class EngineCore:
                 self.runner.backend,
             )
             self.runner.num_draft_tokens = spec.num_speculative_tokens
+        return loading
+
+    def _loaded(self, loading: WeightsLoading | None, waited_s: float) -> None:
+        """The weights are in: the read-ahead stops, and the log says how long they took
+        (`loading`: the thread they loaded on, `waited_s` how long the start-up waited for it
+        after its compile)."""
+        ahead = checkpoint_files.started()
+        if ahead is not None:
+            ahead.stop.set()  # what it has not read by now the loader has
+            log.info("weights read ahead of the load: %s", ahead.summary())
+        if loading is not None:
+            log.info(
+                "weights loaded in %.1f s on a thread beside the start-up compile "
+                "(%.1f s waited for after it)",
+                loading.seconds,
+                waited_s,
+            )
 
     def _warmup_batches(self) -> list[list[Run]]:
         config, r = self.config, self.resolved

@@ -117,6 +117,8 @@ class DecoderModel(nn.Module):
             layer_cls(cfg, i, self.rotary) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.run_layers: list[nn.Module] = list(self.layers)
+        """The layers a forward runs: all of them, but for a dry run's cut."""
         self.aux_layers: tuple[int, ...] = ()
         """EAGLE-3: the residual-stream indices whose states a draft head reads. Index i is the
         input of layer i (the output of layer i - 1, `x + residual`): 0 is the token embedding,
@@ -129,7 +131,9 @@ class DecoderModel(nn.Module):
         """Within: the forward runs one layer of each kind (its class, its attention's and its
         MLP's: DeepSeek's dense first layers and MoE ones are two kinds), not all of them. A dry
         run (ember/kernels/precompile.py) meets every kernel variant of the model this way, in a
-        fraction of the time: the layers of one kind launch the same variants."""
+        fraction of the time: the layers of one kind launch the same variants. The module tree
+        is left as it is (`run_layers` changes, not `layers`): the weights may be loading into
+        the other layers on another thread meanwhile (ember/models/loader.py), by their names."""
         kinds: dict[tuple[type, ...], nn.Module] = {}
         for layer in self.layers:
             key = (
@@ -138,12 +142,12 @@ class DecoderModel(nn.Module):
                 type(getattr(layer, "mlp", None)),
             )
             kinds.setdefault(key, layer)
-        layers, aux_layers = self.layers, self.aux_layers
-        self.layers, self.aux_layers = nn.ModuleList(kinds.values()), ()
+        aux_layers = self.aux_layers
+        self.run_layers, self.aux_layers = list(kinds.values()), ()
         try:
             yield
         finally:
-            self.layers, self.aux_layers = layers, aux_layers
+            self.run_layers, self.aux_layers = list(self.layers), aux_layers
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
@@ -151,13 +155,13 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(input_ids)
         residual = None
         aux: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.run_layers):
             if i in self.aux_layers:
                 aux[i] = x if residual is None else x + residual
             x, residual = layer(positions, x, residual, ctx)
         if self.aux_layers:
-            if len(self.layers) in self.aux_layers:
-                aux[len(self.layers)] = x + residual
+            if len(self.run_layers) in self.aux_layers:
+                aux[len(self.run_layers)] = x + residual
             # Device-side work only (no host sync), so a captured CUDA graph replays it too.
             self.aux_hidden = torch.cat([aux[i] for i in self.aux_layers], dim=-1)
         x, _ = self.norm(x, residual)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Iterable, Iterator
 from contextlib import closing, contextmanager
 from pathlib import Path
 
@@ -51,27 +53,125 @@ def load_model(
     max_position: int = 0,
 ) -> nn.Module:
     model_dir = Path(model_dir)
+    model = build_model(model_dir, config, dtype, device, load_format, max_position)
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        fill_weights(model, model_dir, dtype, device)
+    return model
+
+
+def build_model(
+    model_dir: str | Path,
+    config: ModelConfig | None = None,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    load_format: str = "auto",
+    max_position: int = 0,
+) -> nn.Module:
+    """The model with its parameters allocated on `device` and not yet filled (`fill_weights`,
+    `WeightsLoading` or `init_dummy_weights` fill them), in eval mode."""
+    model_dir = Path(model_dir)
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; use one of {LOAD_FORMATS}")
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {str(model_dir)!r} does not exist")
     config = config or ModelConfig.from_dir(model_dir)
     cls = resolve_architecture(config.architecture)
-    dtype = dtype or config.dtype
-    files = [] if load_format == "dummy" else safetensors_files(model_dir)
-    with _default_dtype(dtype), torch.device(device):
+    if load_format != "dummy":
+        safetensors_files(model_dir)  # no checkpoint: said now, before anything is allocated
+    with _default_dtype(dtype or config.dtype), torch.device(device):
         model = cls(config, max_position=max_position)
-    if load_format == "dummy":
-        init_dummy_weights(model)
-    else:
-        # On a GPU the shards are read by several threads into pinned buffers and reach the
-        # model as GPU tensors (weight_staging); elsewhere through safetensors' own reads.
-        on_gpu = torch.device(device).type == "cuda"
-        tensors = iter_staged(files, device) if on_gpu else iter_safetensors(files)
-        # FP8 block-quantized checkpoints reach the model dequantized to its dtype.
-        with closing(tensors):
-            loaded = model.load_weights(dequantize_fp8(tensors, config.fp8_block_size, dtype))
-        missing = sorted(set(dict(model.named_parameters())) - loaded)
-        if missing:
-            raise ValueError(f"checkpoint in {str(model_dir)!r} lacks weights: {missing[:8]}")
     return model.eval()
+
+
+def fill_weights(
+    model: nn.Module,
+    model_dir: str | Path,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    stop: threading.Event | None = None,
+) -> None:
+    """Copy the checkpoint in `model_dir` into the parameters of `model` (`build_model`'s).
+    `stop`: once set, the load ends at its next tensor with `LoadStopped`."""
+    model_dir = Path(model_dir)
+    config = model.config
+    files = safetensors_files(model_dir)
+    # On a GPU the shards are read by several threads into pinned buffers and reach the
+    # model as GPU tensors (weight_staging); elsewhere through safetensors' own reads.
+    on_gpu = torch.device(device).type == "cuda"
+    tensors = iter_staged(files, device) if on_gpu else iter_safetensors(files)
+    # FP8 block-quantized checkpoints reach the model dequantized to its dtype.
+    with closing(tensors):
+        weights = dequantize_fp8(tensors, config.fp8_block_size, dtype or config.dtype)
+        loaded = model.load_weights(weights if stop is None else _until(stop, weights))
+    missing = sorted(set(dict(model.named_parameters())) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint in {str(model_dir)!r} lacks weights: {missing[:8]}")
+
+
+class LoadStopped(Exception):
+    """A load stopped before its end (`WeightsLoading.close`)."""
+
+
+def _until(
+    stop: threading.Event, weights: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for item in weights:
+        if stop.is_set():
+            raise LoadStopped("the weights' load was stopped")
+        yield item
+
+
+class WeightsLoading:
+    """`fill_weights` on a thread of its own, so that the engine's start-up compile runs while
+    the checkpoint is read (ember/engine/core.py). The dry run needs the parameters' shapes and
+    places, not their values: they are zeroed first, so whatever it reads before and during
+    the copies is finite (a MoE router reads no NaN). `wait` returns once every weight is in
+    and raises what the load raised; `close` stops a load no one will wait for.
+
+    The copies run on the loading thread's current stream (the device's default stream, as
+    the dry run's kernels), so work queued after `wait` sees every weight. The dry run's cut
+    (`one_layer_of_each_kind`) leaves the module tree as it is, so the load finds every
+    parameter by its name while the cut is in force."""
+
+    def __init__(
+        self, model: nn.Module, model_dir: str | Path, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        self.seconds = 0.0
+        """The load's seconds, from its start to its last copy queued."""
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(model, model_dir, dtype, device), name="weights-load"
+        )
+        self._thread.start()
+
+    def _run(
+        self, model: nn.Module, model_dir: str | Path, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        t = time.perf_counter()
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # (the current device is a thread's own)
+            fill_weights(model, model_dir, dtype, device, self._stop)
+        except BaseException as e:  # handed to wait()
+            self._error = e
+        finally:
+            self.seconds = time.perf_counter() - t
+
+    def wait(self) -> float:
+        """Seconds this call waited for the load to end; raises the load's error."""
+        t = time.perf_counter()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        """Stop the load (at its next tensor) and wait for its thread; its error is dropped."""
+        self._stop.set()
+        self._thread.join()

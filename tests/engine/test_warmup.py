@@ -105,14 +105,21 @@ def test_a_dry_run_cut_keeps_one_layer_of_each_kind(tiny_model_dir, arch: str, k
     runner = llm.engine.core.runner
     decoder = runner.model.model
     layers = decoder.layers
+    names = dict(runner.model.named_parameters())
     assert len(layers) > kinds
     with one_layer_of_each_kind(runner.model):
-        cut = list(decoder.layers)
+        cut = decoder.run_layers
         assert len(cut) == kinds  # DeepSeek: its dense first layer and one MoE layer
         assert len({type(layer.mlp) for layer in cut}) == kinds
         assert all(any(layer is orig for orig in layers) for layer in cut)
         assert dummy_step(runner, [(1, 3), (5, 0)]).shape[0] == 2  # still a whole forward
+        # The module tree is untouched: a load on another thread finds every weight by name.
+        assert decoder.layers is layers and len(layers) > kinds
+        assert dict(runner.model.named_parameters()) == names
+        last = f"model.layers.{len(layers) - 1}.self_attn"
+        assert runner.model.get_submodule(last) is layers[-1].self_attn
     assert decoder.layers is layers
+    assert decoder.run_layers == list(layers)
     llm.close()
 
 
@@ -329,3 +336,38 @@ def test_an_early_compile_that_fails_is_only_skipped(tiny_model_dir, monkeypatch
     )
     assert compile_probes_early(stand_in, [[(1, 3)]]) is None
     assert closed == [True] and "early start-up compile skipped" in caplog.text
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_on_a_gpu_the_weights_load_beside_the_start_up_compile(tiny_model_dir, tmp_path) -> None:
+    """The checkpoint loads on a thread while the dry run runs on the parameters' places
+    (ember/models/loader.py: WeightsLoading): the start-up's phases say so, the greedy tokens are
+    those of a start that loaded first (warm-up off: no dry run, no thread), and a checkpoint
+    that lacks a weight fails the start with the load's error and leaves no thread behind."""
+    import threading
+
+    from safetensors.torch import load_file, save_file
+
+    path = tiny_model_dir("llama")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 9, 200, 17, 3], list(range(40, 90))]
+    outs = {}
+    for warmup in (True, False):
+        llm = LLM(str(path), device="cuda", warmup=warmup, max_model_len=512, dtype="float32")
+        phases = llm.engine.core.startup.phases
+        assert ("model" in phases) == warmup and "load" in phases
+        outs[warmup] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        llm.close()
+    assert outs[True] == outs[False]
+
+    for f in path.iterdir():
+        if f.suffix != ".safetensors":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    (shard,) = path.glob("*.safetensors")
+    tensors = load_file(shard)
+    del tensors["model.layers.1.self_attn.o_proj.weight"]
+    save_file(tensors, tmp_path / shard.name)
+    with pytest.raises(ValueError, match="lacks weights"):
+        LLM(str(tmp_path), device="cuda", warmup=True, max_model_len=512)
+    assert not any(t.name == "weights-load" and t.is_alive() for t in threading.enumerate())

@@ -1,0 +1,164 @@
+"""The weights' load on a thread of its own (`ember.models.loader.WeightsLoading`): what the
+engine's start-up runs beside its compile on a GPU. Here on the CPU, with the real loading code."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ember.engine.warmup import one_layer_of_each_kind
+from ember.models import loader
+from ember.models.loader import (
+    LoadStopped,
+    WeightsLoading,
+    build_model,
+    fill_weights,
+    load_model,
+)
+
+DEVICE = torch.device("cpu")
+
+
+def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert pa.keys() == pb.keys()
+    for name in pa:
+        assert torch.equal(pa[name], pb[name]), name
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3"])
+def test_a_load_on_its_thread_gives_the_weights_of_a_plain_load(tiny_model_dir, arch: str) -> None:
+    path = tiny_model_dir(arch)
+    plain = load_model(path, dtype=torch.float32)
+    model = build_model(path, dtype=torch.float32)
+    loading = WeightsLoading(model, path, torch.float32, DEVICE)
+    assert loading.wait() >= 0.0
+    assert loading.seconds > 0.0
+    _same_weights(model, plain)
+
+
+def test_a_load_finds_every_weight_while_a_dry_run_cut_is_in_force(tiny_model_dir) -> None:
+    """The engine's dry run runs one layer of each kind while the weights load: the load finds
+    the other layers' parameters by name all the same."""
+    path = tiny_model_dir("llama")
+    plain = load_model(path, dtype=torch.float32)
+    model = build_model(path, dtype=torch.float32)
+    with one_layer_of_each_kind(model):
+        assert len(model.model.run_layers) == 1 < len(model.model.layers)
+        WeightsLoading(model, path, torch.float32, DEVICE).wait()
+    _same_weights(model, plain)
+
+
+def _slow(monkeypatch: pytest.MonkeyPatch, path: Path, gate: threading.Event) -> list[str]:
+    """The loader's CPU reader, made to wait for `gate` before its first tensor and then to
+    take 20 ms a tensor; returns the names it has yielded so far, and 'closed' once closed."""
+    real = loader.iter_safetensors
+    seen: list[str] = []
+
+    def reader(files: list[Path], device: str = "cpu"):
+        try:
+            gate.wait(10)
+            for name, t in real(files, device):
+                time.sleep(0.02)
+                seen.append(name)
+                yield name, t
+        finally:
+            seen.append("closed")
+
+    monkeypatch.setattr(loader, "iter_safetensors", reader)
+    return seen
+
+
+def test_the_parameters_are_zero_until_their_weights_arrive(
+    tiny_model_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dry run reads them meanwhile: zeros, not whatever the allocation held (no NaN)."""
+    path = tiny_model_dir("llama")
+    gate = threading.Event()
+    _slow(monkeypatch, path, gate)
+    model = build_model(path, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    loading = WeightsLoading(model, path, torch.float32, DEVICE)
+    assert all(not p.any() for p in model.parameters())
+    gate.set()
+    loading.wait()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert any(p.any() for p in model.parameters())
+
+
+def test_close_stops_a_load_at_its_next_tensor_and_closes_the_reader(
+    tiny_model_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tiny_model_dir("llama")
+    gate = threading.Event()
+    seen = _slow(monkeypatch, path, gate)
+    total = len(load_file(next(path.glob("*.safetensors"))))
+    model = build_model(path, dtype=torch.float32)
+    loading = WeightsLoading(model, path, torch.float32, DEVICE)
+    gate.set()
+    while len(seen) < 2:
+        time.sleep(0.005)
+    loading.close()
+    assert not loading._thread.is_alive()
+    assert seen[-1] == "closed"
+    assert len(seen) - 1 < total  # stopped before the end
+    assert isinstance(loading._error, LoadStopped)
+
+
+def test_a_checkpoint_that_lacks_a_weight_fails_at_wait(tiny_model_dir, tmp_path: Path) -> None:
+    src = tiny_model_dir("llama")
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    (shard,) = src.glob("*.safetensors")
+    tensors = load_file(shard)
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, tmp_path / shard.name)
+    model = build_model(tmp_path, dtype=torch.float32)
+    loading = WeightsLoading(model, tmp_path, torch.float32, DEVICE)
+    with pytest.raises(ValueError, match=r"lacks weights: \['model\.layers\.1\.mlp\.down_proj"):
+        loading.wait()
+    assert not loading._thread.is_alive()
+
+
+def test_a_shard_cut_short_fails_at_wait(tiny_model_dir, tmp_path: Path) -> None:
+    src = tiny_model_dir("llama")
+    for f in src.iterdir():
+        data = f.read_bytes()
+        (tmp_path / f.name).write_bytes(
+            data[: len(data) // 2] if f.suffix == ".safetensors" else data
+        )
+    model = build_model(tmp_path, dtype=torch.float32)
+    loading = WeightsLoading(model, tmp_path, torch.float32, DEVICE)
+    from safetensors import SafetensorError
+
+    with pytest.raises(SafetensorError, match="not fully covered"):
+        loading.wait()
+    assert not loading._thread.is_alive()
+
+
+def test_build_model_says_there_is_no_checkpoint_before_it_allocates(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128, '
+        '"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, '
+        '"vocab_size": 256, "max_position_embeddings": 128}'
+    )
+    with pytest.raises(FileNotFoundError):
+        build_model(tmp_path)
+    assert build_model(tmp_path, load_format="dummy").training is False
+
+
+def test_fill_weights_stops_when_told(tiny_model_dir) -> None:
+    path = tiny_model_dir("llama")
+    model = build_model(path, dtype=torch.float32)
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(LoadStopped):
+        fill_weights(model, path, torch.float32, DEVICE, stop)
