@@ -91,16 +91,18 @@ def fill_weights(
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     stop: threading.Event | None = None,
+    nice: int = 0,
 ) -> None:
     """Copy the checkpoint in `model_dir` into the parameters of `model` (`build_model`'s).
-    `stop`: once set, the load ends at its next tensor with `LoadStopped`."""
+    `stop`: once set, the load ends at its next tensor with `LoadStopped`. `nice`: the GPU
+    reader's threads' nice value (weight_staging.iter_staged)."""
     model_dir = Path(model_dir)
     config = model.config
     files = safetensors_files(model_dir)
     # On a GPU the shards are read by several threads into pinned buffers and reach the
     # model as GPU tensors (weight_staging); elsewhere through safetensors' own reads.
     on_gpu = torch.device(device).type == "cuda"
-    tensors = iter_staged(files, device) if on_gpu else iter_safetensors(files)
+    tensors = iter_staged(files, device, nice=nice) if on_gpu else iter_safetensors(files)
     # FP8 block-quantized checkpoints reach the model dequantized to its dtype.
     with closing(tensors):
         weights = dequantize_fp8(tensors, config.fp8_block_size, dtype or config.dtype)
@@ -121,6 +123,13 @@ def _until(
         if stop.is_set():
             raise LoadStopped("the weights' load was stopped")
         yield item
+
+
+READERS_NICE = 10
+"""The readers of a load beside the start-up compile yield the CPU to it: the dry run is one
+Python thread and the compiles up to 15 processes, and the readers' copies out of the page
+cache slowed the dry run from 1.2-1.4 s to 2.0-2.8 s when they ran at its priority (H200,
+docs/performance.md). Where the CPU is idle they read at full speed."""
 
 
 class WeightsLoading:
@@ -157,7 +166,7 @@ class WeightsLoading:
         try:
             if device.type == "cuda":
                 torch.cuda.set_device(device)  # (the current device is a thread's own)
-            fill_weights(model, model_dir, dtype, device, self._stop)
+            fill_weights(model, model_dir, dtype, device, self._stop, nice=READERS_NICE)
         except BaseException as e:  # handed to wait()
             self._error = e
         finally:

@@ -181,9 +181,12 @@ def iter_staged(
     device: torch.device | str,
     threads: int = 8,
     chunk_bytes: int = CHUNK_BYTES,
+    nice: int = 0,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor on `device`) for every tensor of `files`, in file order. A file whose
-    header names a dtype not in DTYPES is read through `safe_open` instead."""
+    header names a dtype not in DTYPES is read through `safe_open` instead. `nice`: the
+    readers' nice value, for a load that runs beside other start-up work (the kernel's copies
+    out of the page cache are CPU time: 16 GB is ~8 cores for most of a second)."""
     device = torch.device(device)
     cuda = device.type == "cuda"
     plans = [(f, read_header(f)) for f in files]
@@ -206,7 +209,9 @@ def iter_staged(
             raise
         return buf
 
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="weights-read")
+    pool = ThreadPoolExecutor(
+        threads, thread_name_prefix="weights-read", initializer=_renice, initargs=(nice,)
+    )
     futures: list[Future[torch.Tensor]] = []
     buf: torch.Tensor | None = None
     try:
@@ -241,6 +246,18 @@ def iter_staged(
         buf = None
         buffers.drop()
         _release(cuda)
+
+
+def _renice(nice: int) -> None:
+    """This thread's nice value raised by `nice` (Linux schedules threads as tasks of their
+    own; elsewhere, or where it is refused, nothing changes: it only yields CPU time)."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+    except OSError:
+        pass
 
 
 def _release(cuda: bool) -> None:

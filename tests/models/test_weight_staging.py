@@ -4,6 +4,7 @@ the safetensors library's own reads of the same files; hostile headers; a load s
 from __future__ import annotations
 
 import json
+import os
 import struct
 import threading
 from pathlib import Path
@@ -272,3 +273,29 @@ def test_no_staging_buffer_outlives_the_load(tmp_path: Path, monkeypatch) -> Non
     next(it)
     it.close()
     assert made and alive_at_release == [0, 0]
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="needs os.setpriority (Linux)")
+def test_readers_beside_other_work_run_at_a_lower_priority(tmp_path: Path, monkeypatch) -> None:
+    """`nice` raises each reader thread's nice value by that much (the load beside the
+    start-up compile yields it the CPU), the bytes unchanged; the calling thread is untouched."""
+    from ember.models import weight_staging
+
+    files = random_shards(tmp_path, seed=11)
+    me = threading.get_native_id()
+    base = os.getpriority(os.PRIO_PROCESS, me)
+    seen: dict[int, int] = {}
+    real = weight_staging._pread_into
+
+    def spy(fd, view, offset):
+        tid = threading.get_native_id()
+        seen[tid] = os.getpriority(os.PRIO_PROCESS, tid)
+        return real(fd, view, offset)
+
+    monkeypatch.setattr(weight_staging, "_pread_into", spy)
+    got = dict(iter_staged(files, "cpu", threads=2, chunk_bytes=1000, nice=3))
+    want = library(files)
+    assert all(torch.equal(as_bytes(got[n]), as_bytes(w)) for n, w in want.items())
+    assert seen and me not in seen
+    assert set(seen.values()) == {min(base + 3, 19)}
+    assert os.getpriority(os.PRIO_PROCESS, me) == base
