@@ -162,3 +162,50 @@ def test_fill_weights_stops_when_told(tiny_model_dir) -> None:
     stop.set()
     with pytest.raises(LoadStopped):
         fill_weights(model, path, torch.float32, DEVICE, stop)
+
+
+def test_a_build_draws_no_random_initial_values_and_restores_torchs_initializers(
+    tiny_model_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every parameter is filled afterwards (checkpoint or dummy), so the build skips torch's
+    random initializers (66 s of an 8B model's build on a CPU), and puts them back after."""
+    from torch import nn
+
+    calls: list[str] = []
+    for name in ("kaiming_uniform_", "uniform_", "normal_"):
+        real = getattr(nn.init, name)
+        monkeypatch.setattr(
+            nn.init, name, lambda t, *a, _n=name, _r=real, **k: calls.append(_n) or _r(t, *a, **k)
+        )
+    before = {name: getattr(nn.init, name) for name in ("kaiming_uniform_", "uniform_", "normal_")}
+    path = tiny_model_dir("llama")
+    build_model(path, dtype=torch.float32)
+    assert calls == []
+    assert {name: getattr(nn.init, name) for name in before} == before
+    nn.Linear(4, 4)  # outside a build they draw as before
+    assert "kaiming_uniform_" in calls
+    # A dummy load still fills every parameter: finite, norms at one, the rest drawn.
+    dummy = load_model(path, dtype=torch.float32, load_format="dummy")
+    for name, p in dummy.named_parameters():
+        assert torch.isfinite(p).all(), name
+        if "norm" in name:
+            assert torch.equal(p, torch.ones_like(p)), name
+    assert dummy.model.embed_tokens.weight.std() > 0.01
+
+
+def test_the_initializers_come_back_when_a_build_fails(
+    tiny_model_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch import nn
+
+    class Broken(nn.Module):
+        def __init__(self, config, max_position: int = 0) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            raise RuntimeError("boom")
+
+    monkeypatch.setattr(loader, "resolve_architecture", lambda name: Broken)
+    before = {name: getattr(nn.init, name) for name in loader._RANDOM_INITS}
+    with pytest.raises(RuntimeError, match="boom"):
+        build_model(tiny_model_dir("llama"), load_format="dummy")
+    assert {name: getattr(nn.init, name) for name in before} == before
