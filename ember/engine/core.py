@@ -49,7 +49,7 @@ from ember.kernels import compile_log, triton_setup
 from ember.kv.kv_cache_manager import KVCacheManager
 from ember.models import checkpoint_files
 from ember.models.config import ModelConfig
-from ember.models.loader import WeightsLoading, build_model, load_model
+from ember.models.loader import WeightsLoading, build_model, fill_model
 
 if TYPE_CHECKING:
     from ember.kernels.compile_workers import CompileWorkers
@@ -220,26 +220,19 @@ class EngineCore:
         spec = config.speculative
         eagle3 = spec is not None and spec.method == "eagle3" and bool(spec.draft_model)
         beside = beside and config.load_format != "dummy" and not eagle3
+        model = build_model(
+            config.model,
+            self.model_config,
+            dtype=r.dtype,
+            device=self.device,
+            load_format=config.load_format,
+            max_position=r.max_model_len,
+        )
         loading = None
         if beside:
-            model = build_model(
-                config.model,
-                self.model_config,
-                dtype=r.dtype,
-                device=self.device,
-                load_format=config.load_format,
-                max_position=r.max_model_len,
-            )
             loading = WeightsLoading(model, config.model, r.dtype, self.device)
         else:
-            model = load_model(
-                config.model,
-                self.model_config,
-                dtype=r.dtype,
-                device=self.device,
-                load_format=config.load_format,
-                max_position=r.max_model_len,
-            )
+            fill_model(model, config.model, config.load_format, r.dtype, self.device)
             self._loaded(None, 0.0)
         self.runner = ModelRunner(
             model,

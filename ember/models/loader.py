@@ -52,13 +52,23 @@ def load_model(
     load_format: str = "auto",
     max_position: int = 0,
 ) -> nn.Module:
-    model_dir = Path(model_dir)
     model = build_model(model_dir, config, dtype, device, load_format, max_position)
+    fill_model(model, model_dir, load_format, dtype, device)
+    return model
+
+
+def fill_model(
+    model: nn.Module,
+    model_dir: str | Path,
+    load_format: str = "auto",
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> None:
+    """A built model's parameters filled: drawn (`load_format="dummy"`) or read (`fill_weights`)."""
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
         fill_weights(model, model_dir, dtype, device)
-    return model
 
 
 def build_model(

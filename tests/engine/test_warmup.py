@@ -347,7 +347,7 @@ def test_on_a_gpu_the_weights_load_beside_the_start_up_compile(tiny_model_dir, t
     that lacks a weight fails the start with the load's error and leaves no thread behind."""
     import threading
 
-    from safetensors.torch import load_file, save_file
+    from tests.models.checkpoint_edits import copy_without
 
     path = tiny_model_dir("llama")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -368,13 +368,7 @@ def test_on_a_gpu_the_weights_load_beside_the_start_up_compile(tiny_model_dir, t
         llm.close()
     assert outs[True] == outs[False]
 
-    for f in path.iterdir():
-        if f.suffix != ".safetensors":
-            (tmp_path / f.name).write_bytes(f.read_bytes())
-    (shard,) = path.glob("*.safetensors")
-    tensors = load_file(shard)
-    del tensors["model.layers.1.self_attn.o_proj.weight"]
-    save_file(tensors, tmp_path / shard.name)
+    copy_without(path, tmp_path, "model.layers.1.self_attn.o_proj.weight")
     with pytest.raises(ValueError, match="lacks weights"):
         LLM(str(tmp_path), device="cuda", warmup=True, max_model_len=512, num_kv_blocks=256)
     assert not any(t.name == "weights-load" and t.is_alive() for t in threading.enumerate())

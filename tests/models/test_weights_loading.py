@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ember.engine.warmup import one_layer_of_each_kind
 from ember.models import loader
@@ -20,6 +20,7 @@ from ember.models.loader import (
     fill_weights,
     load_model,
 )
+from tests.models.checkpoint_edits import copy_without
 
 DEVICE = torch.device("cpu")
 
@@ -113,14 +114,7 @@ def test_close_stops_a_load_at_its_next_tensor_and_closes_the_reader(
 
 
 def test_a_checkpoint_that_lacks_a_weight_fails_at_wait(tiny_model_dir, tmp_path: Path) -> None:
-    src = tiny_model_dir("llama")
-    for f in src.iterdir():
-        if f.suffix != ".safetensors":
-            (tmp_path / f.name).write_bytes(f.read_bytes())
-    (shard,) = src.glob("*.safetensors")
-    tensors = load_file(shard)
-    del tensors["model.layers.1.mlp.down_proj.weight"]
-    save_file(tensors, tmp_path / shard.name)
+    copy_without(tiny_model_dir("llama"), tmp_path, "model.layers.1.mlp.down_proj.weight")
     model = build_model(tmp_path, dtype=torch.float32)
     loading = WeightsLoading(model, tmp_path, torch.float32, DEVICE)
     with pytest.raises(ValueError, match=r"lacks weights: \['model\.layers\.1\.mlp\.down_proj"):
