@@ -81,6 +81,7 @@ class CompileWorkers:
         self._lock = threading.Lock()
         self._pending: dict[int, Future[Compiled]] = {}
         self._queue: deque[tuple[int, bytes]] = deque()  # jobs no worker was free for
+        self._job_of: dict[Future[Compiled], int] = {}  # each submitted future's job id
         self._workers: dict[int, int] = {}  # a live worker's job pipe (write end) -> its pid
         self._idle: list[int] = []  # job pipes of the workers that wait for a job
         self._running: dict[int, int] = {}  # job pipe -> the job its worker runs
@@ -128,10 +129,18 @@ class CompileWorkers:
         future: Future[Compiled] = Future()
         with self._lock:
             self._futures[key] = future
+            self._job_of[future] = job_id
             self._pending[job_id] = future
             self._queue.append((job_id, (line + "\n").encode()))
             self._dispatch()
         return future
+
+    def queued(self, future: Future[Compiled]) -> bool:
+        """Whether `future`'s job still waits for a worker (none has begun it): a variant in
+        the on-disk cache then was not put there by this start's worker."""
+        with self._lock:
+            job_id = self._job_of.get(future)
+            return job_id is not None and any(j == job_id for j, _ in self._queue)
 
     @property
     def submitted(self) -> int:

@@ -213,7 +213,8 @@ class _Pool(ThreadPoolExecutor):
     the worker failed."""
 
     after: tuple[Future[Compiled], Callable[[], bool]] | None = None
-    """(the worker's future, whether the variant is in the on-disk cache already)."""
+    """(the worker's future, whether the variant was in the on-disk cache before its job
+    reached a worker)."""
     label: tuple[str, float] | None = None
     """(kernel name, perf_counter() when the dry run met it) of the compile submitted next."""
     last_done: float = 0.0
@@ -253,8 +254,9 @@ def _after(
     **kwargs: Any,
 ) -> Any:
     future, cached = remote
-    # A warm start: load it now, whatever its worker does with it. (A worker that has answered
-    # already says itself whether it compiled the variant: then it is counted as compiled.)
+    # A warm start: load it now, whatever its worker does with it (`cached`: in the cache before
+    # any worker began the job). A worker that has begun it or answered says itself whether it
+    # compiled the variant: then it is counted as compiled.
     if not future.done() and cached():
         return fn(*args, **kwargs)
     try:
@@ -298,7 +300,10 @@ def precompile(
         def on_found(kernel: Any, data: str) -> None:
             future = None if procs is None else procs.submit(kernel, data, target)
             if future is not None:
-                pool.after = (future, lambda: cached(kernel, data, target))
+                # In the cache while its job still waits for a worker: an earlier start's, to
+                # load now. Once a worker has the job, its answer says who compiled it (a
+                # worker that filed it but has not answered yet would look like a cache hit).
+                pool.after = (future, lambda: cached(kernel, data, target) and procs.queued(future))
             pool.label = (getattr(kernel, "__name__", "?"), time.perf_counter())
             try:
                 kernel.preload(data)  # under the async mode: submits its compile to the pool

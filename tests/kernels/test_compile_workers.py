@@ -65,14 +65,26 @@ SCRIPT = textwrap.dedent(
         print(json.dumps({"before": before, "after": in_cache(src, target, options)}))
         sys.exit(0)
     procs = None
-    if mode == "early":  # met before "the model loads", compiled meanwhile, met again after
+    if mode in ("early", "late-answer"):  # met before "the model loads", met again after
         from ember.kernels.precompile import recording
 
+        if mode == "late-answer":  # the worker files the binary, then answers a second later
+            compile = compile_workers.compile_variant
+            compile_workers.compile_variant = lambda *a: (compile(*a), time.sleep(1.0))[0]
         procs = compile_workers.CompileWorkers(2)
         target = GPUTarget("cuda", 90, 32)
-        with recording(on_found=lambda k, d: procs.submit(k, d, target)):
+        found = []
+        with recording(on_found=lambda k, d: found.append(procs.submit(k, d, target) and (k, d))):
             rms_norm(x, w, 1e-6)
         assert procs.submitted == 1 and procs.forked == 1
+        if mode == "late-answer":  # the dry run meets it once it is in the cache, unanswered
+            (kernel, data), = found
+            deadline = time.monotonic() + 60
+            while not compile_workers.cached(kernel, data, target):
+                assert time.monotonic() < deadline, "the worker never filed its binary"
+                time.sleep(0.02)
+            future = procs._futures[next(iter(procs._futures))]
+            assert not future.done() and not procs.queued(future)
     if mode == "worker-dies":
         compile_workers._work = lambda job_r, results_w: os._exit(3)
     elif mode == "bad-module":
@@ -81,6 +93,7 @@ SCRIPT = textwrap.dedent(
         lambda: rms_norm(x, w, 1e-6), workers=2, processes=mode != "threads", procs=procs
     )
     if procs is not None:  # met again: the same job, not a second compile
+        assert not procs.queued(procs._futures[next(iter(procs._futures))])
         assert (procs.submitted, procs.reused) == (1, 1)
     deadline = time.monotonic() + 30
     while children() and time.monotonic() < deadline:
@@ -122,6 +135,18 @@ def test_a_variant_started_before_the_dry_run_is_compiled_once_and_loaded(
     (while the model loads) is met again by it and waited for, not compiled a second time."""
     out = _run("early", tmp_path)
     assert (out["variants"], out["workers"]) == (1, 1)  # one worker forked, for the early job
+    assert out["hits"] == [True] and (out["compiled"], out["loaded"]) == (1, 0)
+    assert out["children_left"] == []
+
+
+def test_a_variant_its_worker_filed_but_has_not_answered_for_counts_as_compiled(
+    tmp_path: Path,
+) -> None:
+    """The dry run meets a variant whose worker has put it in the on-disk cache and not yet
+    answered: it was compiled by this start (not an earlier one's cache hit), so the core
+    waits for the answer and counts it as compiled (a fresh start's log once said "23
+    compiled, 1 loaded" for this)."""
+    out = _run("late-answer", tmp_path)
     assert out["hits"] == [True] and (out["compiled"], out["loaded"]) == (1, 0)
     assert out["children_left"] == []
 
