@@ -234,15 +234,20 @@ class EngineCore:
         else:
             fill_model(model, config.model, config.load_format, r.dtype, self.device)
             self._loaded(None, 0.0)
-        self.runner = ModelRunner(
-            model,
-            self.model_config,
-            config.block_size,
-            r.dtype,
-            self.device,
-            backend,
-            max_num_seqs=config.max_num_seqs,
-        )
+        try:
+            self.runner = ModelRunner(
+                model,
+                self.model_config,
+                config.block_size,
+                r.dtype,
+                self.device,
+                backend,
+                max_num_seqs=config.max_num_seqs,
+            )
+        except BaseException:
+            if loading is not None:
+                loading.close()  # (the caller never sees it)
+            raise
         clock.mark("model" if beside else "load")
         if eagle3:
             from ember.spec.eagle3 import Eagle3Drafter

@@ -203,3 +203,54 @@ def test_the_initializers_come_back_when_a_build_fails(
     with pytest.raises(RuntimeError, match="boom"):
         build_model(tiny_model_dir("llama"), load_format="dummy")
     assert {name: getattr(nn.init, name) for name in before} == before
+
+
+def _bare_core(path: Path, **kwargs: object):
+    """An EngineCore with only what `_load` reads (its __init__ would load on its own terms)."""
+    from ember.engine.config import EngineConfig
+    from ember.engine.core import EngineCore
+    from ember.models.config import ModelConfig
+
+    core = EngineCore.__new__(EngineCore)
+    core.config = EngineConfig(model=str(path), device="cpu", dtype="float32", **kwargs)
+    core.model_config = ModelConfig.from_dir(path)
+    core.resolved = core.config.resolve(core.model_config)
+    core.device = DEVICE
+    return core
+
+
+def test_the_engines_load_beside_returns_the_loading_and_fills_the_model(tiny_model_dir) -> None:
+    from ember.attention.torch_backend import TorchAttentionBackend
+    from ember.engine.startup_clock import StartupClock
+
+    path = tiny_model_dir("llama")
+    core, clock = _bare_core(path), StartupClock()
+    loading = core._load(clock, TorchAttentionBackend(), beside=True)
+    assert isinstance(loading, WeightsLoading) and "model" in clock.phases
+    loading.wait()
+    _same_weights(core.runner.model, load_model(path, dtype=torch.float32))
+    # Dummy weights are drawn in place: nothing to load beside.
+    dummy = _bare_core(path, load_format="dummy")
+    assert dummy._load(StartupClock(), TorchAttentionBackend(), beside=True) is None
+
+
+def test_a_runner_that_fails_stops_the_load_it_started(
+    tiny_model_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ember.attention.torch_backend import TorchAttentionBackend
+    from ember.engine import core as core_module
+    from ember.engine.startup_clock import StartupClock
+
+    gate = threading.Event()
+    path = tiny_model_dir("llama")
+    seen = _slow(monkeypatch, path, gate)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        gate.set()
+        raise RuntimeError("no runner")
+
+    monkeypatch.setattr(core_module, "ModelRunner", broken)
+    with pytest.raises(RuntimeError, match="no runner"):
+        _bare_core(path)._load(StartupClock(), TorchAttentionBackend(), beside=True)
+    assert not any(t.name == "weights-load" and t.is_alive() for t in threading.enumerate())
+    assert seen[-1] == "closed"
