@@ -320,6 +320,7 @@ STARTUP_MARKS = (
     "serving ",
     "captured",
     "read ahead",
+    "beside the start-up compile",
     "KV host tier",
     "KV tiers:",
 )

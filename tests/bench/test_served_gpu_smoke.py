@@ -137,3 +137,22 @@ def test_cold_weights_evicts_every_shard_and_leaves_them_readable(tmp_path: Path
     assert evict_weights(tmp_path) == sum(len(d) for d in shards.values())
     assert all((tmp_path / n).read_bytes() == d for n, d in shards.items())
     assert evict_weights(tmp_path / "missing") == 0
+
+
+def test_the_start_up_lines_kept_include_the_loads_own(tmp_path: Path) -> None:
+    """The JSON keeps the log's start-up lines: the phases, the read-ahead and the load that ran
+    beside the start-up compile; not the rest of the log."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from served_gpu import startup_lines
+
+    log = tmp_path / "server.log"
+    log.write_text(
+        "INFO:ember.engine.core:weights read ahead of the load: 16.1 of 16.1 GB in 2.5 s, done\n"
+        "INFO:ember.engine.core:weights loaded in 1.5 s on a thread beside the start-up compile "
+        "(0.0 s waited for after it)\n"
+        "INFO:uvicorn:GET /health 200\n"
+        "INFO:ember.engine.startup_clock:start-up: config 0.2 s, model 0.5 s, precompile 2.3 s\n"
+    )
+    kept = startup_lines(log)
+    assert len(kept) == 3 and not any("uvicorn" in line for line in kept)
+    assert any("beside the start-up compile" in line for line in kept)
