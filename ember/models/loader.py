@@ -169,8 +169,9 @@ def _until(
 READERS_NICE = 10
 """The readers of a load beside the start-up compile yield the CPU to it: the dry run is one
 Python thread and the compiles up to 15 processes, and the readers' copies out of the page
-cache slowed the dry run from 1.2-1.4 s to 2.0-2.8 s when they ran at its priority (H200,
-docs/performance.md). Where the CPU is idle they read at full speed."""
+cache slowed the dry run from 0.9-1.5 s to 1.5-2.8 s beside them (H200, docs/performance.md).
+Measured against normal priority (one run each), nice 10 was level within the noise: it is
+kept because it costs nothing where the CPU is idle, not for a measured gain."""
 
 
 class WeightsLoading:
