@@ -88,6 +88,7 @@ class EngineCore:
         if on_gpu and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.compile_log = None
+        free0 = total = 0
         if on_gpu:
             triton_setup.start()  # (a spawned core began it before its imports)
             torch.cuda.set_device(self.device)
@@ -110,10 +111,22 @@ class EngineCore:
             early = compile_probes_early(stand_in, self._warmup_batches()[:PROBES])
         loading = None
         try:
-            # With the start-up compile to come, the weights load on a thread beside it.
+            # With the start-up compile to come, the weights load on a thread beside it, and
+            # beside the KV sizing and the graphs' capture after it (none of them needs the
+            # weights' values, only their places).
             loading = self._load(clock, backend, beside=early is not None)
             if on_gpu:
                 self._precompile(clock, early)
+            if early is not None:
+                early.close()  # (the start-up compile closed it)
+                early = None
+            self._kv_and_scheduler(clock, total - free0, total)
+            if on_gpu and not config.enforce_eager:
+                # The host tier pins its memory in the background: not while graphs are captured.
+                paused = self.tiers.growth_paused() if self.tiers else contextlib.nullcontext()
+                with paused:
+                    self.runner.capture_cuda_graphs(*self._graph_plan())
+                clock.mark("cuda graphs")
             if loading is not None:
                 waited = loading.wait()
                 self._loaded(loading, waited)
@@ -121,12 +134,30 @@ class EngineCore:
                 clock.mark("load")
         finally:
             if early is not None:
-                early.close()  # (the start-up compile closed it; not if the load failed)
+                early.close()  # a start that failed before its compile
             if loading is not None:
                 loading.close()  # a start that failed before its weights were in
+        log.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
+            self.num_kv_blocks,
+            config.block_size,
+            self.num_kv_blocks * config.block_size,
+            self.num_kv_blocks * r.kv_block_bytes / 2**20,
+        )
+        if self.compile_log is not None:
+            self.compile_log.ready()
+        self._pace_host_tier()  # no work yet: it grows
+        clock.report()
+
+    def _kv_and_scheduler(self, clock: StartupClock, used_before: int, total: int) -> None:
+        """The KV cache sized (on a GPU, from what the weights and a profiled step leave of
+        `total`, `used_before` bytes taken by others) and allocated, its tiers, the KV
+        connector and the scheduler."""
+        config, r = self.config, self.resolved
+        on_gpu = self.device.type == "cuda"
         num_blocks = r.num_kv_blocks
         if on_gpu and config.num_kv_blocks is None:
-            num_blocks = size_kv_cache(self.runner, r, config, total - free0, total)
+            num_blocks = size_kv_cache(self.runner, r, config, used_before, total)
             if self.runner.drafter is not None:  # its one layer of KV shares the budget
                 per_block = r.kv_block_bytes + self.runner.drafter.kv_block_bytes
                 num_blocks = num_blocks * r.kv_block_bytes // per_block
@@ -191,23 +222,6 @@ class EngineCore:
         )
         self.grammar = GrammarCompiler.for_model(config.model, self.model_config)
         clock.mark("kv cache, tiers, scheduler")
-        if on_gpu and not config.enforce_eager:
-            # The host tier pins its memory in the background: not while graphs are captured.
-            paused = self.tiers.growth_paused() if self.tiers else contextlib.nullcontext()
-            with paused:
-                self.runner.capture_cuda_graphs(*self._graph_plan())
-            clock.mark("cuda graphs")
-        log.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
-            num_blocks,
-            config.block_size,
-            num_blocks * config.block_size,
-            num_blocks * r.kv_block_bytes / 2**20,
-        )
-        if self.compile_log is not None:
-            self.compile_log.ready()
-        self._pace_host_tier()  # no work yet: it grows
-        clock.report()
 
     def _load(
         self, clock: StartupClock, backend: AttentionBackend, beside: bool = False
@@ -268,15 +282,15 @@ class EngineCore:
     def _loaded(self, loading: WeightsLoading | None, waited_s: float) -> None:
         """The weights are in: the read-ahead stops, and the log says how long they took
         (`loading`: the thread they loaded on, `waited_s` how long the start-up waited for it
-        after its compile)."""
+        after its compile, KV sizing and graphs' capture)."""
         ahead = checkpoint_files.started()
         if ahead is not None:
             ahead.stop.set()  # what it has not read by now the loader has
             log.info("weights read ahead of the load: %s", ahead.summary())
         if loading is not None:
             log.info(
-                "weights loaded in %.1f s on a thread beside the start-up compile "
-                "(%.1f s waited for after it)",
+                "weights loaded in %.1f s on a thread beside the start-up compile, the KV "
+                "sizing and the graphs' capture (%.1f s waited for after them)",
                 loading.seconds,
                 waited_s,
             )

@@ -28,6 +28,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+CAPTURE_MODE = "thread_local"
+"""Every capture's error mode (the decode graphs' and the piecewise ones'): only the capturing
+thread is barred from calls a capture cannot record. The weights load on a thread of their own
+while the graphs are captured (ember/models/loader.py `WeightsLoading`), allocating and copying;
+in the default global mode any thread's allocation would end the capture with an error."""
+
 
 def cuda_graph_sizes(max_batch: int) -> list[int]:
     """Batch sizes to capture: 1, 2, 4, then every 8 (a decode batch pads up to the next one)."""
@@ -288,7 +294,7 @@ class DecodeGraphs:
         # and capture allocates it again from the driver. The graphs share one pool and are
         # captured largest first, so the first capture's memory serves every later one.
         with torch.cuda.stream(self._capture_stream):
-            graph.capture_begin(pool=pool)
+            graph.capture_begin(pool=pool, capture_error_mode=CAPTURE_MODE)
             try:
                 logits = self._forward(size, ctx)
             finally:

@@ -31,6 +31,7 @@ import torch
 from ember.attention.backend import AttentionBackend
 from ember.attention.context import ForwardContext
 from ember.attention.metadata import AttentionMetadata
+from ember.engine.cuda_graphs import CAPTURE_MODE
 from ember.engine.warmup import one_layer_of_each_kind
 from ember.kernels.precompile import precompile
 
@@ -103,7 +104,7 @@ class _SplitBackend(AttentionBackend):
     def begin(self, capture: bool) -> None:
         if capture:
             self.graph = torch.cuda.CUDAGraph()
-            self.graph.capture_begin(pool=self.owner.pool)
+            self.graph.capture_begin(pool=self.owner.pool, capture_error_mode=CAPTURE_MODE)
 
     def end(self) -> None:
         if self.graph is not None:

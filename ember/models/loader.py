@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import closing, contextmanager
+from contextlib import ExitStack, closing, contextmanager
 from pathlib import Path
 
 import torch
@@ -15,7 +15,7 @@ from ember.models.checkpoint_files import safetensors_files
 from ember.models.config import ModelConfig
 from ember.models.fp8 import dequantize_fp8
 from ember.models.registry import resolve_architecture
-from ember.models.weight_staging import iter_safetensors, iter_staged
+from ember.models.weight_staging import iter_safetensors, iter_staged, release_cached
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
@@ -133,17 +133,21 @@ def fill_weights(
     device: str | torch.device = "cpu",
     stop: threading.Event | None = None,
     nice: int = 0,
+    release: bool = True,
 ) -> None:
     """Copy the checkpoint in `model_dir` into the parameters of `model` (`build_model`'s).
-    `stop`: once set, the load ends at its next tensor with `LoadStopped`. `nice`: the GPU
-    reader's threads' nice value (weight_staging.iter_staged)."""
+    `stop`: once set, the load ends at its next tensor with `LoadStopped`. `nice` and
+    `release`: the GPU reader's (weight_staging.iter_staged)."""
     model_dir = Path(model_dir)
     config = model.config
     files = safetensors_files(model_dir)
     # On a GPU the shards are read by several threads into pinned buffers and reach the
     # model as GPU tensors (weight_staging); elsewhere through safetensors' own reads.
     on_gpu = torch.device(device).type == "cuda"
-    tensors = iter_staged(files, device, nice=nice) if on_gpu else iter_safetensors(files)
+    if on_gpu:
+        tensors = iter_staged(files, device, nice=nice, release=release)
+    else:
+        tensors = iter_safetensors(files)
     # FP8 block-quantized checkpoints reach the model dequantized to its dtype.
     with closing(tensors):
         weights = dequantize_fp8(tensors, config.fp8_block_size, dtype or config.dtype)
@@ -175,16 +179,22 @@ kept because it costs nothing where the CPU is idle, not for a measured gain."""
 
 
 class WeightsLoading:
-    """`fill_weights` on a thread of its own, so that the engine's start-up compile runs while
-    the checkpoint is read (ember/engine/core.py). The dry run needs the parameters' shapes and
-    places, not their values: they are zeroed first, so whatever it reads before and during
-    the copies is finite (a MoE router reads no NaN). `wait` returns once every weight is in
-    and raises what the load raised; `close` stops a load no one will wait for.
+    """`fill_weights` on a thread of its own, so that the engine's start-up compile, its KV
+    sizing and its graphs' capture run while the checkpoint is read (ember/engine/core.py).
+    They need the parameters' shapes and places, not their values: the parameters are zeroed
+    first, so whatever runs before and during the copies reads finite values (a MoE router
+    reads no NaN), and a graph captured then reads the weights when it is replayed after
+    `wait`. `wait` returns once every weight is in and raises what the load raised; `close`
+    stops a load no one will wait for.
 
-    The copies run on the loading thread's current stream (the device's default stream, as
-    the dry run's kernels), so work queued after `wait` sees every weight. The dry run's cut
-    (`one_layer_of_each_kind`) leaves the module tree as it is, so the load finds every
-    parameter by its name while the cut is in force."""
+    On a GPU the copies run on a stream of the load's own, which begins after the zeroing and
+    is synchronized before the thread ends (so all work queued after `wait` sees every
+    weight), and never on the device's default stream, which the engine's thread uses
+    meanwhile. The engine captures its graphs in thread-local mode, so this thread's
+    allocations and copies are not capture errors; the frees that synchronize the device (the
+    staging memory's release) wait for `wait` or `close`, on the engine's thread. The dry
+    run's cut (`one_layer_of_each_kind`) leaves the module tree as it is, so the load finds
+    every parameter by its name while the cut is in force."""
 
     def __init__(
         self, model: nn.Module, model_dir: str | Path, dtype: torch.dtype, device: torch.device
@@ -192,8 +202,13 @@ class WeightsLoading:
         with torch.no_grad():
             for p in model.parameters():
                 p.zero_()
+        self._cuda = device.type == "cuda"
+        self._stream = None
+        if self._cuda:
+            self._stream = torch.cuda.Stream(device)
+            self._stream.wait_stream(torch.cuda.current_stream(device))  # after the zeroing
         self.seconds = 0.0
-        """The load's seconds, from its start to its last copy queued."""
+        """The load's seconds, from its start to its last copy done."""
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(
@@ -206,9 +221,14 @@ class WeightsLoading:
     ) -> None:
         t = time.perf_counter()
         try:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)  # (the current device is a thread's own)
-            fill_weights(model, model_dir, dtype, device, self._stop, nice=READERS_NICE)
+            with ExitStack() as on:
+                if self._stream is not None:
+                    torch.cuda.set_device(device)  # (the current device is a thread's own)
+                    on.enter_context(torch.cuda.stream(self._stream))
+                    on.callback(self._stream.synchronize)  # every copy done, also on failure
+                fill_weights(
+                    model, model_dir, dtype, device, self._stop, nice=READERS_NICE, release=False
+                )
         except BaseException as e:  # handed to wait()
             self._error = e
         finally:
@@ -217,7 +237,7 @@ class WeightsLoading:
     def wait(self) -> float:
         """Seconds this call waited for the load to end; raises the load's error."""
         t = time.perf_counter()
-        self._thread.join()
+        self._join()
         if self._error is not None:
             raise self._error
         return time.perf_counter() - t
@@ -225,4 +245,8 @@ class WeightsLoading:
     def close(self) -> None:
         """Stop the load (at its next tensor) and wait for its thread; its error is dropped."""
         self._stop.set()
+        self._join()
+
+    def _join(self) -> None:
         self._thread.join()
+        release_cached(self._cuda)  # (idempotent: a second call finds nothing cached)

@@ -182,11 +182,14 @@ def iter_staged(
     threads: int = 8,
     chunk_bytes: int = CHUNK_BYTES,
     nice: int = 0,
+    release: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor on `device`) for every tensor of `files`, in file order. A file whose
     header names a dtype not in DTYPES is read through `safe_open` instead. `nice`: the
     readers' nice value, for a load that runs beside other start-up work (the kernel's copies
-    out of the page cache are CPU time: 16 GB is ~8 cores for most of a second)."""
+    out of the page cache are CPU time: 16 GB is ~8 cores for most of a second). `release`:
+    hand the staging memory back at the end (`release_cached`); a load on a thread beside a
+    graph capture leaves that to the thread that waits for it."""
     device = torch.device(device)
     cuda = device.type == "cuda"
     plans = [(f, read_header(f)) for f in files]
@@ -245,7 +248,8 @@ def iter_staged(
         futures.clear()  # (a finished future holds its buffer)
         buf = None
         buffers.drop()
-        _release(cuda)
+        if release:
+            release_cached(cuda)
 
 
 def _renice(nice: int) -> None:
@@ -260,8 +264,9 @@ def _renice(nice: int) -> None:
         pass
 
 
-def _release(cuda: bool) -> None:
-    """Called once no staging buffer is referenced. On CUDA the chunks' memory goes back to the
+def release_cached(cuda: bool) -> None:
+    """Called once no staging buffer is referenced, and not while another thread captures a
+    CUDA graph (the frees synchronize the device). On CUDA the chunks' memory goes back to the
     device (the KV cache is sized from what the driver reports free after the load) and the
     pinned buffers to the host: torch caches freed pinned memory for the process's life (640 MiB
     locked). `_host_emptyCache` is private API (torch.cuda.graphs calls it too)."""

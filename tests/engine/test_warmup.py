@@ -372,3 +372,57 @@ def test_on_a_gpu_the_weights_load_beside_the_start_up_compile(tiny_model_dir, t
     with pytest.raises(ValueError, match="lacks weights"):
         LLM(str(tmp_path), device="cuda", warmup=True, max_model_len=512, num_kv_blocks=256)
     assert not any(t.name == "weights-load" and t.is_alive() for t in threading.enumerate())
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_on_a_gpu_the_graphs_are_captured_while_the_weights_load(
+    tiny_model_dir, monkeypatch
+) -> None:
+    """The decode and piecewise graphs are captured with the load still under way: the loader
+    allocates and copies on its thread meanwhile (here made to wait for the capture to begin,
+    and to allocate fresh device memory before every tensor, as its chunks do), which a
+    capture in the default global mode would fail on; the graphs replay the weights that
+    arrived after they were captured, so the greedy tokens are those of a start that loaded
+    first (warm-up off: no thread)."""
+    import threading
+
+    from ember.engine.model_runner import ModelRunner
+    from ember.models import loader
+
+    path = tiny_model_dir("llama")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 9, 200, 17, 3], list(range(40, 90))]
+    kwargs = dict(device="cuda", max_model_len=512, dtype="float32", num_kv_blocks=256)
+    first = LLM(str(path), warmup=False, **kwargs)
+    want = [o.outputs[0].token_ids for o in first.generate(prompts, params)]
+    first.close()
+
+    capturing, captured = threading.Event(), threading.Event()
+    during: list[bool] = []  # per tensor: did it arrive while the graphs were being captured
+    real_reader, real_capture = loader.iter_staged, ModelRunner.capture_cuda_graphs
+
+    def reader(*args: object, **kw: object):
+        assert capturing.wait(60)
+        for n, (name, t) in enumerate(real_reader(*args, **kw)):
+            fresh = torch.empty((n + 1) << 20, dtype=torch.uint8, device="cuda")
+            torch.cuda.current_stream().synchronize()
+            del fresh
+            during.append(not captured.is_set())
+            yield name, t
+
+    def capture(self, *args: object) -> None:
+        capturing.set()
+        try:
+            real_capture(self, *args)
+        finally:
+            captured.set()
+
+    monkeypatch.setattr(loader, "iter_staged", reader)
+    monkeypatch.setattr(ModelRunner, "capture_cuda_graphs", capture)
+    llm = LLM(str(path), warmup=True, **kwargs)
+    assert during and any(during)  # some weights arrived during the capture
+    assert llm.engine.core.runner.graphs.graphs  # the decode graphs were captured
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    llm.close()
+    assert got == want

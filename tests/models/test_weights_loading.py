@@ -254,3 +254,86 @@ def test_a_runner_that_fails_stops_the_load_it_started(
         _bare_core(path)._load(StartupClock(), TorchAttentionBackend(), beside=True)
     assert not any(t.name == "weights-load" and t.is_alive() for t in threading.enumerate())
     assert seen[-1] == "closed"
+
+
+def _beside_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's `_load` told to load beside on the CPU too (on a GPU it does so with the
+    warm-up on), so its start-up's order runs here with the real loading code."""
+    from ember.engine.core import EngineCore
+
+    real = EngineCore._load
+
+    def load(self, clock, backend, beside: bool = False):
+        return real(self, clock, backend, beside=True)
+
+    monkeypatch.setattr(EngineCore, "_load", load)
+
+
+def test_the_kv_cache_and_scheduler_are_made_before_the_weights_are_in(
+    tiny_model_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The KV sizing, the KV cache, the scheduler and (on a GPU) the graphs' capture run while
+    the weights load; the engine waits for them after, and generates what an engine that
+    loaded first does."""
+    from ember import LLM, SamplingParams
+    from ember.engine.core import EngineCore
+
+    path = tiny_model_dir("llama")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 9, 200, 17, 3], list(range(40, 70))]
+    plain = LLM(str(path), device="cpu", dtype="float32", max_model_len=256, num_kv_blocks=64)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    plain.close()
+
+    gate = threading.Event()
+    seen = _slow(monkeypatch, path, gate)
+    _beside_on_the_cpu(monkeypatch)
+    arrived_at_kv: list[int] = []
+    real_kv = EngineCore._kv_and_scheduler
+
+    def kv_and_scheduler(self, *args: object) -> None:
+        arrived_at_kv.append(len(seen))  # the reader waits for the gate: nothing yet
+        real_kv(self, *args)
+        gate.set()
+
+    monkeypatch.setattr(EngineCore, "_kv_and_scheduler", kv_and_scheduler)
+    llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=256, num_kv_blocks=64)
+    assert arrived_at_kv == [0]
+    assert seen[-1] == "closed" and len(seen) > 1  # every weight in before the engine is ready
+    assert "load" in llm.engine.core.startup.phases
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    llm.close()
+
+
+def test_a_start_that_fails_after_its_compile_stops_the_load(
+    tiny_model_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure in the KV sizing or the scheduler's set-up, with the load still running,
+    fails the start with its own error and leaves no loading thread; a load that fails while
+    they run fails the start with the load's error."""
+    from ember import LLM
+    from ember.engine.core import EngineCore
+
+    path = tiny_model_dir("llama")
+    gate = threading.Event()
+    seen = _slow(monkeypatch, path, gate)
+    _beside_on_the_cpu(monkeypatch)
+
+    def broken(self, *args: object) -> None:
+        gate.set()
+        while not seen:  # the load under way
+            time.sleep(0.005)
+        raise RuntimeError("no KV cache")
+
+    with monkeypatch.context() as m:
+        m.setattr(EngineCore, "_kv_and_scheduler", broken)
+        with pytest.raises(RuntimeError, match="no KV cache"):
+            LLM(str(path), device="cpu", dtype="float32", max_model_len=256, num_kv_blocks=64)
+    assert not any(t.name == "weights-load" and t.is_alive() for t in threading.enumerate())
+    total = len(load_file(next(path.glob("*.safetensors"))))
+    assert seen[-1] == "closed" and len(seen) - 1 < total  # stopped before its end
+
+    copy_without(path, tmp_path, "model.layers.0.self_attn.o_proj.weight")
+    with pytest.raises(ValueError, match="lacks weights"):
+        LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=256, num_kv_blocks=64)
+    assert not any(t.name == "weights-load" and t.is_alive() for t in threading.enumerate())
