@@ -17,6 +17,7 @@ import torch
 
 from ember.attention.backend import AttentionBackend
 from ember.attention.torch_backend import TorchAttentionBackend
+from ember.engine import cuda_context
 from ember.engine.config import EngineConfig, ResolvedConfig
 from ember.engine.kv_connector import KVConnector
 from ember.engine.kv_tiers import PrefillClock, build_tiers, model_fingerprint
@@ -85,6 +86,8 @@ class EngineCore:
         self.device = torch.device(config.device)
         torch.manual_seed(config.seed)
         on_gpu = self.device.type == "cuda"
+        if on_gpu:
+            cuda_context.wait()  # (a spawned core began the driver's set-up before its imports)
         if on_gpu and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.compile_log = None

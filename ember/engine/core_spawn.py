@@ -80,8 +80,10 @@ def engine_core_entry(
 
         start_read_ahead(config.model)  # the disk is idle while the imports below run
     if config.device != "cpu":
+        from ember.engine import cuda_context
         from ember.kernels import triton_setup
 
+        cuda_context.start(config.device)  # the driver's set-up, beside the imports below
         triton_setup.start()  # beside the imports below: its reads and hashing release the GIL
     from ember.engine.core_proc import engine_core_main
 

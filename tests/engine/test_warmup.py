@@ -379,15 +379,15 @@ def test_on_a_gpu_the_weights_load_beside_the_start_up_compile(tiny_model_dir, t
 def test_on_a_gpu_the_graphs_are_captured_while_the_weights_load(
     tiny_model_dir, monkeypatch
 ) -> None:
-    """The decode and piecewise graphs are captured with the load still under way: the loader
-    allocates and copies on its thread meanwhile (here made to wait for the capture to begin,
-    and to allocate fresh device memory before every tensor, as its chunks do), which a
-    capture in the default global mode would fail on; the graphs replay the weights that
-    arrived after they were captured, so the greedy tokens are those of a start that loaded
-    first (warm-up off: no thread)."""
+    """The decode and piecewise graphs are captured with the load still under way. Here the
+    loader waits for a decode graph's capture to be under way, and the capture waits until the
+    loader has allocated fresh device memory (as each of its chunks does), copied into it and
+    synchronized its stream: calls a capture in the default global mode would fail on, made by
+    another thread. The graphs replay the weights that arrived after they were captured, so the
+    greedy tokens are those of a start that loaded first (warm-up off: no thread)."""
     import threading
 
-    from ember.engine.model_runner import ModelRunner
+    from ember.engine.cuda_graphs import DecodeGraphs
     from ember.models import loader
 
     path = tiny_model_dir("llama")
@@ -398,31 +398,28 @@ def test_on_a_gpu_the_graphs_are_captured_while_the_weights_load(
     want = [o.outputs[0].token_ids for o in first.generate(prompts, params)]
     first.close()
 
-    capturing, captured = threading.Event(), threading.Event()
-    during: list[bool] = []  # per tensor: did it arrive while the graphs were being captured
-    real_reader, real_capture = loader.iter_staged, ModelRunner.capture_cuda_graphs
+    capturing, allocated = threading.Event(), threading.Event()
+    real_reader, real_forward = loader.iter_staged, DecodeGraphs._forward
 
     def reader(*args: object, **kw: object):
-        assert capturing.wait(60)
-        for n, (name, t) in enumerate(real_reader(*args, **kw)):
-            fresh = torch.empty((n + 1) << 20, dtype=torch.uint8, device="cuda")
-            torch.cuda.current_stream().synchronize()
-            del fresh
-            during.append(not captured.is_set())
-            yield name, t
+        assert capturing.wait(20)
+        fresh = torch.empty(300 << 20, dtype=torch.uint8, device="cuda")  # more than is cached
+        fresh[: 1 << 20].copy_(torch.ones(1 << 20, dtype=torch.uint8), non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        del fresh
+        allocated.set()
+        yield from real_reader(*args, **kw)
 
-    def capture(self, *args: object) -> None:
-        capturing.set()
-        try:
-            real_capture(self, *args)
-        finally:
-            captured.set()
+    def forward(self, size: int, ctx: object) -> torch.Tensor:
+        if torch.cuda.is_current_stream_capturing() and not capturing.is_set():
+            capturing.set()
+            assert allocated.wait(20)  # the loader's calls, made while this capture is open
+        return real_forward(self, size, ctx)
 
     monkeypatch.setattr(loader, "iter_staged", reader)
-    monkeypatch.setattr(ModelRunner, "capture_cuda_graphs", capture)
+    monkeypatch.setattr(DecodeGraphs, "_forward", forward)
     llm = LLM(str(path), warmup=True, **kwargs)
-    assert during and any(during)  # some weights arrived during the capture
-    assert llm.engine.core.runner.graphs.graphs  # the decode graphs were captured
+    assert allocated.is_set() and llm.engine.core.runner.graphs.graphs
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     llm.close()
     assert got == want

@@ -19,6 +19,7 @@ def test_the_path_to_the_spawn_imports_no_torch() -> None:
     code = (
         "import sys\n"
         "import ember.cli, ember.cluster, ember.engine.core_spawn, ember.server.args\n"
+        "import ember.engine.cuda_context, ember.kernels.triton_setup\n"
         "import ember.models.resolve, ember.trust, ember.kv.tiers.store_master\n"
         "import argparse\n"
         "from ember.server.args import add_serve_args, engine_config_from_args\n"
