@@ -9,6 +9,7 @@ inputs (`prev_tokens`) and travel to the host in one asynchronous copy."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -26,7 +27,7 @@ from ember.engine.piecewise_graphs import PiecewiseGraphs
 from ember.engine.prompt_logprobs import PromptScoring, plan_prompt_scoring
 from ember.engine.sampler import Sampler, SamplerOutput, score_tokens
 from ember.engine.sampling_rows import sample_rows
-from ember.engine.warmup import blocks_of, dummy_inputs, profile_runs
+from ember.engine.warmup import blocks_of, dummy_inputs, layers_of_each_kind, profile_runs
 from ember.models.config import kv_cache_shape
 from ember.spec.eagle3_step import draft_after_step
 from ember.spec.verify import last_rows, num_accepted, verify_rows
@@ -41,6 +42,12 @@ if TYPE_CHECKING:
     from ember.spec.eagle3 import Eagle3Drafter
 
 log = logging.getLogger(__name__)
+
+PROFILED_LAYERS_OF_EACH_KIND = 2
+"""The KV sizing's profiled step runs this many decoder layers of each kind, not all: every later
+layer of a kind allocates and frees as the second does (the first meets no residual yet), so the
+step's peak is the whole stack's, for a fraction of its GPU time (the 8B shape's 16,384-token
+step: ~0.4 s of every start on an H200; equal peaks checked on a GPU, tests/engine/test_warmup.py)."""
 
 
 @dataclass(slots=True)
@@ -448,14 +455,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_peak_bytes(self, num_tokens: int, max_model_len: int, max_seqs: int) -> int:
-        """Peak bytes a worst-case step takes beyond the weights (activations, logits, sampler)."""
+        """Peak bytes a worst-case step takes beyond the weights (activations, logits, sampler),
+        measured on the first two decoder layers of each kind (PROFILED_LAYERS_OF_EACH_KIND)."""
         runs = profile_runs(num_tokens, max_model_len, max_seqs)
         saved = self.kv_cache
         self.allocate_kv_cache(blocks_of(runs, self.block_size))
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         ids, pos, md = dummy_inputs(self, runs)
-        hidden = self.model(ids, pos, ForwardContext(md, self.kv_cache, self.backend))
+        # EAGLE-3's hidden states are taken from given layers of the whole stack: all of it runs.
+        aux = getattr(getattr(self.model, "model", None), "aux_layers", ())
+        cut = layers_of_each_kind(self.model, PROFILED_LAYERS_OF_EACH_KIND)
+        with contextlib.nullcontext() if aux else cut:
+            hidden = self.model(ids, pos, ForwardContext(md, self.kv_cache, self.backend))
         logits = self.model.compute_logits(hidden[: min(max_seqs, num_tokens)])
         torch.softmax(logits, dim=-1)
         torch.cuda.synchronize(self.device)

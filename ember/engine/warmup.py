@@ -232,9 +232,14 @@ def warmup_batches(
 
 def one_layer_of_each_kind(model) -> contextlib.AbstractContextManager:
     """The model's decoder with one layer of each kind (a dry run's cut), where it knows how."""
+    return layers_of_each_kind(model, 1)
+
+
+def layers_of_each_kind(model, per_kind: int) -> contextlib.AbstractContextManager:
+    """The model's decoder with its first `per_kind` layers of each kind, where it knows how."""
     decoder = getattr(model, "model", None)
-    cut = getattr(decoder, "one_layer_of_each_kind", None)
-    return cut() if cut is not None else contextlib.nullcontext()
+    cut = getattr(decoder, "layers_of_each_kind", None)
+    return cut(per_kind) if cut is not None else contextlib.nullcontext()
 
 
 def profile_runs(num_tokens: int, max_model_len: int, max_seqs: int) -> list[Run]:

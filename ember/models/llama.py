@@ -127,23 +127,28 @@ class DecoderModel(nn.Module):
         """After a forward with `aux_layers` set: those states concatenated, [T, len * hidden]."""
 
     @contextlib.contextmanager
-    def one_layer_of_each_kind(self) -> Iterator[None]:
-        """Within: the forward runs one layer of each kind (its class, its attention's and its
-        MLP's: DeepSeek's dense first layers and MoE ones are two kinds), not all of them. A dry
-        run (ember/kernels/precompile.py) meets every kernel variant of the model this way, in a
-        fraction of the time: the layers of one kind launch the same variants. The module tree
-        is left as it is (`run_layers` changes, not `layers`): the weights may be loading into
-        the other layers on another thread meanwhile (ember/models/loader.py), by their names."""
-        kinds: dict[tuple[type, ...], nn.Module] = {}
+    def layers_of_each_kind(self, per_kind: int = 1) -> Iterator[None]:
+        """Within: the forward runs the first `per_kind` layers of each kind (its class, its
+        attention's and its MLP's: DeepSeek's dense first layers and MoE ones are two kinds),
+        in the model's order, not all of them. A dry run (ember/kernels/precompile.py) meets
+        every kernel variant of the model with one of each, in a fraction of the time: the
+        layers of one kind launch the same variants; the KV sizing's profiled step takes two
+        (ember/engine/model_runner.py). The module tree is left as it is (`run_layers`
+        changes, not `layers`): the weights may be loading into the other layers on another
+        thread meanwhile (ember/models/loader.py), by their names."""
+        kinds: dict[tuple[type, ...], int] = {}
+        kept: list[nn.Module] = []
         for layer in self.layers:
             key = (
                 type(layer),
                 type(getattr(layer, "self_attn", None)),
                 type(getattr(layer, "mlp", None)),
             )
-            kinds.setdefault(key, layer)
+            kinds[key] = kinds.get(key, 0) + 1
+            if kinds[key] <= per_kind:
+                kept.append(layer)
         aux_layers = self.aux_layers
-        self.run_layers, self.aux_layers = list(kinds.values()), ()
+        self.run_layers, self.aux_layers = kept, ()
         try:
             yield
         finally:

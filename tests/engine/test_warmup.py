@@ -123,6 +123,72 @@ def test_a_dry_run_cut_keeps_one_layer_of_each_kind(tiny_model_dir, arch: str, k
     llm.close()
 
 
+@pytest.mark.parametrize(
+    ("arch", "overrides", "kept"),
+    [
+        ("llama", {"num_hidden_layers": 5}, [0, 1]),
+        ("deepseek_v3", {"num_hidden_layers": 6, "first_k_dense_replace": 3}, [0, 1, 3, 4]),
+    ],
+)
+def test_a_cut_to_two_layers_of_each_kind_keeps_the_first_two_in_order(
+    tmp_path, arch: str, overrides: dict, kept: list[int]
+) -> None:
+    """The KV sizing's profiled step runs the first two layers of each kind (the second meets a
+    residual, as every later one), in the model's order, and the stack comes back after."""
+    from ember.engine.warmup import layers_of_each_kind
+    from ember.models.loader import load_model
+    from ember.models.tiny import make_tiny
+
+    model = load_model(make_tiny(tmp_path / arch, arch, overrides=overrides), load_format="dummy")
+    decoder = model.model
+    decoder.aux_layers = (2,)
+    with layers_of_each_kind(model, 2):
+        assert [list(decoder.layers).index(layer) for layer in decoder.run_layers] == kept
+        assert decoder.aux_layers == ()
+    assert decoder.run_layers == list(decoder.layers) and decoder.aux_layers == (2,)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [
+        ("llama", {"num_hidden_layers": 5}),
+        ("qwen3_moe", {"num_hidden_layers": 5}),
+        ("deepseek_v3", {"num_hidden_layers": 6, "first_k_dense_replace": 3}),
+    ],
+)
+def test_the_kv_sizings_profile_on_two_layers_of_each_kind_peaks_as_the_whole_stack(
+    tmp_path, monkeypatch, arch: str, overrides: dict
+) -> None:
+    """The profiled step's peak beyond the weights is the same on the cut as on every layer
+    (bf16, a 2,048-token step), and the cut runs fewer layers."""
+    from ember.engine import model_runner
+    from ember.models.tiny import make_tiny
+
+    path = make_tiny(tmp_path / arch, arch, overrides=overrides)
+    llm = LLM(
+        str(path),
+        device="cuda",
+        dtype="bfloat16",
+        max_model_len=1024,
+        num_kv_blocks=64,
+        warmup=False,
+        enforce_eager=True,
+    )
+    runner = llm.engine.core.runner
+    ran: list[int] = []
+    for i, layer in enumerate(runner.model.model.layers):
+        layer.register_forward_hook(lambda *a, i=i: ran.append(i))
+    cut = runner.profile_peak_bytes(2048, 1024, 8)
+    cut_ran, ran[:] = list(ran), []
+    monkeypatch.setattr(model_runner, "PROFILED_LAYERS_OF_EACH_KIND", 100)  # every layer
+    whole = runner.profile_peak_bytes(2048, 1024, 8)
+    llm.close()
+    assert len(cut_ran) < len(ran) == overrides["num_hidden_layers"]
+    assert cut == whole > 0
+
+
 def test_a_start_up_compile_that_does_not_fit_is_skipped_and_leaves_the_cache(
     tiny_model_dir, monkeypatch: pytest.MonkeyPatch
 ) -> None:
