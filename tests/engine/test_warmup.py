@@ -162,7 +162,11 @@ def test_the_kv_sizings_profile_on_two_layers_of_each_kind_peaks_as_the_whole_st
     tmp_path, monkeypatch, arch: str, overrides: dict
 ) -> None:
     """The profiled step's peak beyond the weights is the same on the cut as on every layer
-    (bf16, a 2,048-token step), and the cut runs fewer layers."""
+    (bf16, a 2,048-token step), up to the allocator's rounding, and the cut runs fewer layers.
+    The allocated bytes count a whole cached block where the allocator does not split it (a
+    remainder under 1 MiB), so they move with its history by up to that much: on an H200 these
+    models' peaks were 115,200 bytes apart (llama, qwen3_moe) or equal (deepseek_v3), the 8B
+    shape's equal (docs/performance.md)."""
     from ember.engine import model_runner
     from ember.models.tiny import make_tiny
 
@@ -186,7 +190,7 @@ def test_the_kv_sizings_profile_on_two_layers_of_each_kind_peaks_as_the_whole_st
     whole = runner.profile_peak_bytes(2048, 1024, 8)
     llm.close()
     assert len(cut_ran) < len(ran) == overrides["num_hidden_layers"]
-    assert cut == whole > 0
+    assert whole > 0 and abs(cut - whole) < 1 << 20
 
 
 def test_a_start_up_compile_that_does_not_fit_is_skipped_and_leaves_the_cache(
