@@ -155,6 +155,21 @@ def fill_weights(
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         raise ValueError(f"checkpoint in {str(model_dir)!r} lacks weights: {missing[:8]}")
+    # A fused weight (q/k/v, gate/up, an MoE layer's experts) counts as loaded once any of its
+    # checkpoint tensors was: each of its parts must have been.
+    parts = [
+        f"{name} ({', '.join(gaps[:4])}{', ...' if len(gaps) > 4 else ''})"
+        for name in sorted(loaded)
+        if (gaps := _missing_parts(model, name))
+    ]
+    if parts:
+        raise ValueError(f"checkpoint in {str(model_dir)!r} lacks parts of weights: {parts[:8]}")
+
+
+def _missing_parts(model: nn.Module, name: str) -> list[str]:
+    owner_name, _, attr = name.rpartition(".")
+    missing = getattr(model.get_submodule(owner_name), "missing_shards", None)
+    return missing(attr) if missing is not None else []
 
 
 class LoadStopped(Exception):

@@ -122,6 +122,37 @@ def test_a_checkpoint_that_lacks_a_weight_fails_at_wait(tiny_model_dir, tmp_path
     assert not loading._thread.is_alive()
 
 
+@pytest.mark.parametrize(
+    ("arch", "left_out", "named"),
+    [
+        ("llama", "model.layers.0.mlp.up_proj.weight", r"gate_up_proj\.weight \(up\)"),
+        ("llama", "model.layers.1.self_attn.k_proj.weight", r"qkv_proj\.weight \(k\)"),
+        ("qwen3_moe", "model.layers.1.mlp.experts.2.up_proj.weight", r"experts\.w13 \(2\.up\)"),
+        ("qwen3_moe", "model.layers.1.mlp.experts.3.down_proj.weight", r"experts\.w2 \(3\.down\)"),
+        (
+            "deepseek_v3",
+            "model.layers.1.mlp.shared_experts.gate_proj.weight",
+            r"experts\.w13 \(shared\.gate\)",
+        ),
+        (
+            "deepseek_v3",
+            "model.layers.1.self_attn.kv_a_proj_with_mqa.weight",
+            r"fused_qkv_a_proj\.weight \(kv_a\)",
+        ),
+    ],
+)
+def test_a_checkpoint_that_lacks_part_of_a_fused_weight_is_refused(
+    tiny_model_dir, tmp_path: Path, arch: str, left_out: str, named: str
+) -> None:
+    """One fused parameter stands for several checkpoint tensors (q/k/v, gate/up, an MoE
+    layer's experts): a checkpoint with only some of them is refused by the part it lacks, not
+    served with that part left as zeros."""
+    copy_without(tiny_model_dir(arch), tmp_path, left_out)
+    model = build_model(tmp_path, dtype=torch.float32)
+    with pytest.raises(ValueError, match=f"lacks parts of weights: .*{named}"):
+        fill_weights(model, tmp_path, torch.float32)
+
+
 def test_a_shard_cut_short_fails_at_wait(tiny_model_dir, tmp_path: Path) -> None:
     src = tiny_model_dir("llama")
     for f in src.iterdir():

@@ -34,6 +34,9 @@ class StackedLinear(Linear):
     def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False) -> None:
         super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
         self.shard_sizes = dict(shard_sizes)
+        self.received: set[tuple[str, str]] = set()
+        """(parameter, shard) pairs `weight_loader` has filled: a load checks that none is
+        missing (`missing_shards`), as one fused weight stands for several checkpoint names."""
         self.shard_offsets: dict[str, int] = {}
         off = 0
         for name, size in shard_sizes.items():
@@ -48,6 +51,11 @@ class StackedLinear(Linear):
             )
         with torch.no_grad():
             param.data[off : off + size].copy_(loaded)
+        self.received.add(("bias" if param is self.bias else "weight", shard))
+
+    def missing_shards(self, attr: str) -> list[str]:
+        """The shards of parameter `attr` ("weight", "bias") no checkpoint tensor has filled."""
+        return [s for s in self.shard_sizes if (attr, s) not in self.received]
 
     def split(self, out: torch.Tensor) -> list[torch.Tensor]:
         return list(out.split(list(self.shard_sizes.values()), dim=-1))

@@ -121,12 +121,15 @@ class FusedMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(total, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(total, hidden_size, intermediate_size))
         self.act = gated_activation(act)
+        self.received: set[str] = set()
+        """The shards `weight_loader` has filled, checked complete by `missing_shards`."""
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
         """shard: 'E.gate' | 'E.up' | 'E.down' for one expert, 'gate_up' | 'down' for all routed
         experts, 'shared.gate' | 'shared.up' | 'shared.down' for the shared MLP's weights
         ([S * I, H], [S * I, H], [H, S * I])."""
         i, e = self.intermediate_size, self.num_experts
+        self.received.add(shard)
         with torch.no_grad():
             if shard.startswith("shared."):
                 part = shard.split(".")[1]
@@ -156,6 +159,24 @@ class FusedMoE(nn.Module):
                     param.data[e, i:].copy_(loaded)
                 else:
                     param.data[e].copy_(loaded)
+
+    def missing_shards(self, attr: str) -> list[str]:
+        """The shards of `attr` ("w13": gate and up, "w2": down) no checkpoint tensor has filled:
+        each routed expert's (or all of them at once, a checkpoint's stacked experts) and the
+        shared experts'."""
+        parts = ("gate", "up") if attr == "w13" else ("down",)
+        stacked = "gate_up" if attr == "w13" else "down"
+        missing = []
+        if stacked not in self.received:
+            missing += [
+                f"{x}.{p}"
+                for x in range(self.num_experts)
+                for p in parts
+                if f"{x}.{p}" not in self.received
+            ]
+        if self.num_shared:
+            missing += [f"shared.{p}" for p in parts if f"shared.{p}" not in self.received]
+        return missing
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, experts = softmax_topk(router_logits, self.top_k, self.renormalize)
