@@ -155,15 +155,20 @@ def fill_weights(
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         raise ValueError(f"checkpoint in {str(model_dir)!r} lacks weights: {missing[:8]}")
-    # A fused weight (q/k/v, gate/up, an MoE layer's experts) counts as loaded once any of its
-    # checkpoint tensors was: each of its parts must have been.
+    check_fused_parts(model, loaded, f"checkpoint in {str(model_dir)!r}")
+
+
+def check_fused_parts(model: nn.Module, loaded: set[str], source: str) -> None:
+    """A fused weight (q/k/v, gate/up, an MoE layer's experts) is in `loaded` once any of its
+    checkpoint tensors was: raise, naming them, if some of its parts never came (their rows
+    would be served as they were allocated). `source` names the checkpoint in the error."""
     parts = [
         f"{name} ({', '.join(gaps[:4])}{', ...' if len(gaps) > 4 else ''})"
         for name in sorted(loaded)
         if (gaps := _missing_parts(model, name))
     ]
     if parts:
-        raise ValueError(f"checkpoint in {str(model_dir)!r} lacks parts of weights: {parts[:8]}")
+        raise ValueError(f"{source} lacks parts of weights: {parts[:8]}")
 
 
 def _missing_parts(model: nn.Module, name: str) -> list[str]:

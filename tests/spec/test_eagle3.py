@@ -186,6 +186,12 @@ def _bad_d2t(vocab: int) -> torch.Tensor:
             "'midlayer.self_attn.q_proj.weight' has shape",
         ),
         (None, {"lm_head.weight": None}, "lacks weights.*lm_head"),
+        (
+            None,
+            {"midlayer.self_attn.v_proj.weight": None},
+            r"lacks parts of weights.*qkv_proj\.weight \(v\)",
+        ),
+        (None, {"midlayer.mlp.up_proj.weight": None}, r"gate_up_proj\.weight \(up\)"),
         (None, {"midlayer.extra.weight": torch.zeros(3)}, "'midlayer.extra.weight'"),
         (None, {"d2t": None}, "needs a d2t map"),
         (None, {"d2t": "BAD"}, "outside the target vocabulary"),
