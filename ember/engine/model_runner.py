@@ -466,8 +466,12 @@ class ModelRunner:
         ids, pos, md = dummy_inputs(self, runs)
         # EAGLE-3's hidden states are taken from given layers of the whole stack: all of it runs.
         aux = getattr(getattr(self.model, "model", None), "aux_layers", ())
-        cut = layers_of_each_kind(self.model, PROFILED_LAYERS_OF_EACH_KIND)
-        with contextlib.nullcontext() if aux else cut:
+        cut = (
+            contextlib.nullcontext()
+            if aux
+            else layers_of_each_kind(self.model, PROFILED_LAYERS_OF_EACH_KIND)
+        )
+        with cut:
             hidden = self.model(ids, pos, ForwardContext(md, self.kv_cache, self.backend))
         logits = self.model.compute_logits(hidden[: min(max_seqs, num_tokens)])
         torch.softmax(logits, dim=-1)
