@@ -149,6 +149,16 @@ def profiled_phases(core: EngineCore) -> dict[str, Any]:
     return out
 
 
+def set_decode_attention(spec: str) -> None:
+    import ember.kernels.decode_attention as da
+
+    parts = [int(x) for x in spec.split(",")]
+    da.NUM_STAGES, da.HEAD_MAJOR = parts[0], bool(parts[1])
+    if len(parts) > 2:
+        n = parts[2]
+        da._block_n = lambda head_dim: n  # noqa: ARG005 - the same keys a tile for every head size
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shape", default="llama", choices=sorted(SHAPES))
@@ -162,7 +172,15 @@ def main() -> None:
     )
     ap.add_argument("--passes", type=int, default=1, help="unprofiled passes (each on new prompts)")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled pass")
+    ap.add_argument(
+        "--decode-attention",
+        metavar="STAGES,HEAD_MAJOR[,BLOCK_N]",
+        help="the decode attention kernel's pipeline stages, grid order (0/1) and keys a tile "
+        "for the whole engine (default: the kernel module's)",
+    )
     args = ap.parse_args()
+    if args.decode_attention:
+        set_decode_attention(args.decode_attention)
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
     ceil = ceilings()
@@ -189,6 +207,7 @@ def main() -> None:
         "load": {"prompts": n, "prompt_len": length, "out_len": out_len},
         "kv_host_gb": args.kv_host_gb,
         "blas": str(torch.backends.cuda.preferred_blas_library()),
+        "decode_attention": args.decode_attention,
         "ceilings": ceil,
         "unprofiled": plain,
         "passes": passes,

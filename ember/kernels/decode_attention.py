@@ -30,6 +30,15 @@ MAX_SPLITS = 64
 # _block_n), and one more evens out a batch of uneven contexts, where one split's work is
 # proportional to its sequence's length.
 PROGRAMS_PER_SM = 4
+# Stage 1's warps, pipeline depth and grid order. Session 21 (H200, 8B shape) measured others
+# (`benchmarks/decode_attention_sweep.py`): alone in a graph, three stages with one row's KV heads
+# on neighbouring programs read 256 rows x 1,152 tokens ~10% faster (300 -> 272 us a layer, on
+# the engine's cache layout too); in the engine's decode steps the same kernel ran ~8% slower
+# (289 -> 313 us a layer under the profiler, the mixed load's decode phase 4.40 -> 4.58 s), and
+# the grid order alone changed nothing. These stay until a setting wins inside a decode step.
+NUM_WARPS = 4
+NUM_STAGES = 2
+HEAD_MAJOR = False
 
 
 @functools.lru_cache(maxsize=4096)  # a pure function of ints, asked once a layer per eager step
@@ -94,9 +103,14 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEAD_MAJOR:  # one row's KV heads on neighbouring programs
+        kv_head = tl.program_id(0)
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     # The program's query rows: row b and, with row groups (a verification's k + 1 positions of
@@ -273,12 +287,64 @@ def decode_attention(
         lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
         target_strides = target.stride()[:3]
         lse_strides = lse.stride()[:2]
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    launch_split(
         q,
         kv_cache,
         seq_lens,
         block_tables,
         seq_lens if row_groups is None else row_groups,
+        target,
+        lse,
+        scale,
+        num_splits,
+        target_strides,
+        lse_strides,
+        qmax=qmax,
+        block_g=block_g,
+        block_d=block_d,
+    )
+    if num_splits > 1:
+        merge_splits(target, lse, out, block_d)
+    return out
+
+
+def launch_split(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    groups: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    num_splits: int,
+    target_strides: tuple[int, int, int],
+    lse_strides: tuple[int, int],
+    *,
+    qmax: int,
+    block_g: int,
+    block_d: int,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    head_major: bool | None = None,
+) -> None:
+    """Stage 1's launch. The tile and pipeline settings are parameters so that
+    `benchmarks/decode_attention_sweep.py` can time the alternatives on the engine's own kernel;
+    None takes the module's NUM_WARPS, NUM_STAGES and HEAD_MAJOR (read at each call, so that
+    `benchmarks/profile_mixed.py --decode-attention` can set them for a whole engine)."""
+    num_warps = NUM_WARPS if num_warps is None else num_warps
+    num_stages = NUM_STAGES if num_stages is None else num_stages
+    head_major = HEAD_MAJOR if head_major is None else head_major
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    grid = (num_kv_heads, batch, num_splits) if head_major else (batch, num_kv_heads, num_splits)
+    _decode_split_kernel[grid](
+        q,
+        kv_cache,
+        seq_lens,
+        block_tables,
+        groups,
         target,
         lse,
         scale * LOG2E,
@@ -292,21 +358,19 @@ def decode_attention(
         block_tables.stride(0),
         *target_strides,
         *lse_strides,
-        GROUP=group,
+        GROUP=num_heads // num_kv_heads,
         QMAX=qmax,
         HEAD_DIM=head_dim,
         BLOCK_G=block_g,
         BLOCK_D=block_d,
-        BLOCK_N=_block_n(head_dim),
-        PAGE_SIZE=block_size,
+        BLOCK_N=_block_n(head_dim) if block_n is None else block_n,
+        PAGE_SIZE=kv_cache.shape[2],
         WRITE_LSE=num_splits > 1,
         DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=4,
-        num_stages=2,
+        HEAD_MAJOR=head_major,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
-    if num_splits > 1:
-        merge_splits(target, lse, out, block_d)
-    return out
 
 
 def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, block_d: int) -> None:
