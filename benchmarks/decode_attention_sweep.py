@@ -17,7 +17,7 @@ benchmarks/results/), named with the GPU.
 
     python benchmarks/decode_attention_sweep.py [--quick]
     python benchmarks/decode_attention_sweep.py --splits
-    python benchmarks/decode_attention_sweep.py --layouts
+    python benchmarks/decode_attention_sweep.py --layouts [--all-layouts]
     python benchmarks/decode_attention_sweep.py --interleaved [--long]
 
 `--splits`: the engine's default setting at each split count over batch sizes and contexts, the
@@ -165,10 +165,11 @@ def case(
     split_list: list[int],
     read_bps: float,
     layout: str = "separate",
+    lens_dtype: torch.dtype = torch.int32,
 ):
     layers = make_layers(batch, ctx, layout)
     q = torch.randn(batch, HQ, D, dtype=torch.bfloat16, device="cuda")
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    lens = torch.full((batch,), ctx, dtype=lens_dtype, device="cuda")
     nbytes = batch * ctx * HKV * D * 2 * 2
     base = torch.empty_like(q)
     run(q, layers[:1], lens, 1, {}, base)
@@ -209,6 +210,7 @@ def case(
         "batch": batch,
         "ctx": ctx,
         "layout": layout,
+        "lens_dtype": str(lens_dtype),
         "auto_splits": auto,
         "ref_err": err,
         "rows": results,
@@ -297,14 +299,18 @@ def layout_rows(read_bps: float) -> list[dict]:
         "\n| layout | shape | stages | head-major | us/layer | of read |\n|---|---|---|---|---|---|"
     )
     cases = []
-    for layout in ("separate", "engine-seq", "engine-perm"):
+    # The engine's decode graphs hold seq_lens as int64 (one int64 buffer for every row input).
+    runs = [("separate", torch.int32), ("engine-seq", torch.int32), ("engine-seq", torch.int64)]
+    if "--all-layouts" in sys.argv:
+        runs += [("engine-perm", torch.int32), ("engine-perm", torch.int64)]
+    for layout, lens_dtype in runs:
         for batch, ctx in ((256, 1152), (64, 1024)):
-            c = case(batch, ctx, configs, [1], read_bps, layout)
+            c = case(batch, ctx, configs, [1], read_bps, layout, lens_dtype)
             cases.append(c)
             for r in c["rows"]:
                 print(
-                    f"| {layout} | b{batch} x {ctx} | {r['num_stages']} | {r['head_major']} | "
-                    f"{r['us']:.1f} | {r['of_read']:.3f} |"
+                    f"| {layout}, {str(lens_dtype)[6:]} lens | b{batch} x {ctx} | "
+                    f"{r['num_stages']} | {r['head_major']} | {r['us']:.1f} | {r['of_read']:.3f} |"
                 )
     return cases
 

@@ -26,19 +26,21 @@ from ember.kernels.dispatch import LOG2E, dot_precision, num_sms
 # at 256 tokens its partials (Hq/Hkv * (D + 1) fp32, written and read) are ~3% of its K/V bytes.
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
-# Stage-1 programs wanted per SM: about three fit at once (~70 KB of shared memory each, see
-# _block_n), and one more evens out a batch of uneven contexts, where one split's work is
-# proportional to its sequence's length.
+# Stage-1 programs wanted per SM: two fit at once (~100 KB of shared memory each, see _block_n),
+# and more of them even out a batch of uneven contexts, where one split's work is proportional to
+# its sequence's length.
 PROGRAMS_PER_SM = 4
-# Stage 1's warps, pipeline depth and grid order. Session 21 (H200, 8B shape) measured others
-# (`benchmarks/decode_attention_sweep.py`): alone in a graph, three stages with one row's KV heads
-# on neighbouring programs read 256 rows x 1,152 tokens ~10% faster (300 -> 272 us a layer, on
-# the engine's cache layout too); in the engine's decode steps the same kernel ran ~8% slower
-# (289 -> 313 us a layer under the profiler, the mixed load's decode phase 4.40 -> 4.58 s), and
-# the grid order alone changed nothing. These stay until a setting wins inside a decode step.
+# Stage 1's warps, pipeline depth and grid order, measured on an H200 (8B shape, pages of 64, the
+# engine's cache layout; `benchmarks/decode_attention_sweep.py --layouts`, session 21). The
+# kernel's speed depended on the dtype of seq_lens, which the kernel now casts to int32: the decode
+# graphs pass int64 and the eager path int32, and with 2 stages in row order 256 rows x 1,152
+# tokens took 278 us a layer with int64 and 300 with int32; 3 stages with one row's KV heads on
+# neighbouring programs (their K/V rows are neighbours in the cache), int32: 271 us, and 64 x
+# 1,024 65 against 74. In the engine's mixed load the decode phase took 4.16-4.17 s against
+# 4.19 s before (two A/B pairs, same lease).
 NUM_WARPS = 4
-NUM_STAGES = 2
-HEAD_MAJOR = False
+NUM_STAGES = 3
+HEAD_MAJOR = True
 
 
 @functools.lru_cache(maxsize=4096)  # a pure function of ints, asked once a layer per eager step
@@ -63,9 +65,10 @@ def choose_num_splits(
 
 
 def _block_n(head_dim: int) -> int:
-    # Keys per tile: a 64 x 128 bf16 K tile is 16 KB; with V and 2 pipeline stages, 64 KB of
+    # Keys per tile: a 64 x 128 bf16 K tile is 16 KB; with V and 3 pipeline stages, 96 KB of
     # loads in flight per program, well above the ~20 KB per SM that hides HBM latency at full
-    # bandwidth. Wider heads take fewer keys to keep three programs per SM.
+    # bandwidth. Wider heads take fewer keys to keep two programs per SM. (128 keys a tile: as
+    # fast at batch 256, slower at 128 x 2048 and at batches of 8 and 64, session 21.)
     return 64 if head_dim <= 128 else 32
 
 
@@ -123,7 +126,9 @@ def _decode_split_kernel(
     d = tl.arange(0, BLOCK_D)
     g_mask = (r < num_rows) & (i < QMAX * GROUP)
     d_mask = d < HEAD_DIM
-    row_lens = tl.load(seq_lens_ptr + b + r, mask=g_mask, other=0)
+    # int32 whatever the caller's dtype: the decode graphs hold seq_lens as int64, which made the
+    # loop's index arithmetic 64-bit (session 21).
+    row_lens = tl.load(seq_lens_ptr + b + r, mask=g_mask, other=0).to(tl.int32)
     seq_len = tl.max(row_lens, 0)  # the group's longest context (0 for a led row's program)
     # Each sequence cuts its own context into num_splits tile-aligned pieces, so a long context
     # gets short pieces; for a short one the trailing splits are empty and write only lse = -inf.

@@ -167,6 +167,28 @@ def test_decode_launch_settings_match_reference(
     assert_rel_close(out, attention_reference(batch, scale), 1e-5)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_int64_seq_lens_match_reference(
+    make_paged_batch, attention_reference, assert_rel_close, num_splits, device
+) -> None:
+    # The decode graphs hold seq_lens as int64, the eager path as int32: the kernel casts them.
+    heads = (8, 2, 16)
+    batch = make_paged_batch(
+        [(n - 1, 1) for n in (1, 70, 300)], *heads, 16, torch.float32, device, 8
+    )
+    md = batch.metadata
+    out = decode_attention(
+        batch.q,
+        batch.kv_cache,
+        md.seq_lens.to(torch.int64),
+        md.block_tables,
+        16**-0.5,
+        num_splits=num_splits,
+        max_seq_len=md.max_seq_len,
+    )
+    assert_rel_close(out, attention_reference(batch, 16**-0.5), 1e-5)
+
+
 def test_decode_zero_length_row_gives_zeros(device: str) -> None:
     # A CUDA-graph padding row with seq_len 0 must not produce NaN.
     cache = torch.randn(4, 2, 16, 1, 16, device=device)
