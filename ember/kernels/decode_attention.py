@@ -41,6 +41,7 @@ PROGRAMS_PER_SM = 4
 NUM_WARPS = 4
 NUM_STAGES = 3
 HEAD_MAJOR = True
+MAX_GRID_Y = 65535
 
 
 @functools.lru_cache(maxsize=4096)  # a pure function of ints, asked once a layer per eager step
@@ -343,6 +344,8 @@ def launch_split(
     head_major = HEAD_MAJOR if head_major is None else head_major
     batch, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
+    # A grid's second dimension holds at most 65,535 programs: past that, rows go first.
+    head_major = head_major and batch <= MAX_GRID_Y
     grid = (num_kv_heads, batch, num_splits) if head_major else (batch, num_kv_heads, num_splits)
     _decode_split_kernel[grid](
         q,

@@ -189,6 +189,33 @@ def test_decode_int64_seq_lens_match_reference(
     assert_rel_close(out, attention_reference(batch, 16**-0.5), 1e-5)
 
 
+def test_decode_head_major_falls_back_past_the_grid_limit(
+    make_paged_batch, attention_reference, assert_rel_close, device, monkeypatch
+) -> None:
+    # More rows than a grid's second dimension holds: the launch puts rows first instead.
+    import ember.kernels.decode_attention as da
+
+    kernel, grids = da._decode_split_kernel, []
+
+    class Recording:  # the kernel, its launch grids recorded
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(da, "_decode_split_kernel", Recording())
+    monkeypatch.setattr(da, "MAX_GRID_Y", 2)
+    heads = (8, 2, 16)
+    batch = make_paged_batch(
+        [(n - 1, 1) for n in (1, 70, 300)], *heads, 16, torch.float32, device, 9
+    )
+    md = batch.metadata
+    out = decode_attention(
+        batch.q, batch.kv_cache, md.seq_lens, md.block_tables, 0.25, max_seq_len=md.max_seq_len
+    )
+    assert_rel_close(out, attention_reference(batch, 0.25), 1e-5)
+    assert grids and all(g[0] == 3 for g in grids), grids  # rows first: 3 rows, not 2 KV heads
+
+
 def test_decode_zero_length_row_gives_zeros(device: str) -> None:
     # A CUDA-graph padding row with seq_len 0 must not produce NaN.
     cache = torch.randn(4, 2, 16, 1, 16, device=device)
