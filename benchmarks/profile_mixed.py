@@ -178,9 +178,19 @@ def main() -> None:
         help="the decode attention kernel's pipeline stages, grid order (0/1) and keys a tile "
         "for the whole engine (default: the kernel module's)",
     )
+    ap.add_argument(
+        "--decode-splits-per-sm",
+        type=int,
+        help="stage-1 programs per SM that choose_num_splits aims at (default: the module's)",
+    )
     args = ap.parse_args()
     if args.decode_attention:
         set_decode_attention(args.decode_attention)
+    if args.decode_splits_per_sm:
+        import ember.kernels.decode_attention as da
+
+        da.PROGRAMS_PER_SM = args.decode_splits_per_sm
+        da.choose_num_splits.cache_clear()
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
     ceil = ceilings()
@@ -208,6 +218,7 @@ def main() -> None:
         "kv_host_gb": args.kv_host_gb,
         "blas": str(torch.backends.cuda.preferred_blas_library()),
         "decode_attention": args.decode_attention,
+        "decode_splits_per_sm": args.decode_splits_per_sm,
         "ceilings": ceil,
         "unprofiled": plain,
         "passes": passes,

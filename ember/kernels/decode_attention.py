@@ -51,16 +51,19 @@ def choose_num_splits(
     max_seq_len: int,
     num_sms: int = 132,
     min_tokens: int = MIN_TOKENS_PER_SPLIT,
-    programs_per_sm: int = PROGRAMS_PER_SM,
+    programs_per_sm: int | None = None,
 ) -> int:
-    """Splits per sequence so that stage 1 has about PROGRAMS_PER_SM programs per SM.
+    """Splits per sequence so that stage 1 has about `programs_per_sm` programs per SM (None:
+    the module's PROGRAMS_PER_SM, which `benchmarks/profile_mixed.py --decode-splits-per-sm` sets
+    for a whole engine, clearing this function's cache).
 
     Never more than one split per `min_tokens` tokens of the longest context: past that,
     each split's fixed cost (q load, partials written and merged) outweighs the extra parallelism.
     """
     if batch_size <= 0 or num_kv_heads <= 0:
         raise ValueError(f"batch_size {batch_size} and num_kv_heads {num_kv_heads} must be > 0")
-    want = triton.cdiv(programs_per_sm * num_sms, batch_size * num_kv_heads)
+    per_sm = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
+    want = triton.cdiv(per_sm * num_sms, batch_size * num_kv_heads)
     by_len = triton.cdiv(max(max_seq_len, 1), min_tokens)
     return max(1, min(want, by_len, MAX_SPLITS))
 

@@ -243,6 +243,19 @@ def test_choose_num_splits() -> None:
         choose_num_splits(0, 8, 100)
 
 
+def test_choose_num_splits_reads_the_module_default(monkeypatch) -> None:
+    # profile_mixed.py --decode-splits-per-sm sets the module's PROGRAMS_PER_SM for an engine.
+    import ember.kernels.decode_attention as da
+
+    monkeypatch.setattr(da, "PROGRAMS_PER_SM", 8)
+    choose_num_splits.cache_clear()
+    try:
+        assert choose_num_splits(64, 8, 4096) == 3  # 8 x 132 programs over 512
+        assert choose_num_splits(64, 8, 4096, programs_per_sm=4) == 2
+    finally:
+        choose_num_splits.cache_clear()
+
+
 def test_decode_rejects_bad_heads(device: str) -> None:
     cache = torch.zeros(4, 2, 16, 3, 16, device=device)
     q = torch.zeros(1, 4, 16, device=device)
