@@ -349,35 +349,22 @@ def splits_rows(read_bps: float) -> list[dict]:
     return rows
 
 
+MODES = {"--interleaved": interleaved_rows, "--layouts": layout_rows, "--splits": splits_rows}
+
+
 def main() -> None:
     gpu = torch.cuda.get_device_name()
-    if "--interleaved" in sys.argv:
-        read = read_bandwidth()
-        out = {"gpu": gpu, "read": read, "interleaved": interleaved_rows(read["bytes_per_s"])}
-        dest = Path(os.environ.get("OUT") or "benchmarks/results")
-        dest.mkdir(parents=True, exist_ok=True)
-        (dest / f"decode_attention_interleaved-{gpu.replace(' ', '_')}.json").write_text(
-            json.dumps(out, indent=2)
-        )
-        return
-    if "--layouts" in sys.argv:
-        read = read_bandwidth()
-        out = {"gpu": gpu, "read": read, "layouts": layout_rows(read["bytes_per_s"])}
-        dest = Path(os.environ.get("OUT") or "benchmarks/results")
-        dest.mkdir(parents=True, exist_ok=True)
-        (dest / f"decode_attention_layouts-{gpu.replace(' ', '_')}.json").write_text(
-            json.dumps(out, indent=2)
-        )
-        return
-    if "--splits" in sys.argv:
-        read = read_bandwidth()
-        out = {"gpu": gpu, "read": read, "splits": splits_rows(read["bytes_per_s"])}
-        dest = Path(os.environ.get("OUT") or "benchmarks/results")
-        dest.mkdir(parents=True, exist_ok=True)
-        (dest / f"decode_attention_splits-{gpu.replace(' ', '_')}.json").write_text(
-            json.dumps(out, indent=2)
-        )
-        return
+    for flag, rows in MODES.items():
+        if flag in sys.argv:
+            read = read_bandwidth()
+            name = flag.removeprefix("--")
+            out = {"gpu": gpu, "read": read, name: rows(read["bytes_per_s"])}
+            dest = Path(os.environ.get("OUT") or "benchmarks/results")
+            dest.mkdir(parents=True, exist_ok=True)
+            (dest / f"decode_attention_{name}-{gpu.replace(' ', '_')}.json").write_text(
+                json.dumps(out, indent=2)
+            )
+            return
     copy_bps = copy_bandwidth()
     read = read_bandwidth()
     print(
