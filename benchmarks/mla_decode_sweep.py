@@ -7,7 +7,10 @@ own cost is spread thin), split kernel and merge together. "graph default" is wh
 picks inside a captured graph, where the split count is sized by the longest context the graph
 may meet (max_seq_len = the model's length, 8192 here), not by the batch's.
 
-    python benchmarks/mla_decode_sweep.py
+    python benchmarks/mla_decode_sweep.py [--int64-lens]
+
+`--int64-lens`: seq_lens as int64, as the engine's decode graphs hold them (the eager path's are
+int32; the GQA decode kernel's speed followed that dtype, docs/performance.md, session 21).
 
 Prints a table per shape and writes $OUT/mla_decode_sweep-<GPU>.json (or benchmarks/results/).
 """
@@ -38,7 +41,8 @@ def case(batch: int, ctx: int, heads: int):
     blocks = batch * (ctx // PAGE)
     cache = torch.randn(blocks, 1, PAGE, 1, RANK + ROPE, device="cuda", generator=g).bfloat16()
     tables = torch.randperm(blocks, device="cuda", generator=g).view(batch, -1).int()
-    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    dtype = torch.int64 if "--int64-lens" in sys.argv else torch.int32
+    seq_lens = torch.full((batch,), ctx, dtype=dtype, device="cuda")
     ql = torch.randn(batch, heads, RANK, device="cuda", generator=g).bfloat16()
     qr = torch.randn(batch, heads, ROPE, device="cuda", generator=g).bfloat16()
     return ql, qr, cache, seq_lens, tables
@@ -76,8 +80,10 @@ def main() -> None:
         print(f"| graph default | {rows['graph default']:.1f} |")
         results.append({"heads": heads, "batch": batch, "ctx": ctx, "us": rows, "best": best})
     out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
-    out = out_dir / f"mla_decode_sweep-{name.replace(' ', '_')}.json"
-    out.write_text(json.dumps({"gpu": name, "results": results}, indent=1))
+    lens = "int64" if "--int64-lens" in sys.argv else "int32"
+    tag = "-int64-lens" if lens == "int64" else ""
+    out = out_dir / f"mla_decode_sweep-{name.replace(' ', '_')}{tag}.json"
+    out.write_text(json.dumps({"gpu": name, "seq_lens": lens, "results": results}, indent=1))
     print(f"wrote {out}")
 
 
