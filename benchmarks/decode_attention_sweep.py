@@ -30,6 +30,7 @@ was not the engine's: docs/performance.md, session 21).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -45,9 +46,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_gpu import copy_bandwidth, median_ms  # noqa: E402
 
-from ember.kernels.decode_attention import choose_num_splits, launch_split, merge_splits  # noqa: E402
+import ember.kernels.decode_attention as da  # noqa: E402
+from ember.kernels.decode_attention import choose_num_splits, decode_attention  # noqa: E402
+from ember.kernels.dispatch import num_sms  # noqa: E402
 
 HQ, HKV, D, PAGE, LAYERS = 32, 8, 128, 64, 32
+BEFORE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "head_major": False}
+"""The kernel's setting before session 21."""
+FOUR = [
+    {"block_n": 64, "num_warps": 4, "num_stages": stages, "head_major": head_major}
+    for head_major in (False, True)
+    for stages in (2, 3)
+]
+"""2 or 3 stages, in row order or head-major: the `--layouts` and `--interleaved` settings."""
+
+
+@contextlib.contextmanager
+def setting(cfg: dict):
+    """Within: the decode attention kernel's module settings (NUM_WARPS, NUM_STAGES,
+    HEAD_MAJOR, BLOCK_N) as `cfg` names them, lowercase; the module's own outside."""
+    saved = {key: getattr(da, key.upper()) for key in cfg}
+    for key, value in cfg.items():
+        setattr(da, key.upper(), value)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            setattr(da, key.upper(), value)
 
 
 @triton.jit
@@ -113,20 +138,9 @@ def reference(q, cache, table, lens, rows: list[int]) -> torch.Tensor:
 
 
 def run(q, layers, lens, splits: int, cfg: dict, out: torch.Tensor) -> None:
-    batch = q.shape[0]
-    if splits > 1:
-        target = torch.empty(batch, HQ, splits, D, dtype=torch.float32, device="cuda")
-        lse = torch.empty(batch, HQ, splits, dtype=torch.float32, device="cuda")
-        ts, ls = target.stride()[:3], lse.stride()[:2]
-    else:
-        target, lse, ts, ls = out, out, (out.stride(0), out.stride(1), 0), (0, 0)
-    for cache, table in layers:
-        launch_split(
-            q, cache, lens, table, lens, target, lse, D**-0.5, splits, ts, ls,
-            qmax=1, block_g=16, block_d=D, **cfg,
-        )  # fmt: skip
-        if splits > 1:
-            merge_splits(target, lse, out, D)
+    with setting(cfg):
+        for cache, table in layers:
+            decode_attention(q, cache, lens, table, D**-0.5, out=out, num_splits=splits)
 
 
 def graph_us(q, layers, lens, splits: int, cfg: dict) -> float:
@@ -179,9 +193,7 @@ def case(
     if err > 2e-2:
         raise AssertionError(f"default kernel off the reference by {err} at b{batch} x {ctx}")
     results = []
-    auto = choose_num_splits(
-        batch, HKV, ctx, torch.cuda.get_device_properties(0).multi_processor_count
-    )
+    auto = choose_num_splits(batch, HKV, ctx, num_sms(q))
     for splits in split_list:
         for cfg in configs:
             got = torch.empty_like(q)
@@ -237,16 +249,13 @@ def interleaved_rows(read_bps: float) -> list[dict]:
         ]
         for _ in range(LAYERS)
     ]
-    ts, ls = (out.stride(0), out.stride(1), 0), (0, 0)
 
     def step(cfg: dict | None) -> None:
         for (cache, table), (wqkv, wo, wgu, wd) in zip(layers, weights, strict=True):
             torch.mm(x, wqkv.t())
             if cfg is not None:
-                launch_split(
-                    q, cache, lens, table, lens, out, out, D**-0.5, 1, ts, ls,
-                    qmax=1, block_g=16, block_d=D, **cfg,
-                )  # fmt: skip
+                with setting(cfg):
+                    decode_attention(q, cache, lens, table, D**-0.5, out=out, num_splits=1)
             torch.mm(x, wo.t())
             torch.mm(x, wgu.t())
             torch.mm(h, wd.t())
@@ -261,18 +270,12 @@ def interleaved_rows(read_bps: float) -> list[dict]:
         iters, warmup = (200, 100) if "--long" in sys.argv else (10, 3)
         return median_ms(graph.replay, iters=iters, warmup=warmup) * 1e3 / LAYERS
 
-    configs = [
-        {"block_n": 64, "num_warps": 4, "num_stages": 2, "head_major": False},
-        {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": True},
-        {"block_n": 64, "num_warps": 4, "num_stages": 2, "head_major": True},
-        {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": False},
-    ]
     nbytes = batch * ctx * HKV * D * 2 * 2
     rows = []
     print("\n| b256 x 1152 between GEMMs | stages | head-major | step us/layer | GEMMs only | "
           "attention us | of read |\n|---|---|---|---|---|---|---|")  # fmt: skip
     for rep in range(2):
-        for cfg in configs:
+        for cfg in FOUR:
             gemms = timed(None)
             both = timed(cfg)
             att = both - gemms
@@ -289,12 +292,6 @@ def interleaved_rows(read_bps: float) -> list[dict]:
 def layout_rows(read_bps: float) -> list[dict]:
     """Four settings on three cache layouts: separate tensors a layer, random pages (the sweep's
     default), and the engine's one tensor with pages in allocation order or shuffled."""
-    configs = [
-        {"block_n": 64, "num_warps": 4, "num_stages": 2, "head_major": False},
-        {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": False},
-        {"block_n": 64, "num_warps": 4, "num_stages": 2, "head_major": True},
-        {"block_n": 64, "num_warps": 4, "num_stages": 3, "head_major": True},
-    ]
     print(
         "\n| layout | shape | stages | head-major | us/layer | of read |\n|---|---|---|---|---|---|"
     )
@@ -305,7 +302,7 @@ def layout_rows(read_bps: float) -> list[dict]:
         runs += [("engine-perm", torch.int32), ("engine-perm", torch.int64)]
     for layout, lens_dtype in runs:
         for batch, ctx in ((256, 1152), (64, 1024)):
-            c = case(batch, ctx, configs, [1], read_bps, layout, lens_dtype)
+            c = case(batch, ctx, FOUR, [1], read_bps, layout, lens_dtype)
             cases.append(c)
             for r in c["rows"]:
                 print(
@@ -320,7 +317,6 @@ SPLIT_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 def splits_rows(read_bps: float) -> list[dict]:
     """Every split count at each (batch, context), the default setting; the rule's picks."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     print("\n| batch x ctx | best splits | us | rule (4/SM) | us | of best | 2/SM | 3/SM | 6/SM |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -330,7 +326,7 @@ def splits_rows(read_bps: float) -> list[dict]:
             q = torch.randn(batch, HQ, D, dtype=torch.bfloat16, device="cuda")
             lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
             picks = {
-                per: choose_num_splits(batch, HKV, ctx, sms, programs_per_sm=per)
+                per: choose_num_splits(batch, HKV, ctx, num_sms(q), programs_per_sm=per)
                 for per in (2, 3, 4, 6)
             }
             counts = {n for n in SPLIT_COUNTS if n <= max(1, ctx // 64)} | set(picks.values())
@@ -352,17 +348,22 @@ def splits_rows(read_bps: float) -> list[dict]:
 MODES = {"--interleaved": interleaved_rows, "--layouts": layout_rows, "--splits": splits_rows}
 
 
+def write(name: str, gpu: str, out: dict) -> None:
+    dest = Path(os.environ.get("OUT") or "benchmarks/results")
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / f"{name}-{gpu.replace(' ', '_')}.json").write_text(json.dumps(out, indent=2))
+
+
 def main() -> None:
     gpu = torch.cuda.get_device_name()
     for flag, rows in MODES.items():
         if flag in sys.argv:
             read = read_bandwidth()
             name = flag.removeprefix("--")
-            out = {"gpu": gpu, "read": read, name: rows(read["bytes_per_s"])}
-            dest = Path(os.environ.get("OUT") or "benchmarks/results")
-            dest.mkdir(parents=True, exist_ok=True)
-            (dest / f"decode_attention_{name}-{gpu.replace(' ', '_')}.json").write_text(
-                json.dumps(out, indent=2)
+            write(
+                f"decode_attention_{name}",
+                gpu,
+                {"gpu": gpu, "read": read, name: rows(read["bytes_per_s"])},
             )
             return
     copy_bps = copy_bandwidth()
@@ -382,8 +383,7 @@ def main() -> None:
     out["cases"].append(main_case)
     ok = [r for r in main_case["rows"] if "us" in r]
     ok.sort(key=lambda r: r["us"])
-    before = next(r for r in ok if r["splits"] == 1 and r["block_n"] == 64 and r["num_warps"] == 4
-                   and r["num_stages"] == 2 and not r["head_major"])  # fmt: skip
+    before = next(r for r in ok if r["splits"] == 1 and all(r[k] == v for k, v in BEFORE.items()))
     print(
         "\n| b256 x 1152 | splits | block_n | warps | stages | head-major | us/layer | GB/s | of read |"
     )
@@ -394,15 +394,13 @@ def main() -> None:
             f"{r['num_warps']} | {r['num_stages']} | {r['head_major']} | {r['us']:.1f} | "
             f"{r['gb_s']:.0f} | {r['of_read']:.3f} |"
         )
-    # The best few settings on the other shapes the engine meets, against the default.
-    best = [{k: r[k] for k in ("block_n", "num_warps", "num_stages", "head_major")} for r in ok[:4]]
-    default_cfg = {"block_n": 64, "num_warps": 4, "num_stages": 2, "head_major": False}
-    others = [default_cfg] + [c for c in best if c != default_cfg]
+    # The best few settings on the other shapes the engine meets, against session 20's.
+    best = [{k: r[k] for k in BEFORE} for r in ok[:4]]
+    others = [BEFORE] + [c for c in best if c != BEFORE]
     print("\n| shape | splits | setting | us/layer | of read |\n|---|---|---|---|---|")
+    sms = num_sms(torch.empty(0, device="cuda"))
     for batch, ctx in ((256, 1024), (256, 1280), (128, 2048), (64, 1024), (8, 4096), (1, 8192)):
-        auto = choose_num_splits(
-            batch, HKV, ctx, torch.cuda.get_device_properties(0).multi_processor_count
-        )
+        auto = choose_num_splits(batch, HKV, ctx, sms)
         c = case(batch, ctx, others, sorted({auto, 1}), read["bytes_per_s"])
         out["cases"].append(c)
         for r in c["rows"]:
@@ -412,11 +410,7 @@ def main() -> None:
                     f"{r['num_stages']}s{'/hm' if r['head_major'] else ''} | {r['us']:.1f} | "
                     f"{r['of_read']:.3f} |"
                 )
-    dest = Path(os.environ.get("OUT") or "benchmarks/results")
-    dest.mkdir(parents=True, exist_ok=True)
-    (dest / f"decode_attention_sweep-{gpu.replace(' ', '_')}.json").write_text(
-        json.dumps(out, indent=2)
-    )
+    write("decode_attention_sweep", gpu, out)
 
 
 if __name__ == "__main__":

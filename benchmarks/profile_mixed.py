@@ -155,8 +155,7 @@ def set_decode_attention(spec: str) -> None:
     parts = [int(x) for x in spec.split(",")]
     da.NUM_STAGES, da.HEAD_MAJOR = parts[0], bool(parts[1])
     if len(parts) > 2:
-        n = parts[2]
-        da._block_n = lambda head_dim: n  # noqa: ARG005 - the same keys a tile for every head size
+        da.BLOCK_N = parts[2]
 
 
 def main() -> None:

@@ -38,9 +38,14 @@ PROGRAMS_PER_SM = 4
 # neighbouring programs (their K/V rows are neighbours in the cache), int32: 271 us, and 64 x
 # 1,024 65 against 74. In the engine's mixed load the decode phase took 4.16-4.17 s against
 # 4.19 s before (two A/B pairs, same lease).
+#
+# These settings are read at each call: `benchmarks/profile_mixed.py --decode-attention` sets them
+# for a whole engine, `benchmarks/decode_attention_sweep.py` for one call at a time.
 NUM_WARPS = 4
 NUM_STAGES = 3
 HEAD_MAJOR = True
+BLOCK_N: int | None = None
+"""Keys a tile; None: `_block_n(head_dim)`."""
 MAX_GRID_Y = 65535
 
 
@@ -296,66 +301,15 @@ def decode_attention(
         lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
         target_strides = target.stride()[:3]
         lse_strides = lse.stride()[:2]
-    launch_split(
-        q,
-        kv_cache,
-        seq_lens,
-        block_tables,
-        seq_lens if row_groups is None else row_groups,
-        target,
-        lse,
-        scale,
-        num_splits,
-        target_strides,
-        lse_strides,
-        qmax=qmax,
-        block_g=block_g,
-        block_d=block_d,
-    )
-    if num_splits > 1:
-        merge_splits(target, lse, out, block_d)
-    return out
-
-
-def launch_split(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    groups: torch.Tensor,
-    target: torch.Tensor,
-    lse: torch.Tensor,
-    scale: float,
-    num_splits: int,
-    target_strides: tuple[int, int, int],
-    lse_strides: tuple[int, int],
-    *,
-    qmax: int,
-    block_g: int,
-    block_d: int,
-    block_n: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    head_major: bool | None = None,
-) -> None:
-    """Stage 1's launch. The tile and pipeline settings are parameters so that
-    `benchmarks/decode_attention_sweep.py` can time the alternatives on the engine's own kernel;
-    None takes the module's NUM_WARPS, NUM_STAGES and HEAD_MAJOR (read at each call, so that
-    `benchmarks/profile_mixed.py --decode-attention` can set them for a whole engine)."""
-    num_warps = NUM_WARPS if num_warps is None else num_warps
-    num_stages = NUM_STAGES if num_stages is None else num_stages
-    head_major = HEAD_MAJOR if head_major is None else head_major
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads = kv_cache.shape[3]
     # A grid's second dimension holds at most 65,535 programs: past that, rows go first.
-    head_major = head_major and batch <= MAX_GRID_Y
+    head_major = HEAD_MAJOR and batch <= MAX_GRID_Y
     grid = (num_kv_heads, batch, num_splits) if head_major else (batch, num_kv_heads, num_splits)
     _decode_split_kernel[grid](
         q,
         kv_cache,
         seq_lens,
         block_tables,
-        groups,
+        seq_lens if row_groups is None else row_groups,
         target,
         lse,
         scale * LOG2E,
@@ -369,19 +323,22 @@ def launch_split(
         block_tables.stride(0),
         *target_strides,
         *lse_strides,
-        GROUP=num_heads // num_kv_heads,
+        GROUP=group,
         QMAX=qmax,
         HEAD_DIM=head_dim,
         BLOCK_G=block_g,
         BLOCK_D=block_d,
-        BLOCK_N=_block_n(head_dim) if block_n is None else block_n,
-        PAGE_SIZE=kv_cache.shape[2],
+        BLOCK_N=BLOCK_N or _block_n(head_dim),
+        PAGE_SIZE=block_size,
         WRITE_LSE=num_splits > 1,
         DOT_PRECISION=dot_precision(q.dtype),
         HEAD_MAJOR=head_major,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )
+    if num_splits > 1:
+        merge_splits(target, lse, out, block_d)
+    return out
 
 
 def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, block_d: int) -> None:

@@ -5,12 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ember.kernels.decode_attention import (
-    choose_num_splits,
-    decode_attention,
-    launch_split,
-    merge_splits,
-)
+import ember.kernels.decode_attention as da
+from ember.kernels.decode_attention import choose_num_splits, decode_attention
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -133,37 +129,41 @@ def test_decode_fp16(make_paged_batch, attention_reference, assert_rel_close, se
 @pytest.mark.parametrize(
     "setting",
     [
-        {"head_major": True},
+        {"head_major": False, "num_stages": 2},
         {"block_n": 32, "num_warps": 8, "num_stages": 3},
         {"block_n": 128, "head_major": True},
     ],
-    ids=["head-major", "n32-w8-s3", "n128-head-major"],
+    ids=["row-order", "n32-w8-s3", "n128-head-major"],
 )
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_launch_settings_match_reference(
-    make_paged_batch, attention_reference, assert_rel_close, setting, num_splits, device
+    make_paged_batch,
+    attention_reference,
+    assert_rel_close,
+    setting,
+    num_splits,
+    device,
+    monkeypatch,
 ) -> None:
     # Every tile, pipeline and grid order the sweep (benchmarks/decode_attention_sweep.py) may
-    # pick computes the same attention: tiles that span pages, a grid with the KV heads first.
+    # set computes the same attention: tiles that span pages, either grid order.
+    for key, value in setting.items():
+        monkeypatch.setattr(da, key.upper(), value)
     heads = (8, 2, 16)
     batch = make_paged_batch(
         [(n - 1, 1) for n in (1, 70, 300)], *heads, 16, torch.float32, device, 7
     )
-    md, q = batch.metadata, batch.q
-    out = torch.full_like(q, float("nan"))
-    if num_splits == 1:
-        target, lse, ts, ls = out, out, (out.stride(0), out.stride(1), 0), (0, 0)
-    else:
-        target = torch.empty(q.shape[0], 8, num_splits, 16, dtype=torch.float32, device=device)
-        lse = torch.empty(q.shape[0], 8, num_splits, dtype=torch.float32, device=device)
-        ts, ls = target.stride()[:3], lse.stride()[:2]
+    md = batch.metadata
     scale = 16**-0.5
-    launch_split(
-        q, batch.kv_cache, md.seq_lens, md.block_tables, md.seq_lens, target, lse, scale,
-        num_splits, ts, ls, qmax=1, block_g=16, block_d=16, **setting,
-    )  # fmt: skip
-    if num_splits > 1:
-        merge_splits(target, lse, out, 16)
+    out = decode_attention(
+        batch.q,
+        batch.kv_cache,
+        md.seq_lens,
+        md.block_tables,
+        scale,
+        num_splits=num_splits,
+        max_seq_len=md.max_seq_len,
+    )
     assert_rel_close(out, attention_reference(batch, scale), 1e-5)
 
 
@@ -193,8 +193,6 @@ def test_decode_head_major_falls_back_past_the_grid_limit(
     make_paged_batch, attention_reference, assert_rel_close, device, monkeypatch
 ) -> None:
     # More rows than a grid's second dimension holds: the launch puts rows first instead.
-    import ember.kernels.decode_attention as da
-
     kernel, grids = da._decode_split_kernel, []
 
     class Recording:  # the kernel, its launch grids recorded
@@ -245,8 +243,6 @@ def test_choose_num_splits() -> None:
 
 def test_choose_num_splits_reads_the_module_default(monkeypatch) -> None:
     # profile_mixed.py --decode-splits-per-sm sets the module's PROGRAMS_PER_SM for an engine.
-    import ember.kernels.decode_attention as da
-
     monkeypatch.setattr(da, "PROGRAMS_PER_SM", 8)
     choose_num_splits.cache_clear()
     try:
