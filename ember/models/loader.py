@@ -152,16 +152,17 @@ def fill_weights(
     with closing(tensors):
         weights = dequantize_fp8(tensors, config.fp8_block_size, dtype or config.dtype)
         loaded = model.load_weights(weights if stop is None else _until(stop, weights))
+    check_complete(model, loaded, f"checkpoint in {str(model_dir)!r}")
+
+
+def check_complete(model: nn.Module, loaded: set[str], source: str) -> None:
+    """Raise, naming them, if parameters of `model` are not in `loaded` (the names its
+    `load_weights` filled) or if a fused weight (q/k/v, gate/up, an MoE layer's experts), which
+    is in `loaded` once any of its checkpoint tensors was, lacks parts: their rows would be
+    served as they were allocated. `source` names the checkpoint in the error."""
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
-        raise ValueError(f"checkpoint in {str(model_dir)!r} lacks weights: {missing[:8]}")
-    check_fused_parts(model, loaded, f"checkpoint in {str(model_dir)!r}")
-
-
-def check_fused_parts(model: nn.Module, loaded: set[str], source: str) -> None:
-    """A fused weight (q/k/v, gate/up, an MoE layer's experts) is in `loaded` once any of its
-    checkpoint tensors was: raise, naming them, if some of its parts never came (their rows
-    would be served as they were allocated). `source` names the checkpoint in the error."""
+        raise ValueError(f"{source} lacks weights: {missing[:8]}")
     parts = [
         f"{name} ({', '.join(gaps[:4])}{', ...' if len(gaps) > 4 else ''})"
         for name in sorted(loaded)

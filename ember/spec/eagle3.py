@@ -32,7 +32,7 @@ from ember.models.layers.linear import StackedLinear
 from ember.models.layers.norm import RMSNorm
 from ember.models.layers.rotary import RotaryEmbedding
 from ember.models.llama import MLP, Attention, LlamaForCausalLM
-from ember.models.loader import check_fused_parts
+from ember.models.loader import check_complete
 from ember.models.weight_staging import iter_safetensors
 from ember.spec.eagle3_config import Eagle3Config
 from ember.spec.eagle3_config import default_aux_layers as default_aux_layers  # re-export
@@ -132,10 +132,7 @@ class Eagle3DraftModel(nn.Module):
                 f"draft_vocab_size {draft_vocab} < vocab_size {vocab} needs a d2t map, "
                 "which the checkpoint lacks"
             )
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"EAGLE-3 checkpoint lacks weights: {missing}")
-        check_fused_parts(self, loaded, "EAGLE-3 checkpoint")
+        check_complete(self, loaded, "EAGLE-3 checkpoint")
 
     def _load_one(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> str:
         for ours, theirs, shard in LlamaForCausalLM.stacked_params:
