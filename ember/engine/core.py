@@ -56,6 +56,11 @@ if TYPE_CHECKING:
     from ember.kernels.compile_workers import CompileWorkers
 
 log = logging.getLogger(__name__)
+steps_log = logging.getLogger("ember.engine.steps")
+"""A DEBUG line a launched step: when (time.monotonic(), the clock `ember bench` stamps requests
+with), its rows and tokens, and the requests that arrived since the step before. Off unless asked
+(`EMBER_DEBUG=ember.engine.steps`, ember/engine/core_proc.py): where the first seconds of a burst
+of requests went."""
 
 MAX_FAILED_STEPS = 3
 """Steps in a row that may fail before the core gives up: past it, the fault is the core's own
@@ -213,6 +218,9 @@ class EngineCore:
             if self.runner.drafter is not None:
                 self.scheduler.num_lookahead_tokens = self.runner.num_draft_tokens
         self.num_steps = 0
+        self._arrived: list[float] = []
+        """When the requests added since the last step were submitted (the API process's clock
+        at its send: the step log's)."""
         self.async_scheduling = (
             on_gpu if config.async_scheduling is None else config.async_scheduling
         )
@@ -363,6 +371,8 @@ class EngineCore:
             self.compile_log.mark()
 
     def add_request(self, msg: EngineCoreRequest) -> None:
+        if steps_log.isEnabledFor(logging.DEBUG):
+            self._arrived.append(msg.arrival_time)
         req = Request(
             request_id=msg.request_id,
             prompt_token_ids=msg.prompt_token_ids,
@@ -568,6 +578,8 @@ class EngineCore:
                 self.tiers.fence(self.kv.pool.drain_allocated())
             launched = (so, self.runner.launch(so))
             self.num_steps += 1
+            if steps_log.isEnabledFor(logging.DEBUG):
+                self._log_step(so)
         elif self._in_flight is None and (
             self.scheduler.loading or self.scheduler.awaiting_lookup or self._offloading()
         ):
@@ -585,6 +597,17 @@ class EngineCore:
             self._pace_host_tier()
         self._outputs, self._batches = [], []
         return outputs
+
+    def _log_step(self, so: SchedulerOutput) -> None:
+        prefill = sum(n > 1 for n in so.num_scheduled_tokens)
+        a = self._arrived
+        steps_log.debug(
+            "step %d at %.4f: %d rows (%d prefilling), %d tokens; %d waiting, %d arrived since%s",
+            self.num_steps, time.monotonic(), len(so.requests), prefill,
+            so.total_num_scheduled_tokens, len(self.scheduler.waiting), len(a),
+            f" (submitted {min(a):.4f} to {max(a):.4f})" if a else "",
+        )  # fmt: skip
+        self._arrived = []
 
     def _pace_host_tier(self) -> None:
         """The host tier's memory grows while the engine has no work, and beside requests only

@@ -65,6 +65,8 @@ def engine_core_main(
     die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when we stop
     logging.basicConfig(level=os.environ.get("EMBER_LOG_LEVEL", "INFO"))
+    for name in filter(None, os.environ.get("EMBER_DEBUG", "").split(",")):
+        logging.getLogger(name).setLevel(logging.DEBUG)  # e.g. ember.engine.steps
     ctx = zmq.Context()
     out = ctx.socket(zmq.PUSH)
     out.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)  # no send may block forever (see send())
