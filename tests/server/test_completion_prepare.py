@@ -1,0 +1,90 @@
+"""/v1/completions prepares a small request (token ids or a short text, no grammar) on the event
+loop and a large one or one with a grammar in a worker thread (INLINE_PREPARE_SIZE): both ways
+give the same answer and the same 400s, and the thread is taken exactly where the rule says."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from ember.engine.async_llm import AsyncLLM
+from ember.engine.config import EngineConfig
+from ember.server import serving_completion
+from ember.server.api_server import build_app
+from tests.server.test_vllm_compat import assert_openai_error
+
+IDS = [5, 17, 99, 3, 42, 8, 250, 11]
+
+
+@pytest.fixture(scope="module")
+def web(tiny_model_dir) -> Iterator[TestClient]:
+    engine = AsyncLLM(EngineConfig(model=str(tiny_model_dir("llama")), max_model_len=256))
+    with TestClient(build_app(engine, ["tiny"]), raise_server_exceptions=False) as client:
+        deadline = time.monotonic() + 60
+        while client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline, "the engine did not start"
+            time.sleep(0.1)
+        yield client
+
+
+@pytest.fixture
+def threads(monkeypatch) -> list[str]:
+    """The names of what the completion handler sent to a worker thread."""
+    sent: list[str] = []
+    real = asyncio.to_thread
+
+    async def recording(fn: Any, *args: Any) -> Any:
+        sent.append(fn.__name__)
+        return await real(fn, *args)
+
+    monkeypatch.setattr(serving_completion.asyncio, "to_thread", recording)
+    return sent
+
+
+def _text(web: TestClient, **body: Any) -> str:
+    full = {"model": "tiny", "max_tokens": 6, "temperature": 0, **body}
+    r = web.post("/v1/completions", json=full)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_small_requests_skip_the_thread_large_ones_take_it(
+    web: TestClient, threads: list[str], monkeypatch
+) -> None:
+    inline = _text(web, prompt=IDS)
+    text = _text(web, prompt="hello there")
+    several = _text(web, prompt=[IDS, IDS[:4]])
+    assert threads == []
+    # The same requests over the limit: prepared in a thread, answered alike.
+    monkeypatch.setattr(serving_completion, "INLINE_PREPARE_SIZE", len(IDS) - 1)
+    assert _text(web, prompt=IDS) == inline
+    assert _text(web, prompt="hello there") == text
+    assert _text(web, prompt=[IDS, IDS[:4]]) == several
+    assert threads == ["_prepare"] * 3
+    # At the limit exactly: inline again (the sum of every prompt's ids or characters counts).
+    monkeypatch.setattr(serving_completion, "INLINE_PREPARE_SIZE", len(IDS) + 4)
+    assert _text(web, prompt=[IDS, IDS[:4]]) == several
+    assert threads == ["_prepare"] * 3
+
+
+def test_a_grammar_always_takes_the_thread(web: TestClient, threads: list[str]) -> None:
+    grammar = {"structured_outputs": {"regex": "(yes|no)"}}
+    assert _text(web, prompt=IDS, **grammar) in ("yes", "no")
+    assert threads == ["_prepare"]
+
+
+@pytest.mark.parametrize("limit", [10_000, 0])
+def test_bad_ids_are_a_400_either_way(
+    web: TestClient, threads: list[str], monkeypatch, limit: int
+) -> None:
+    monkeypatch.setattr(serving_completion, "INLINE_PREPARE_SIZE", limit)
+    body = {"model": "tiny", "max_tokens": 2, "prompt": [5, 10**9]}
+    err = assert_openai_error(web.post("/v1/completions", json=body), 400)
+    assert "out of range" in err["message"] and err["param"] == "prompt"
+    assert threads == ([] if limit else ["_prepare"])
+    assert _text(web, prompt=IDS)  # the server goes on
