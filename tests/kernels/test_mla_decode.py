@@ -42,7 +42,9 @@ def _case(seq_lens, heads, rank, rope, page, dtype, device, seed):
     return q_latent, q_rope, cache, md
 
 
-def _check(seq_lens, heads, rank, rope, page, dtype, device, seed, splits, tol) -> None:
+def _check(
+    seq_lens, heads, rank, rope, page, dtype, device, seed, splits, tol, lens=torch.int32
+) -> None:
     q_latent, q_rope, cache, md = _case(seq_lens, heads, rank, rope, page, dtype, device, seed)
     scale = (rank + rope) ** -0.5 * 1.3
     want = mla_attention_ref(q_latent.float(), q_rope.float(), cache.float(), md, scale)
@@ -51,7 +53,7 @@ def _check(seq_lens, heads, rank, rope, page, dtype, device, seed, splits, tol) 
         q_latent,
         q_rope,
         cache,
-        md.seq_lens,
+        md.seq_lens.to(lens),
         md.block_tables,
         scale,
         out=out,
@@ -79,10 +81,20 @@ def test_mla_decode_matches_the_reference(seed, seq_lens, splits, heads, rank, r
     _check(seq_lens, heads, rank, rope, page, torch.float32, device, seed, splits, 2e-5)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_mla_decode_takes_int64_seq_lens(splits: int) -> None:
+    """The decode graphs hold seq_lens as int64 (the eager path int32): the kernel casts them."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    _check([5, 300, 16], 20, 64, 16, 16, torch.float32, device, 2, splits, 2e-5, torch.int64)
+
+
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seq_lens", [[1, 700, 4000, 33], [8192]])
-def test_mla_decode_kimi_shape_on_the_gpu(dtype: torch.dtype, seq_lens: list[int]) -> None:
-    """Kimi K2's latent (512 + 64) with 64 heads a rank."""
-    _check(seq_lens, 64, 512, 64, 16, dtype, "cuda", 3, None, 2e-2)
+@pytest.mark.parametrize("lens", [torch.int32, torch.int64])
+def test_mla_decode_kimi_shape_on_the_gpu(
+    dtype: torch.dtype, seq_lens: list[int], lens: torch.dtype
+) -> None:
+    """Kimi K2's latent (512 + 64) with 64 heads a rank; seq_lens as either path holds them."""
+    _check(seq_lens, 64, 512, 64, 16, dtype, "cuda", 3, None, 2e-2, lens)
