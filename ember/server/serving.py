@@ -27,10 +27,24 @@ from ember.trust import cache_namespace, new_secret
 
 DONE = b"data: [DONE]\n\n"
 MIN_LOGPROB = -9999.0
+INLINE_PREPARE_SIZE = 32_768
+"""Prompt characters plus token ids up to which a request without a grammar is prepared on the
+event loop (checked, templated, tokenized, its sampling parameters resolved: well under a
+millisecond at this size) instead of in a worker thread. The hop costs more than such work: GIL
+hand-offs with the loop, and a request's submission to the engine queued behind the parsing of
+every request that arrived with it (256 token-id prompts sent at once reached the core in one
+lump 0.2-0.4 s after the first while it idled; docs/performance.md, session 22). Larger prompts
+(tokenizing megabytes takes seconds) and grammars (compiling one can too) still go to a thread."""
 
 
 def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def prepares_inline(size: int, grammar: bool) -> bool:
+    """Whether a request of `size` prompt characters plus token ids is prepared on the event loop
+    (INLINE_PREPARE_SIZE, read at each call)."""
+    return not grammar and size <= INLINE_PREPARE_SIZE
 
 
 def new_id(prefix: str) -> str:

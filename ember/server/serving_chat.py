@@ -23,6 +23,7 @@ from ember.server.serving import (
     ServingContext,
     chat_logprobs,
     new_id,
+    prepares_inline,
     prompt_logprobs_body,
     sse,
     stop_holdback,
@@ -84,10 +85,11 @@ class ChatHandler:
         ctx.check_max_tokens(req.requested_max_tokens, req.max_tokens_param)
         ctx.check_prompt_chars(sum(m.num_chars for m in req.messages), "messages")
         with ctx.admit(req.n):
-            # Templating, tokenizing and compiling a grammar take seconds on a large body: in a
-            # worker thread, so other streams and /health go on meanwhile.
             cache_salt, kv_transfer = ctx.trusted_inputs(raw, req)
-            ids, params, parser, tools = await asyncio.to_thread(self._prepare, req, cache_salt)
+            if self._small(req):
+                ids, params, parser, tools = self._prepare(req, cache_salt)
+            else:  # templating, tokenizing or compiling a grammar takes seconds on a large body
+                ids, params, parser, tools = await asyncio.to_thread(self._prepare, req, cache_salt)
             rid = new_id("chatcmpl")
             stream = await ctx.submit(rid, ids, params, cache_salt, kv_transfer)
         # Each choice streams through a parser of its own (they keep state).
@@ -96,6 +98,16 @@ class ChatHandler:
             body = self._stream(req, model, rid, stream, raw, make_parser, stop_holdback(params))
             return StreamingResponse(body, media_type="text/event-stream")
         return await self._full(req, model, rid, stream, raw, make_parser)
+
+    @staticmethod
+    def _small(req: ChatCompletionRequest) -> bool:
+        """A chat without tools or tool calls (an agent's schemas and arguments are large and
+        uncounted here) and without a grammar, of at most INLINE_PREPARE_SIZE characters."""
+        if req.tools or any(m.tool_calls for m in req.messages):
+            return False
+        fmt = req.response_format
+        grammar = req.structured_outputs is not None or (fmt is not None and fmt.type != "text")
+        return prepares_inline(sum(m.num_chars for m in req.messages), grammar)
 
     def _prepare(
         self, req: ChatCompletionRequest, cache_salt: str | None

@@ -24,6 +24,7 @@ from ember.server.serving import (
     legacy_logprobs,
     merge_streams,
     new_id,
+    prepares_inline,
     prompt_logprobs_body,
     sse,
     stop_holdback,
@@ -31,15 +32,6 @@ from ember.server.serving import (
     usage_body,
     watch_disconnect,
 )
-
-INLINE_PREPARE_SIZE = 32_768
-"""Prompt characters plus token ids up to which a request without a grammar is prepared on the
-event loop (checked, tokenized, its sampling parameters resolved: well under a millisecond for a
-few thousand ids) instead of in a worker thread. The hop costs more than such work: GIL hand-offs
-with the loop, and a request's send to the engine queued behind the parsing of every request that
-arrived with it (256 token-id prompts sent at once reached the core in one lump ~0.4 s after the
-first, while it idled; docs/performance.md, session 22). Larger prompts (tokenizing megabytes
-takes seconds) and grammars (compiling one can too) still go to a thread."""
 
 
 class CompletionHandler:
@@ -69,7 +61,8 @@ class CompletionHandler:
             raise APIError("kv_transfer_params needs a single prompt", param="prompt")
         streams: list[RequestStream] = []
         with ctx.admit(len(given) * req.n):
-            if self._small(req, given):
+            grammar = req.structured_outputs is not None
+            if prepares_inline(sum(map(len, given)), grammar):
                 prompts, all_params = self._prepare(req, given)
             else:  # tokenizing (or decoding for echo) a large batch takes seconds
                 prompts, all_params = await asyncio.to_thread(self._prepare, req, given)
@@ -87,12 +80,6 @@ class CompletionHandler:
             body = self._stream(req, model, rid, prompts, streams, raw, holdback)
             return StreamingResponse(body, media_type="text/event-stream")
         return await self._full(req, model, rid, prompts, streams, raw)
-
-    @staticmethod
-    def _small(req: CompletionRequest, given: list[str | list[int]]) -> bool:
-        """Whether preparing `req` is cheap enough for the event loop (INLINE_PREPARE_SIZE)."""
-        grammar = req.structured_outputs is not None
-        return not grammar and sum(map(len, given)) <= INLINE_PREPARE_SIZE
 
     def _prepare(
         self, req: CompletionRequest, given: list[str | list[int]]

@@ -1,6 +1,7 @@
-"""/v1/completions prepares a small request (token ids or a short text, no grammar) on the event
-loop and a large one or one with a grammar in a worker thread (INLINE_PREPARE_SIZE): both ways
-give the same answer and the same 400s, and the thread is taken exactly where the rule says."""
+"""Chat and completions prepare a small request (token ids or a short text, no grammar; for chat
+no tools either) on the event loop and a large one, one with a grammar or a chat with tools in a
+worker thread (INLINE_PREPARE_SIZE): both ways give the same answer and the same 400s, and the
+thread is taken exactly where the rule says."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from fastapi.testclient import TestClient
 
 from ember.engine.async_llm import AsyncLLM
 from ember.engine.config import EngineConfig
-from ember.server import serving_completion
+from ember.server import serving, serving_chat, serving_completion
 from ember.server.api_server import build_app
 from tests.server.test_vllm_compat import assert_openai_error
 
@@ -42,6 +43,8 @@ def threads(monkeypatch) -> list[str]:
         sent.append(fn.__name__)
         return await real(fn, *args)
 
+    # One asyncio module: patched once, seen by both handlers.
+    assert serving_chat.asyncio is serving_completion.asyncio
     monkeypatch.setattr(serving_completion.asyncio, "to_thread", recording)
     return sent
 
@@ -61,13 +64,13 @@ def test_small_requests_skip_the_thread_large_ones_take_it(
     several = _text(web, prompt=[IDS, IDS[:4]])
     assert threads == []
     # The same requests over the limit: prepared in a thread, answered alike.
-    monkeypatch.setattr(serving_completion, "INLINE_PREPARE_SIZE", len(IDS) - 1)
+    monkeypatch.setattr(serving, "INLINE_PREPARE_SIZE", len(IDS) - 1)
     assert _text(web, prompt=IDS) == inline
     assert _text(web, prompt="hello there") == text
     assert _text(web, prompt=[IDS, IDS[:4]]) == several
     assert threads == ["_prepare"] * 3
     # At the limit exactly: inline again (the sum of every prompt's ids or characters counts).
-    monkeypatch.setattr(serving_completion, "INLINE_PREPARE_SIZE", len(IDS) + 4)
+    monkeypatch.setattr(serving, "INLINE_PREPARE_SIZE", len(IDS) + 4)
     assert _text(web, prompt=[IDS, IDS[:4]]) == several
     assert threads == ["_prepare"] * 3
 
@@ -82,9 +85,67 @@ def test_a_grammar_always_takes_the_thread(web: TestClient, threads: list[str]) 
 def test_bad_ids_are_a_400_either_way(
     web: TestClient, threads: list[str], monkeypatch, limit: int
 ) -> None:
-    monkeypatch.setattr(serving_completion, "INLINE_PREPARE_SIZE", limit)
+    monkeypatch.setattr(serving, "INLINE_PREPARE_SIZE", limit)
     body = {"model": "tiny", "max_tokens": 2, "prompt": [5, 10**9]}
     err = assert_openai_error(web.post("/v1/completions", json=body), 400)
     assert "out of range" in err["message"] and err["param"] == "prompt"
     assert threads == ([] if limit else ["_prepare"])
     assert _text(web, prompt=IDS)  # the server goes on
+
+
+def _chat(web: TestClient, **body: Any) -> dict:
+    full = {"model": "tiny", "max_tokens": 6, "temperature": 0, **body}
+    r = web.post("/v1/chat/completions", json=full)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]
+
+
+HI = [{"role": "user", "content": "hello there"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+def test_a_small_chat_skips_the_thread(web: TestClient, threads: list[str], monkeypatch) -> None:
+    inline = _chat(web, messages=HI)
+    assert threads == []
+    monkeypatch.setattr(serving, "INLINE_PREPARE_SIZE", len("hello there") - 1)
+    assert _chat(web, messages=HI) == inline
+    assert threads == ["_prepare"]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"tools": [TOOL]},
+        {"response_format": {"type": "json_object"}},
+        {"structured_outputs": {"regex": "(yes|no)"}},
+    ],
+    ids=["tools", "response-format", "structured-outputs"],
+)
+def test_a_chat_with_tools_or_a_grammar_takes_the_thread(
+    web: TestClient, threads: list[str], extra: dict
+) -> None:
+    _chat(web, messages=HI, **extra)
+    assert threads == ["_prepare"]
+
+
+def test_a_chat_carrying_tool_calls_takes_the_thread(web: TestClient, threads: list[str]) -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        *HI,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
+    _chat(web, messages=messages)
+    assert threads == ["_prepare"]
+
+
+@pytest.mark.parametrize("limit", [10_000, 0])
+def test_a_chat_over_the_context_is_a_400_either_way(
+    web: TestClient, threads: list[str], monkeypatch, limit: int
+) -> None:
+    monkeypatch.setattr(serving, "INLINE_PREPARE_SIZE", limit)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "word " * 600}]}
+    err = assert_openai_error(web.post("/v1/chat/completions", json=body), 400)
+    assert err["code"] == "context_length_exceeded", err
+    assert threads == ([] if limit else ["_prepare"])
+    assert _chat(web, messages=HI)  # the server goes on
