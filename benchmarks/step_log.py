@@ -25,8 +25,11 @@ from pathlib import Path
 
 LINE = re.compile(
     r"step (\d+) at ([\d.]+): (\d+) rows \((\d+) prefilling\), (\d+) tokens; (\d+) waiting, "
-    r"(\d+) arrived since(?: \(submitted ([\d.]+) to ([\d.]+)\))?"
+    r"(\d+) arrived since(?: \(submitted ([\d.]+) to ([\d.]+)(?:, received ([\d.]+) to "
+    r"([\d.]+))?\))?(?:; scheduled and launched in ([\d.]+) ms)?"
 )
+"""A step log's line (session 22's first logs had neither the receive times nor the host's
+milliseconds to schedule and launch the step: both optional)."""
 FULL_STEP_TOKENS = 8192
 
 
@@ -40,6 +43,8 @@ class Step:
     waiting: int
     arrived: int
     submitted: tuple[float, float] | None
+    received: tuple[float, float] | None
+    launch_ms: float | None
 
 
 def parse(text: str) -> list[Step]:
@@ -48,9 +53,10 @@ def parse(text: str) -> list[Step]:
         if m is None:
             continue
         sub = (float(m[8]), float(m[9])) if m[8] else None
-        steps.append(
-            Step(int(m[1]), float(m[2]), int(m[3]), int(m[4]), int(m[5]), int(m[6]), int(m[7]), sub)
-        )
+        got = (float(m[10]), float(m[11])) if m[10] else None
+        launch = float(m[12]) if m[12] else None
+        counts = (int(m[i]) for i in (3, 4, 5, 6, 7))
+        steps.append(Step(int(m[1]), float(m[2]), *counts, sub, got, launch))
     return steps
 
 
@@ -77,7 +83,9 @@ def summarize(burst: list[Step]) -> dict:
             "submitted_ms": [round((x - t0) * 1e3, 1) for x in s.submitted]
             if s.submitted
             else None,
+            "received_ms": [round((x - t0) * 1e3, 1) for x in s.received] if s.received else None,
             "seen_ms": round((s.at - t0) * 1e3, 1),
+            "launch_ms": s.launch_ms,
         }
         for s in burst
         if s.arrived
@@ -99,6 +107,19 @@ def summarize(burst: list[Step]) -> dict:
         "span_s": round(burst[-1].at - t0, 3),
     }
     return out
+
+
+def arrival(a: dict) -> str:
+    """One step's arrivals: submitted (the API process), received (the core), seen (the step's
+    launch done), and the host's milliseconds to schedule and launch that step."""
+    if not a["submitted_ms"]:
+        return f"{a['requests']} seen at {a['seen_ms']:.1f} ms"
+    sub, got = a["submitted_ms"], a["received_ms"]
+    text = f"{a['requests']} submitted {sub[0]:.1f}-{sub[1]:.1f}"
+    if got:
+        text += f", received {got[0]:.1f}-{got[1]:.1f}"
+    text += f", seen at {a['seen_ms']:.1f} ms"
+    return text + (f" (launch {a['launch_ms']:.2f} ms)" if a["launch_ms"] is not None else "")
 
 
 def main() -> None:
@@ -123,13 +144,7 @@ def main() -> None:
                 f"{b['decode_s']:.2f} s ({b['decode_gap_ms_p50']} ms) | {b['span_s']:.2f} s |"
             )
         for i, b in enumerate(found):
-            lumps = [
-                f"{a['requests']} submitted {a['submitted_ms'][0]:.0f}-{a['submitted_ms'][1]:.0f} "
-                f"ms, seen at {a['seen_ms']:.0f}"
-                for a in b["arrivals"][:6]
-                if a["submitted_ms"]
-            ]
-            print(f"burst {i} arrivals: " + "; ".join(lumps))
+            print(f"burst {i} arrivals: " + "; ".join(map(arrival, b["arrivals"][:6])))
         out = log.with_suffix(".json")
         out.write_text(json.dumps({"log": str(log), "bursts": found}, indent=1))
         print(f"wrote {out}")

@@ -218,9 +218,9 @@ class EngineCore:
             if self.runner.drafter is not None:
                 self.scheduler.num_lookahead_tokens = self.runner.num_draft_tokens
         self.num_steps = 0
-        self._arrived: list[float] = []
+        self._arrived: list[tuple[float, float]] = []
         """When the requests added since the last step were submitted (the API process's clock
-        at its send: the step log's)."""
+        at its send) and received here: the step log's."""
         self.async_scheduling = (
             on_gpu if config.async_scheduling is None else config.async_scheduling
         )
@@ -372,7 +372,7 @@ class EngineCore:
 
     def add_request(self, msg: EngineCoreRequest) -> None:
         if steps_log.isEnabledFor(logging.DEBUG):
-            self._arrived.append(msg.arrival_time)
+            self._arrived.append((msg.arrival_time, time.monotonic()))
         req = Request(
             request_id=msg.request_id,
             prompt_token_ids=msg.prompt_token_ids,
@@ -569,6 +569,7 @@ class EngineCore:
             outputs += self._collect()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
+        scheduling = time.monotonic()
         so = self.scheduler.schedule()
         self._batches.append(so)
         launched = None
@@ -579,7 +580,7 @@ class EngineCore:
             launched = (so, self.runner.launch(so))
             self.num_steps += 1
             if steps_log.isEnabledFor(logging.DEBUG):
-                self._log_step(so)
+                self._log_step(so, scheduling)
         elif self._in_flight is None and (
             self.scheduler.loading or self.scheduler.awaiting_lookup or self._offloading()
         ):
@@ -598,14 +599,22 @@ class EngineCore:
         self._outputs, self._batches = [], []
         return outputs
 
-    def _log_step(self, so: SchedulerOutput) -> None:
+    def _log_step(self, so: SchedulerOutput, scheduling: float) -> None:
+        """`scheduling`: when this step's scheduling began (the line's time is its launch's end)."""
+        now, a = time.monotonic(), self._arrived
         prefill = sum(n > 1 for n in so.num_scheduled_tokens)
-        a = self._arrived
+        arrivals = ""
+        if a:
+            sub, got = [x for x, _ in a], [y for _, y in a]
+            arrivals = (
+                f" (submitted {min(sub):.4f} to {max(sub):.4f}, received {min(got):.4f} to "
+                f"{max(got):.4f})"
+            )
         steps_log.debug(
-            "step %d at %.4f: %d rows (%d prefilling), %d tokens; %d waiting, %d arrived since%s",
-            self.num_steps, time.monotonic(), len(so.requests), prefill,
-            so.total_num_scheduled_tokens, len(self.scheduler.waiting), len(a),
-            f" (submitted {min(a):.4f} to {max(a):.4f})" if a else "",
+            "step %d at %.4f: %d rows (%d prefilling), %d tokens; %d waiting, %d arrived since%s; "
+            "scheduled and launched in %.2f ms",
+            self.num_steps, now, len(so.requests), prefill, so.total_num_scheduled_tokens,
+            len(self.scheduler.waiting), len(a), arrivals, (now - scheduling) * 1e3,
         )  # fmt: skip
         self._arrived = []
 

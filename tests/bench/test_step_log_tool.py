@@ -66,7 +66,9 @@ def test_two_bursts_with_their_arrivals_and_phases(tiny_model_dir, log_file: Pat
     (lump,) = first["arrivals"]  # all three seen by the first step
     assert lump["requests"] == 3 and lump["submitted_ms"][0] == 0.0
     assert 1.5 <= lump["submitted_ms"][1] <= 2.5  # the third was sent 2 ms after the first
-    assert lump["seen_ms"] >= lump["submitted_ms"][1]
+    assert lump["submitted_ms"][1] <= lump["received_ms"][0] <= lump["received_ms"][1]
+    assert lump["received_ms"][1] <= lump["seen_ms"] and lump["launch_ms"] > 0
+    assert "received" in step_log.arrival(lump) and "launch" in step_log.arrival(lump)
     # One prefill step (59 tokens) then two decode steps of three rows (3 tokens asked each).
     assert first["prefill_steps"] == 1 and first["decode_steps"] == 2
     assert first["span_s"] >= first["prefill_s"] + first["decode_s"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,9 @@ from ember.engine.messages import EngineCoreRequest
 from ember.sampling_params import SamplingParams
 
 LINE = re.compile(
-    r"step (\d+) at [\d.]+: (\d+) rows \((\d+) prefilling\), (\d+) tokens; (\d+) waiting, "
-    r"(\d+) arrived since(?: \(submitted ([\d.]+) to ([\d.]+)\))?"
+    r"step (\d+) at ([\d.]+): (\d+) rows \((\d+) prefilling\), (\d+) tokens; (\d+) waiting, "
+    r"(\d+) arrived since(?: \(submitted ([\d.]+) to ([\d.]+), received ([\d.]+) to "
+    r"([\d.]+)\))?; scheduled and launched in ([\d.]+) ms$"
 )
 
 
@@ -38,6 +40,7 @@ def _request(rid: str, n: int, submitted: float) -> EngineCoreRequest:
 def test_each_step_logs_its_rows_tokens_and_arrivals(llama: Path, caplog) -> None:
     caplog.set_level(logging.DEBUG, logger="ember.engine.steps")
     core = _core(llama)
+    began = time.monotonic()
     try:
         core.add_request(_request("a", 7, 100.25))
         core.add_request(_request("b", 5, 100.5))
@@ -48,10 +51,13 @@ def test_each_step_logs_its_rows_tokens_and_arrivals(llama: Path, caplog) -> Non
     steps = [LINE.search(r.getMessage()) for r in caplog.records if r.name == "ember.engine.steps"]
     assert steps and all(steps), [r.getMessage() for r in caplog.records]
     first = steps[0]
-    assert first.group(1, 2, 3, 4, 5, 6) == ("1", "2", "2", "12", "0", "2")
-    assert (float(first[7]), float(first[8])) == (100.25, 100.5)
+    assert first.group(1, 3, 4, 5, 6, 7) == ("1", "2", "2", "12", "0", "2")
+    assert (float(first[8]), float(first[9])) == (100.25, 100.5)
+    # Received here after the test began, before the step's launch ended (the line's time).
+    assert began <= float(first[10]) <= float(first[11]) <= float(first[2])
+    assert 0 < float(first[12]) < 60_000
     # The next step decodes both rows; nothing arrived since.
-    assert steps[1].group(2, 3, 4, 6) == ("2", "0", "2", "0") and steps[1][7] is None
+    assert steps[1].group(3, 4, 5, 7) == ("2", "0", "2", "0") and steps[1][8] is None
     assert [int(m[1]) for m in steps] == list(range(1, len(steps) + 1))
 
 
