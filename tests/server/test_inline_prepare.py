@@ -81,18 +81,6 @@ def test_a_grammar_always_takes_the_thread(web: TestClient, threads: list[str]) 
     assert threads == ["_prepare"]
 
 
-@pytest.mark.parametrize("limit", [10_000, 0])
-def test_bad_ids_are_a_400_either_way(
-    web: TestClient, threads: list[str], monkeypatch, limit: int
-) -> None:
-    monkeypatch.setattr(serving, "INLINE_PREPARE_SIZE", limit)
-    body = {"model": "tiny", "max_tokens": 2, "prompt": [5, 10**9]}
-    err = assert_openai_error(web.post("/v1/completions", json=body), 400)
-    assert "out of range" in err["message"] and err["param"] == "prompt"
-    assert threads == ([] if limit else ["_prepare"])
-    assert _text(web, prompt=IDS)  # the server goes on
-
-
 def _chat(web: TestClient, **body: Any) -> dict:
     full = {"model": "tiny", "max_tokens": 6, "temperature": 0, **body}
     r = web.post("/v1/chat/completions", json=full)
@@ -140,12 +128,20 @@ def test_a_chat_carrying_tool_calls_takes_the_thread(web: TestClient, threads: l
 
 
 @pytest.mark.parametrize("limit", [10_000, 0])
-def test_a_chat_over_the_context_is_a_400_either_way(
-    web: TestClient, threads: list[str], monkeypatch, limit: int
+@pytest.mark.parametrize(
+    "path,body,param,words",
+    [
+        ("/v1/completions", {"prompt": [5, 10**9]}, "prompt", "out of range"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 600}]},
+         "messages", "maximum context length"),
+    ],
+    ids=["completion-bad-id", "chat-too-long"],
+)  # fmt: skip
+def test_bad_input_is_the_same_400_either_way(
+    web: TestClient, threads: list[str], monkeypatch, limit: int, path, body, param, words
 ) -> None:
     monkeypatch.setattr(serving, "INLINE_PREPARE_SIZE", limit)
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "word " * 600}]}
-    err = assert_openai_error(web.post("/v1/chat/completions", json=body), 400)
-    assert err["code"] == "context_length_exceeded", err
+    err = assert_openai_error(web.post(path, json={"model": "tiny", "max_tokens": 2, **body}), 400)
+    assert err["param"] == param and words in err["message"], err
     assert threads == ([] if limit else ["_prepare"])
-    assert _chat(web, messages=HI)  # the server goes on
+    assert _text(web, prompt=IDS) and _chat(web, messages=HI)  # the server goes on
