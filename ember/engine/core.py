@@ -58,9 +58,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 steps_log = logging.getLogger("ember.engine.steps")
 """A DEBUG line a launched step: when (time.monotonic(), the clock `ember bench` stamps requests
-with), its rows and tokens, and the requests that arrived since the step before. Off unless asked
-(`EMBER_DEBUG=ember.engine.steps`, ember/engine/core_proc.py): where the first seconds of a burst
-of requests went."""
+with), its rows and tokens, the requests that arrived since the step before (submitted by the API
+process, received here), and the host's milliseconds to schedule and launch it. Off unless asked
+(`EMBER_DEBUG=ember.engine.steps`, ember/engine/core_proc.py; `benchmarks/step_log.py` reads it):
+where the first seconds of a burst of requests went, and a step's host cost."""
 
 MAX_FAILED_STEPS = 3
 """Steps in a row that may fail before the core gives up: past it, the fault is the core's own
