@@ -424,7 +424,8 @@ async def merge_streams(
     """Interleave several requests' outputs as they come, tagged with the stream's index."""
     if len(streams) == 1:
         # One prompt, the common case: a task and a wait for every output cost the API process
-        # ~40% of its CPU a token (benchmarks/server_overhead.py, docs/performance.md session 22).
+        # ~27% of its CPU a streamed token (benchmarks/server_overhead.py, docs/performance.md,
+        # session 22).
         async for out in streams[0]:
             yield 0, out
         return
