@@ -2,7 +2,10 @@
 (`ember bench`) with the same loads (issue 16):
 
 - mixed: 256 requests of 1024 prompt tokens and 256 output tokens, all sent at once: output tok/s;
-- b1: one request at a time, 128 in, 512 out, three times: TPOT p50;
+- b1: one request at a time, 128 in, 512 out, three times: TPOT p50, and its fraction of the
+  copy roofline (the bytes a step reads, the weights and the KV of its mean context, over the
+  card's copy bandwidth measured in the same run, before the first start and after the last; the
+  higher of the two is used);
 - sweep: the mixed requests at Poisson rates (4, 8, 16 req/s): TTFT and TPOT p50/p90, done req/s,
   on the last start only (the warm one when both run);
 - agent: an agent's conversation of C tokens (8k, 16k, 32k), then three next turns each adding
@@ -47,7 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_gpu import SHAPES  # noqa: E402
+from engine_gpu import SHAPES, kv_bytes_per_token, weight_bytes_read  # noqa: E402
 
 from ember.cluster import stop_processes  # noqa: E402
 from ember.kv.tiers.store_master import free_port  # noqa: E402
@@ -61,6 +64,24 @@ class Loads:
     vocab: str
     agent: tuple[tuple[int, ...], int, int] = ((8192, 16384, 32768), 1024, 3)
     """(conversation lengths, tokens a next turn adds, next turns)."""
+
+
+def b1_bytes(cfg: dict, loads: Loads) -> float:
+    """Bytes a step of the b1 load reads: every weight a token touches (not the embedding table)
+    and the KV of the load's mean context (its prompt and half its output)."""
+    _, prompt, output = loads.b1
+    return weight_bytes_read(cfg, 1) + (prompt + output / 2) * kv_bytes_per_token(cfg)
+
+
+def roofline_fracs(report: dict) -> None:
+    """Each run's b1 TPOT against the copy roofline of the report's ceilings (the higher copy
+    rate measured, so the fraction errs low)."""
+    bw = max(report["copy_bytes_per_s"])
+    floor_s = report["b1_bytes"] / bw
+    for runs in report["engines"].values():
+        for run in runs.values():
+            if isinstance(run, dict) and run.get("b1_tpot_ms"):
+                run["b1_roofline_frac"] = floor_s / (run["b1_tpot_ms"] / 1e3)
 
 
 GPU_LOADS = Loads((256, 1024, 256), (3, 128, 512), "4,8,16", "10:120000")
@@ -393,6 +414,13 @@ def main() -> None:
     }
     out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
     out = out_dir / f"served_gpu-{gpu.replace(' ', '_')}.json"
+    ceiling = args.device == "cuda" and "b1" in wanted
+    if ceiling:
+        from engine_gpu import copy_bandwidth
+
+        report["b1_bytes"] = b1_bytes(SHAPES[args.shape], loads)
+        report["copy_bytes_per_s"] = [copy_bandwidth()]
+        torch.cuda.empty_cache()
     if args.cold_weights and (args.weights != "files" or args.device != "cuda"):
         raise SystemExit("--cold-weights needs --weights files on cuda")
     report["cold_weights"], report["cold_libs"] = args.cold_weights, args.cold_libs
@@ -443,6 +471,10 @@ def main() -> None:
             # The same ratio between two runs of one warm server: what noise alone gives.
             runs["warm_again"] = first_minute(runs["warm"].pop("mixed_again_latency_s"), warm)
         report["engines"][key] = runs
+    if ceiling:
+        report["copy_bytes_per_s"].append(copy_bandwidth())
+        torch.cuda.empty_cache()
+        roofline_fracs(report)
     print_table(report)
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out} (logs and runs in {work})")
@@ -451,6 +483,9 @@ def main() -> None:
 def print_table(report: dict) -> None:
     engines = report["engines"]
     print(f"\n## {report['gpu']}, shape {report['shape']}: served, same client\n")
+    if "copy_bytes_per_s" in report:
+        rates = " and ".join(f"{b / 1e9:,.0f}" for b in report["copy_bytes_per_s"])
+        print(f"copy {rates} GB/s (before and after); b1 reads {report['b1_bytes'] / 1e9:.2f} GB")
     print("| | " + " | ".join(f"{e} fresh | {e} warm" for e in engines) + " |")
     print("|---|" + "---|---|" * len(engines))
 
@@ -467,6 +502,7 @@ def print_table(report: dict) -> None:
     row("start to ready", lambda r: f"{r['ready_s']:.1f} s")
     row("mixed, output tok/s", lambda r: f"{r['mixed']['output_throughput']:.0f}")
     row("b1, TPOT p50", lambda r: f"{r['b1_tpot_ms']:.2f} ms")
+    row("b1, of the copy roofline", lambda r: f"{r['b1_roofline_frac']:.3f}")
     for c in report["loads"]["agent"][0]:
         row(
             f"agent, {c} tokens: first / next turn",
