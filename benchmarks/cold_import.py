@@ -16,6 +16,7 @@ Prints a table and writes $OUT/cold_import-<machine>.json (or benchmarks/results
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -142,7 +143,10 @@ def evict(files: list[Path]) -> int:
         except OSError:
             continue
         try:
-            os.fsync(fd)
+            # Some mounts refuse fsync on a read-only descriptor (EINVAL, seen on an H200 host's
+            # library files in session 23); such a file has no dirty pages of ours to write back.
+            with contextlib.suppress(OSError):
+                os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             total += os.fstat(fd).st_size
         finally:
