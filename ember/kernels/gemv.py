@@ -53,6 +53,33 @@ def usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     )
 
 
+@triton.jit
+def _row_dots(
+    x_ptr,
+    w_ptr,
+    n,
+    n_ok,
+    K,
+    stride_wn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """fp32 dot products of the row x with weight rows n (masked by n_ok), 1,024-element runs."""
+    rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            w = tl.load(rows + k[None, :], mask=n_ok[:, None], other=0.0)
+            x = tl.load(x_ptr + k)
+        else:
+            w = tl.load(rows + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0.0)
+            x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    return acc
+
+
 @triton.jit(do_not_specialize=["N", "K"])
 def _gemv_kernel(
     x_ptr,
@@ -75,17 +102,7 @@ def _gemv_kernel(
     else:
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
-    rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            w = tl.load(rows + k[None, :], mask=n_ok[:, None], other=0.0)
-            x = tl.load(x_ptr + k)
-        else:
-            w = tl.load(rows + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0.0)
-            x = tl.load(x_ptr + k, mask=k < K, other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    acc = _row_dots(x_ptr, w_ptr, n, n_ok, K, stride_wn, BLOCK_N, BLOCK_K, EVEN_K)
     if SILU_PAIRS:
         gate, up = tl.split(tl.reshape(acc.to(y_ptr.dtype.element_ty), (BLOCK_N // 2, 2)))
         gate = gate.to(tl.float32)
@@ -95,6 +112,70 @@ def _gemv_kernel(
         tl.store(y_ptr + c, y.to(y_ptr.dtype.element_ty), mask=c < N)
     else:
         tl.store(y_ptr + n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit(do_not_specialize=["K"])
+def _gemv_rope_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    cache_ptr,
+    slot_ptr,
+    K,
+    stride_wn,
+    cos_sp,
+    sin_sp,
+    c_sb,
+    c_skv,
+    c_st,
+    c_sh,
+    N_Q_HEADS: tl.constexpr,
+    N_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    # A program's four rows are two rotation pairs of one head, (c, c + HALF) and (c + 1,
+    # c + 1 + HALF): tile row 2 * half + e is column c + e of that half.
+    HALF: tl.constexpr = HEAD_DIM // 2
+    head = tl.program_id(0) // (HALF // 2)
+    c = (tl.program_id(0) % (HALF // 2)) * 2
+    r = tl.arange(0, 4)
+    col = c + (r % 2) + (r // 2) * HALF
+    n = head * HEAD_DIM + col
+    acc = _row_dots(x_ptr, w_ptr, n, n >= 0, K, stride_wn, 4, BLOCK_K, EVEN_K)
+    out = acc.to(y_ptr.dtype.element_ty)  # the GEMV's own rounding, as its store would
+    if head < N_Q_HEADS + N_KV_HEADS:
+        # q and k: ember/kernels/rotary.py's rotation of the rounded values, its fp32 math.
+        pos = tl.load(pos_ptr).to(tl.int64)
+        e = tl.arange(0, 2)
+        cos1 = tl.load(cos_ptr + pos * cos_sp + c + e).to(tl.float32)
+        cos2 = tl.load(cos_ptr + pos * cos_sp + c + HALF + e).to(tl.float32)
+        sin1 = tl.load(sin_ptr + pos * sin_sp + c + e).to(tl.float32)
+        sin2 = tl.load(sin_ptr + pos * sin_sp + c + HALF + e).to(tl.float32)
+        x1, x2 = tl.split(tl.trans(tl.reshape(out.to(tl.float32), (2, 2))))
+        o1 = x1 * cos1 - x2 * sin1
+        o2 = x2 * cos2 + x1 * sin2
+        out = tl.reshape(tl.trans(tl.join(o1, o2)), (4,)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + n, out)
+    if head >= N_Q_HEADS:
+        # k and v: into the token's paged slot too ([blocks, 2, page, heads, D]); slot -1 marks
+        # a padding row, written nowhere.
+        slot = tl.load(slot_ptr).to(tl.int64)
+        kv = head - N_Q_HEADS
+        dst = (
+            cache_ptr
+            + (slot // PAGE) * c_sb
+            + (kv // N_KV_HEADS) * c_skv
+            + (slot % PAGE) * c_st
+            + (kv % N_KV_HEADS) * c_sh
+            + col
+        )
+        tl.store(dst, out.to(cache_ptr.dtype.element_ty), mask=(r >= 0) & (slot >= 0))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -108,6 +189,73 @@ def gemv_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.shape[0] % 2:
         raise ValueError(f"weight {tuple(weight.shape)} must be [2I, K]: gate rows, then up rows")
     return _launch(x, weight, weight.shape[0] // 2, silu_pairs=True)
+
+
+def rope_usable(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    cos_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+) -> bool:
+    """Whether `gemv_qkv_rope` takes this q/k/v projection: a row the GEMV takes (`usable`), a
+    [q | k | v] weight of whole heads whose halves split into pairs, a rotation over the whole
+    head (cos/sin [P, head_dim]), and a cache of x's dtype, contiguous in head_dim."""
+    heads = num_q_heads + 2 * num_kv_heads
+    head_dim = weight.shape[0] // heads if heads else 0
+    return (
+        usable(x, weight, None)
+        and head_dim * heads == weight.shape[0]
+        and head_dim % 4 == 0
+        and cos_cache.dim() == 2
+        and cos_cache.shape[1] == head_dim
+        and cos_cache.is_contiguous()
+        and kv_cache.dim() == 5
+        and kv_cache.shape[3:] == (num_kv_heads, head_dim)
+        and kv_cache.dtype == x.dtype
+        and kv_cache.stride(4) == 1
+    )
+
+
+def gemv_qkv_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """The q/k/v projection of one token with the rotation and the KV write in its epilogue:
+    F.linear(x, weight) ([..., (Hq + 2 Hkv) * D]) with the q and k heads rotated by the token's
+    position as ember/kernels/rotary.py rotates them (NeoX halves, fp32 math on the GEMV's
+    rounded values), and k and v written into the token's slot of one layer's kv_cache
+    ([blocks, 2, page, Hkv, D]; slot -1 writes nothing): the bits of the GEMV followed by
+    `apply_rotary(..., kv_cache=...)`, one launch fewer. `rope_usable` says when it applies."""
+    n, k = weight.shape
+    if x.shape[-1] != k or x.numel() != k:
+        raise ValueError(f"x {tuple(x.shape)} must be one row of {k} for weight {(n, k)}")
+    if positions.numel() != 1 or slot_mapping.numel() != 1:
+        raise ValueError("one token: one position and one slot")
+    head_dim = n // (num_q_heads + 2 * num_kv_heads)
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    _gemv_rope_kernel[(n // 4,)](
+        x, weight, y, positions, cos_cache, sin_cache, kv_cache, slot_mapping,
+        k, weight.stride(0), cos_cache.stride(0), sin_cache.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        N_Q_HEADS=num_q_heads,
+        N_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        PAGE=kv_cache.shape[2],
+        BLOCK_K=BLOCK_K,
+        EVEN_K=k % BLOCK_K == 0,
+        num_warps=4,
+        num_stages=3,
+    )  # fmt: skip
+    return y
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, width: int, *, silu_pairs: bool) -> torch.Tensor:

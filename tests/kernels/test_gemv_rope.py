@@ -1,0 +1,161 @@
+"""The q/k/v GEMV with the rotation and the KV write in its epilogue (`gemv.gemv_qkv_rope`): the
+bits of the GEMV followed by `apply_rotary(..., kv_cache=...)`, on fresh random inputs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ember.kernels import gemv
+from ember.kernels.rotary import apply_rotary
+from ember.models.layers.rotary import RotaryEmbedding
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _check(
+    hq: int, hkv: int, d: int, k: int, dtype: torch.dtype, device: str, slot: int, seed: int
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    n = (hq + 2 * hkv) * d
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype).to(device)
+    x = torch.randn(1, k, generator=g).to(dtype).to(device)
+    rope = RotaryEmbedding(d, 4096, 500000.0).to(device)
+    pos = torch.tensor([1234 + seed], device=device)
+    slots = torch.tensor([slot], device=device)
+    page, blocks = 16, 8  # slots 0-127
+    assert slot < page * blocks
+    caches = [torch.randn(blocks, 2, page, hkv, d, generator=g).to(dtype).to(device)]
+    caches.append(caches[0].clone())
+    # Unfused: the GEMV, then the rotation writing k and v into the cache.
+    y = gemv.gemv(x, w)
+    q, kk, v = y.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q_want, k_want = apply_rotary(
+        q.view(1, hq, d), kk.view(1, hkv, d), pos, rope.cos_cache, rope.sin_cache,
+        kv_cache=caches[0], v=v.view(1, hkv, d), slot_mapping=slots,
+    )  # fmt: skip
+    got = gemv.gemv_qkv_rope(x, w, pos, rope.cos_cache, rope.sin_cache, caches[1], slots, hq, hkv)
+    q_got, k_got, v_got = got.split([hq * d, hkv * d, hkv * d], dim=-1)
+    assert torch.equal(q_got.view(1, hq, d), q_want)
+    assert torch.equal(k_got.view(1, hkv, d), k_want)
+    assert torch.equal(v_got, v)
+    assert torch.equal(caches[1], caches[0])  # the slot's K and V, nothing else touched
+    if slot >= 0:
+        b, t = divmod(slot, page)
+        assert torch.equal(caches[1][b, 1, t], v.view(hkv, d))
+
+
+@pytest.mark.parametrize("slot", [19, -1], ids=["slot", "padding-row"])
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d", "k"), [(4, 2, 16, 256), (6, 2, 32, 1024 + 64)], ids=["small", "k-tail"]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_rope_is_the_gemv_then_the_rotation_to_the_bit(
+    hq: int, hkv: int, d: int, k: int, dtype: torch.dtype, slot: int, device: str
+) -> None:
+    _check(hq, hkv, d, k, dtype, device, slot, 0)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gemv_rope_llama3_8b_qkv(seed: int) -> None:
+    _check(32, 8, 128, 4096, torch.bfloat16, "cuda", 101, seed)  # block 6 of 8, row 5
+
+
+def test_rope_usable_wants_whole_heads_a_full_rotation_and_the_cache_in_x_dtype(
+    monkeypatch: pytest.MonkeyPatch, device: str
+) -> None:
+    if device == "cpu":  # the Triton path on the CPU: the interpreter (tests/conftest.py)
+        monkeypatch.setenv("EMBER_TRITON_ON_CPU", "1")
+    monkeypatch.setattr(gemv, "MIN_WEIGHT_ELEMENTS", 0)
+    x = torch.randn(1, 64, device=device)
+    w = torch.randn((4 + 2 * 2) * 16, 64, device=device)
+    cos = torch.randn(32, 16, device=device)
+    cache = torch.randn(4, 2, 16, 2, 16, device=device)
+    assert gemv.rope_usable(x, w, 4, 2, cos, cache)
+    assert not gemv.rope_usable(x, w[:-16], 4, 2, cos, cache)  # not whole heads
+    assert not gemv.rope_usable(x, w, 4, 2, cos[:, :8], cache)  # a partial rotation
+    assert not gemv.rope_usable(x, w, 4, 2, cos, cache.half())  # another cache dtype
+    assert not gemv.rope_usable(torch.randn(2, 64, device=device), w, 4, 2, cos, cache)
+    monkeypatch.setattr(gemv, "MIN_WEIGHT_ELEMENTS", w.numel())  # a tiny model's: cuBLAS
+    assert not gemv.rope_usable(x, w, 4, 2, cos, cache)
+
+
+def _greedy_one_row(path: str, device: str, fused: bool, monkeypatch) -> tuple[list, int]:
+    """(tokens and logprobs, calls of the fused kernel) of one request decoding alone (every step
+    one row), every matmul through the GEMV; `fused=False`: the GEMV, then the rotation."""
+    from ember.engine.config import EngineConfig
+    from ember.engine.core import EngineCore
+    from ember.engine.messages import EngineCoreRequest
+    from ember.sampling_params import SamplingParams
+
+    calls = [0]
+    real = gemv.gemv_qkv_rope
+
+    def counting(*args: object) -> torch.Tensor:
+        calls[0] += 1
+        return real(*args)
+
+    with monkeypatch.context() as m:
+        if device == "cpu":
+            # The GPU's path in the interpreter: its attention backend too (the CPU's own
+            # writes K and V itself, so the epilogue never applies there).
+            import ember.engine.core as engine_core
+            from ember.attention.triton_backend import TritonAttentionBackend
+
+            m.setenv("EMBER_TRITON_ON_CPU", "1")
+            m.setattr(engine_core, "default_backend", lambda device: TritonAttentionBackend())
+        m.setattr(gemv, "MIN_WEIGHT_ELEMENTS", 0)
+        m.setattr(gemv, "gemv_qkv_rope", counting)
+        if not fused:
+            m.setattr(gemv, "rope_usable", lambda *args: False)
+        config = EngineConfig(
+            model=path,
+            device=device,
+            dtype="float32" if device == "cpu" else "bfloat16",
+            num_kv_blocks=64,
+            block_size=4,
+            max_model_len=128,
+            max_num_batched_tokens=64,
+        )
+        core = EngineCore(config)
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+        core.add_request(EngineCoreRequest("r", [5, 9, 14, 3, 7, 11], params, [], 8))
+        out = []
+        while core.has_unfinished_requests():
+            for o in core.step():
+                assert o.finish_reason != "error", o.stop_reason
+                lps = [lp[0][1] for lp in o.new_logprobs or []]
+                out += list(zip(o.new_token_ids, lps, strict=True))
+        core.close()
+    return out, calls[0]
+
+
+def _check_fused_decode(path: str, device: str, monkeypatch) -> None:
+    want, plain_calls = _greedy_one_row(path, device, False, monkeypatch)
+    got, fused_calls = _greedy_one_row(path, device, True, monkeypatch)
+    assert len(got) == 8 and got == want
+    assert plain_calls == 0 and fused_calls > 0
+
+
+def test_rope_epilogue_decodes_the_same_tokens_and_logprobs(
+    tiny_model_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy decoding of one sequence with the rotation and KV write in the q/k/v GEMV gives the
+    unfused path's tokens and logprobs exactly (the tiny Llama, fp32, kernels in the
+    interpreter)."""
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreter run is for machines without a GPU")
+    _check_fused_decode(str(tiny_model_dir("llama")), "cpu", monkeypatch)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_rope_epilogue_decodes_the_same_tokens_and_logprobs_on_the_gpu(
+    tiny_model_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same in bf16 on the GPU, CUDA graphs included."""
+    _check_fused_decode(str(tiny_model_dir("llama")), "cuda", monkeypatch)
