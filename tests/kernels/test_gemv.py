@@ -144,28 +144,38 @@ def test_stacked_gate_up_takes_the_silu_epilogue_for_one_row_only(
     assert fused == [(1, 64)]
 
 
-def _greedy_one_row(path: str, device: str, fused: bool, monkeypatch) -> tuple[list, int]:
-    """(tokens and logprobs, calls of the fused kernel) of one request decoding alone (every
-    step one row), every matmul through the GEMV; `fused=False`: GEMV, then SiLU-and-mul."""
+def _greedy_one_row(
+    path: str, device: str, kernel: str, fused: bool, monkeypatch
+) -> tuple[list, int]:
+    """(tokens and logprobs, calls of the fused `kernel`) of one request decoding alone (every
+    step one row), every matmul through the GEMV, on the GPU's path (on the CPU: the
+    interpreter, with the GPU's attention backend). `fused=False`: the epilogue off (SiLU-and-mul
+    or the rotation in their own kernels after the GEMV)."""
+    import ember.engine.core as engine_core
+    from ember.attention.triton_backend import TritonAttentionBackend
     from ember.engine.config import EngineConfig
     from ember.engine.core import EngineCore
     from ember.engine.messages import EngineCoreRequest
     from ember.sampling_params import SamplingParams
 
     calls = [0]
-    real = gemv.gemv_silu
+    real = getattr(gemv, kernel)
 
-    def counting(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def counting(*args: object) -> torch.Tensor:
         calls[0] += 1
-        return real(x, w)
+        return real(*args)
 
     with monkeypatch.context() as m:
         if device == "cpu":
             m.setenv("EMBER_TRITON_ON_CPU", "1")
+            # (the CPU's own backend writes K and V itself: the rotation's epilogue needs this one)
+            m.setattr(engine_core, "default_backend", lambda device: TritonAttentionBackend())
         m.setattr(gemv, "MIN_WEIGHT_ELEMENTS", 0)
-        m.setattr(gemv, "gemv_silu", counting)
-        if not fused:
+        m.setattr(gemv, kernel, counting)
+        if not fused and kernel == "gemv_silu":
             m.setattr(StackedLinear, "activated", lambda self, act, x: act(self(x)))
+        elif not fused:
+            m.setattr(gemv, "rope_usable", lambda *args: False)
         config = EngineConfig(
             model=path,
             device=device,
@@ -188,27 +198,33 @@ def _greedy_one_row(path: str, device: str, fused: bool, monkeypatch) -> tuple[l
     return out, calls[0]
 
 
-def _check_fused_decode(path: str, device: str, monkeypatch) -> None:
-    want, plain_calls = _greedy_one_row(path, device, False, monkeypatch)
-    got, fused_calls = _greedy_one_row(path, device, True, monkeypatch)
+def _check_fused_decode(path: str, device: str, kernel: str, monkeypatch) -> None:
+    want, plain_calls = _greedy_one_row(path, device, kernel, False, monkeypatch)
+    got, fused_calls = _greedy_one_row(path, device, kernel, True, monkeypatch)
     assert len(got) == 8 and got == want
     assert plain_calls == 0 and fused_calls > 0
 
 
-def test_silu_epilogue_decodes_the_same_tokens_and_logprobs(
-    tiny_model_dir, monkeypatch: pytest.MonkeyPatch
+EPILOGUES = ["gemv_silu", "gemv_qkv_rope"]
+"""SiLU-and-mul in the gate/up GEMV; the rotation and the KV write in the q/k/v GEMV."""
+
+
+@pytest.mark.parametrize("kernel", EPILOGUES)
+def test_epilogue_decodes_the_same_tokens_and_logprobs(
+    tiny_model_dir, monkeypatch: pytest.MonkeyPatch, kernel: str
 ) -> None:
-    """Greedy decoding of one sequence with SiLU-and-mul in the gate/up GEMV gives the unfused
-    path's tokens and logprobs exactly (the tiny Llama, fp32, kernels in the interpreter)."""
+    """Greedy decoding of one sequence with the epilogue gives the unfused path's tokens and
+    logprobs exactly (the tiny Llama, fp32, kernels in the interpreter)."""
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the interpreter run is for machines without a GPU")
-    _check_fused_decode(str(tiny_model_dir("llama")), "cpu", monkeypatch)
+    _check_fused_decode(str(tiny_model_dir("llama")), "cpu", kernel, monkeypatch)
 
 
 @pytest.mark.gpu
 @needs_cuda
-def test_silu_epilogue_decodes_the_same_tokens_and_logprobs_on_the_gpu(
-    tiny_model_dir, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("kernel", EPILOGUES)
+def test_epilogue_decodes_the_same_tokens_and_logprobs_on_the_gpu(
+    tiny_model_dir, monkeypatch: pytest.MonkeyPatch, kernel: str
 ) -> None:
     """The same in bf16 on the GPU, CUDA graphs included."""
-    _check_fused_decode(str(tiny_model_dir("llama")), "cuda", monkeypatch)
+    _check_fused_decode(str(tiny_model_dir("llama")), "cuda", kernel, monkeypatch)

@@ -1,9 +1,8 @@
 """The q/k/v GEMV with the rotation and the KV write in its epilogue (`gemv.gemv_qkv_rope`): the
-bits of the GEMV followed by `apply_rotary(..., kv_cache=...)`, on fresh random inputs."""
+bits of the GEMV followed by `apply_rotary(..., kv_cache=...)`, on fresh random inputs (its greedy
+decoding against the unfused path: tests/kernels/test_gemv.py)."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -82,80 +81,3 @@ def test_rope_usable_wants_whole_heads_a_full_rotation_and_the_cache_in_x_dtype(
     assert not gemv.rope_usable(torch.randn(2, 64, device=device), w, 4, 2, cos, cache)
     monkeypatch.setattr(gemv, "MIN_WEIGHT_ELEMENTS", w.numel())  # a tiny model's: cuBLAS
     assert not gemv.rope_usable(x, w, 4, 2, cos, cache)
-
-
-def _greedy_one_row(path: str, device: str, fused: bool, monkeypatch) -> tuple[list, int]:
-    """(tokens and logprobs, calls of the fused kernel) of one request decoding alone (every step
-    one row), every matmul through the GEMV; `fused=False`: the GEMV, then the rotation."""
-    from ember.engine.config import EngineConfig
-    from ember.engine.core import EngineCore
-    from ember.engine.messages import EngineCoreRequest
-    from ember.sampling_params import SamplingParams
-
-    calls = [0]
-    real = gemv.gemv_qkv_rope
-
-    def counting(*args: object) -> torch.Tensor:
-        calls[0] += 1
-        return real(*args)
-
-    with monkeypatch.context() as m:
-        if device == "cpu":
-            # The GPU's path in the interpreter: its attention backend too (the CPU's own
-            # writes K and V itself, so the epilogue never applies there).
-            import ember.engine.core as engine_core
-            from ember.attention.triton_backend import TritonAttentionBackend
-
-            m.setenv("EMBER_TRITON_ON_CPU", "1")
-            m.setattr(engine_core, "default_backend", lambda device: TritonAttentionBackend())
-        m.setattr(gemv, "MIN_WEIGHT_ELEMENTS", 0)
-        m.setattr(gemv, "gemv_qkv_rope", counting)
-        if not fused:
-            m.setattr(gemv, "rope_usable", lambda *args: False)
-        config = EngineConfig(
-            model=path,
-            device=device,
-            dtype="float32" if device == "cpu" else "bfloat16",
-            num_kv_blocks=64,
-            block_size=4,
-            max_model_len=128,
-            max_num_batched_tokens=64,
-        )
-        core = EngineCore(config)
-        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
-        core.add_request(EngineCoreRequest("r", [5, 9, 14, 3, 7, 11], params, [], 8))
-        out = []
-        while core.has_unfinished_requests():
-            for o in core.step():
-                assert o.finish_reason != "error", o.stop_reason
-                lps = [lp[0][1] for lp in o.new_logprobs or []]
-                out += list(zip(o.new_token_ids, lps, strict=True))
-        core.close()
-    return out, calls[0]
-
-
-def _check_fused_decode(path: str, device: str, monkeypatch) -> None:
-    want, plain_calls = _greedy_one_row(path, device, False, monkeypatch)
-    got, fused_calls = _greedy_one_row(path, device, True, monkeypatch)
-    assert len(got) == 8 and got == want
-    assert plain_calls == 0 and fused_calls > 0
-
-
-def test_rope_epilogue_decodes_the_same_tokens_and_logprobs(
-    tiny_model_dir, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Greedy decoding of one sequence with the rotation and KV write in the q/k/v GEMV gives the
-    unfused path's tokens and logprobs exactly (the tiny Llama, fp32, kernels in the
-    interpreter)."""
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the interpreter run is for machines without a GPU")
-    _check_fused_decode(str(tiny_model_dir("llama")), "cpu", monkeypatch)
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_rope_epilogue_decodes_the_same_tokens_and_logprobs_on_the_gpu(
-    tiny_model_dir, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The same in bf16 on the GPU, CUDA graphs included."""
-    _check_fused_decode(str(tiny_model_dir("llama")), "cuda", monkeypatch)
