@@ -201,23 +201,28 @@ def gemv_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def rope_usable(
     x: torch.Tensor,
     weight: torch.Tensor,
+    bias: torch.Tensor | None,
     num_q_heads: int,
     num_kv_heads: int,
     cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
     kv_cache: torch.Tensor,
 ) -> bool:
-    """Whether `gemv_qkv_rope` takes this q/k/v projection: a row the GEMV takes (`usable`), a
-    [q | k | v] weight of whole heads whose halves split into pairs, a rotation over the whole
-    head (cos/sin [P, head_dim]), and a cache of x's dtype, contiguous in head_dim."""
+    """Whether `gemv_qkv_rope` takes this q/k/v projection: a row the GEMV takes (`usable`: no
+    bias among others), a [q | k | v] weight of whole heads whose halves split into pairs, a
+    rotation over the whole head (contiguous cos and sin tables [P, head_dim]), and a cache of
+    x's dtype, contiguous in head_dim."""
     heads = num_q_heads + 2 * num_kv_heads
     head_dim = weight.shape[0] // heads if heads else 0
     return (
-        usable(x, weight, None)
+        usable(x, weight, bias)
         and head_dim * heads == weight.shape[0]
         and head_dim % 4 == 0
         and cos_cache.dim() == 2
         and cos_cache.shape[1] == head_dim
+        and sin_cache.shape == cos_cache.shape
         and cos_cache.is_contiguous()
+        and sin_cache.is_contiguous()
         and kv_cache.dim() == 5
         and kv_cache.shape[3:] == (num_kv_heads, head_dim)
         and kv_cache.dtype == x.dtype
@@ -242,9 +247,7 @@ def gemv_qkv_rope(
     rounded values), and k and v written into the token's slot of one layer's kv_cache
     ([blocks, 2, page, Hkv, D]; slot -1 writes nothing): the bits of the GEMV followed by
     `apply_rotary(..., kv_cache=...)`, one launch fewer. `rope_usable` says when it applies."""
-    n, k = weight.shape
-    if x.shape[-1] != k or x.numel() != k:
-        raise ValueError(f"x {tuple(x.shape)} must be one row of {k} for weight {(n, k)}")
+    n, k = _one_row(x, weight)
     if positions.numel() != 1 or slot_mapping.numel() != 1:
         raise ValueError("one token: one position and one slot")
     head_dim = n // (num_q_heads + 2 * num_kv_heads)
@@ -265,10 +268,16 @@ def gemv_qkv_rope(
     return y
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, width: int, *, silu_pairs: bool) -> torch.Tensor:
+def _one_row(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
+    """weight's (N, K), once x is checked to be one row of K."""
     n, k = weight.shape
     if x.shape[-1] != k or x.numel() != k:
         raise ValueError(f"x {tuple(x.shape)} must be one row of {k} for weight {(n, k)}")
+    return n, k
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, width: int, *, silu_pairs: bool) -> torch.Tensor:
+    n, k = _one_row(x, weight)
     y = torch.empty(*x.shape[:-1], width, dtype=x.dtype, device=x.device)
     # With SILU_PAIRS a program's BLOCK_N rows are BLOCK_N / 2 outputs' gate and up rows.
     _gemv_kernel[(triton.cdiv(n, BLOCK_N),)](

@@ -45,44 +45,44 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         cache = ctx.kv_cache[:, self.layer_idx]
-        if self._rope_in_gemv(x, cache, ctx):
+        rope_in_gemv = self._rope_in_gemv(x, cache, ctx)
+        if rope_in_gemv:
             # One token (batch-1 decode): the rotation and the KV write in the q/k/v GEMV's
-            # epilogue, the bits of the three steps below, one launch a layer fewer.
+            # epilogue, the bits of the projection and the rotation below, one launch fewer.
             qkv = gemv.gemv_qkv_rope(
                 x, self.qkv_proj.weight, positions, self.rotary.cos_cache,
                 self.rotary.sin_cache, cache, ctx.metadata.slot_mapping,
                 self.num_heads, self.num_kv_heads,
             )  # fmt: skip
-            q, k, v = self.qkv_proj.split(qkv)
-            q = q.view(t, self.num_heads, self.head_dim)
-            k = k.view(t, self.num_kv_heads, self.head_dim)
-            v = v.view(t, self.num_kv_heads, self.head_dim)
-            o = ctx.backend.forward(q, k, v, cache, ctx.metadata, self.scale, kv_written=True)
-            return self.o_proj(o.reshape(t, -1))
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        else:
+            qkv = self.qkv_proj(x)
+        q, k, v = self.qkv_proj.split(qkv)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        # On the GPU the rotation writes K and V into their cache slots in the same launch.
-        fused = ctx.backend.fuses_kv_write and use_triton(q)
-        kv_write = (cache, v, ctx.metadata.slot_mapping) if fused else None
-        q, k = self.rotary(positions, q, k, kv_write=kv_write)
-        o = ctx.backend.forward(q, k, v, cache, ctx.metadata, self.scale, kv_written=fused)
+        kv_written = rope_in_gemv
+        if not rope_in_gemv:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            # On the GPU the rotation writes K and V into their cache slots in the same launch.
+            kv_written = ctx.backend.fuses_kv_write and use_triton(q)
+            kv_write = (cache, v, ctx.metadata.slot_mapping) if kv_written else None
+            q, k = self.rotary(positions, q, k, kv_write=kv_write)
+        o = ctx.backend.forward(q, k, v, cache, ctx.metadata, self.scale, kv_written=kv_written)
         return self.o_proj(o.reshape(t, -1))
 
     def _rope_in_gemv(self, x: torch.Tensor, cache: torch.Tensor, ctx: ForwardContext) -> bool:
         return (
             not self.qk_norm
             and ctx.backend.fuses_kv_write
-            and self.qkv_proj.bias is None
             and gemv.rope_usable(
                 x,
                 self.qkv_proj.weight,
+                self.qkv_proj.bias,
                 self.num_heads,
                 self.num_kv_heads,
                 self.rotary.cos_cache,
+                self.rotary.sin_cache,
                 cache,
             )  # fmt: skip
         )

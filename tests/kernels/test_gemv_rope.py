@@ -72,12 +72,20 @@ def test_rope_usable_wants_whole_heads_a_full_rotation_and_the_cache_in_x_dtype(
     monkeypatch.setattr(gemv, "MIN_WEIGHT_ELEMENTS", 0)
     x = torch.randn(1, 64, device=device)
     w = torch.randn((4 + 2 * 2) * 16, 64, device=device)
-    cos = torch.randn(32, 16, device=device)
+    cos, sin = torch.randn(32, 16, device=device), torch.randn(32, 16, device=device)
     cache = torch.randn(4, 2, 16, 2, 16, device=device)
-    assert gemv.rope_usable(x, w, 4, 2, cos, cache)
-    assert not gemv.rope_usable(x, w[:-16], 4, 2, cos, cache)  # not whole heads
-    assert not gemv.rope_usable(x, w, 4, 2, cos[:, :8], cache)  # a partial rotation
-    assert not gemv.rope_usable(x, w, 4, 2, cos, cache.half())  # another cache dtype
-    assert not gemv.rope_usable(torch.randn(2, 64, device=device), w, 4, 2, cos, cache)
+
+    def usable(**change: object) -> bool:
+        args = dict(x=x, weight=w, bias=None, num_q_heads=4, num_kv_heads=2)
+        args.update(cos_cache=cos, sin_cache=sin, kv_cache=cache)
+        return gemv.rope_usable(**{**args, **change})
+
+    assert usable()
+    assert not usable(weight=w[:-16])  # not whole heads
+    assert not usable(cos_cache=cos[:, :8], sin_cache=sin[:, :8])  # a partial rotation
+    assert not usable(sin_cache=torch.randn(16, 32, device=device).t())  # sin not contiguous
+    assert not usable(bias=torch.zeros(w.shape[0], device=device))  # a bias: cuBLAS
+    assert not usable(kv_cache=cache.half())  # another cache dtype
+    assert not usable(x=torch.randn(2, 64, device=device))  # two rows
     monkeypatch.setattr(gemv, "MIN_WEIGHT_ELEMENTS", w.numel())  # a tiny model's: cuBLAS
-    assert not gemv.rope_usable(x, w, 4, 2, cos, cache)
+    assert not usable()
