@@ -37,6 +37,7 @@ from types import FrameType
 from typing import NoReturn
 
 from ember.kv.tiers.store_master import StoreMaster, start_master
+from ember.parent_death import child_dies_with_us
 from ember.trust import SECRET_ENV, TenantKeys, internal_headers, new_secret
 
 RESTART_BACKOFF_S = (1.0, 30.0)
@@ -125,7 +126,7 @@ UP_SETS = frozenset((
     "--host", "--port", "--role", "--device", "--max-model-len", "--kv-transport", "--kv-host",
     "--cpu-threads", "--log-level", "--kv-peers", "--kv-timeout", "--max-num-batched-tokens",
     "--max-num-seqs", "--dtype", "--served-model-name", "--api-key", "--api-keys-file",
-    "--shared-cache", "--cluster-secret",
+    "--shared-cache", "--cluster-secret", "--require-secret",
 ))  # fmt: skip
 """`ember serve` flags that ember up sets itself (or has a flag of its own for)."""
 
@@ -180,7 +181,10 @@ def spawn(name: str, url: str, args: Sequence[str], env: Mapping[str, str] | Non
     level = os.environ.get("EMBER_LOG_LEVEL", "WARNING")
     full_env = {**os.environ, "EMBER_LOG_LEVEL": level, **(env or {})}
     cmd = [sys.executable, "-m", "ember.cli", *args]
-    return Proc(name, url, subprocess.Popen(cmd, env=full_env), tuple(args), dict(env or {}))
+    # A SIGKILLed `ember up` (or benchmark) must not leave its cluster serving: the kernel sends
+    # every child SIGTERM when its parent dies, and each stops its own children in turn.
+    popen = subprocess.Popen(cmd, env=full_env, preexec_fn=child_dies_with_us())  # noqa: PLW1509
+    return Proc(name, url, popen, tuple(args), dict(env or {}))
 
 
 def respawn(p: Proc) -> None:
@@ -254,7 +258,7 @@ def start_cluster(
             "serve", model, "--host", args.host, "--port", str(port), "--role", role,
             "--device", args.device, "--max-model-len", str(args.max_model_len),
             "--kv-transport", args.kv_transport, "--kv-host", args.host,
-            "--cpu-threads", str(threads), "--log-level", "warning",
+            "--cpu-threads", str(threads), "--log-level", "warning", "--require-secret",
         ]  # fmt: skip
         if batched:
             cmd += ["--max-num-batched-tokens", str(batched)]
@@ -290,16 +294,50 @@ def start_cluster(
     return procs
 
 
+KEYS_FILE_PREFIX = "ember-keys-"
+
+
 def write_keys_file(keys: TenantKeys) -> str | None:
-    """The router's API keys as a private JSON file (mode 0600), so no key is on a command line."""
+    """The router's API keys as a private JSON file (mode 0600), so no key is on a command line.
+    Its name holds this process's id: a later `ember up` removes it if this one was killed."""
+    remove_stale_keys_files()
     if not keys.enabled:
         return None
-    fd, path = tempfile.mkstemp(prefix="ember-keys-", suffix=".json")
+    fd, path = tempfile.mkstemp(prefix=f"{KEYS_FILE_PREFIX}{os.getpid()}-", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(
             {k: {"tenant": t.name, "cache_group": t.cache_group} for k, t in keys.keys.items()}, f
         )
     return path
+
+
+def remove_stale_keys_files(directory: str | None = None) -> list[str]:
+    """Remove the keys files of `ember up` processes that are gone (killed before they could);
+    returns the paths removed. A file of a live process, or of another user, is left alone."""
+    root = Path(directory or tempfile.gettempdir())
+    removed = []
+    for f in root.glob(f"{KEYS_FILE_PREFIX}*-*.json"):
+        pid = f.name[len(KEYS_FILE_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            if f.stat().st_uid != os.getuid():
+                continue
+            f.unlink()
+            removed.append(str(f))
+        except OSError:
+            continue
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def listening_inodes(port: int) -> set[str]:

@@ -18,6 +18,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -31,6 +32,47 @@ TENANT_HEADER = "x-ember-tenant"
 SECRET_ENV = "EMBER_CLUSTER_SECRET"
 
 SIGNED_KV_FIELDS_EXCLUDED = frozenset({"signature", "do_remote_prefill", "do_remote_decode"})
+
+CHECKED_HEADERS = frozenset({
+    "authorization", INTERNAL_HEADER, TENANT_HEADER,
+    "x-session-affinity", "x-session-id", "x-parent-session-id", "x-request-id",
+})  # fmt: skip
+"""Headers that decide who a caller is or where its request goes: read from their raw bytes, each
+at most once, by both faces (the server and the router) with the same rules."""
+MAX_CHECKED_HEADER_BYTES = 4096
+_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+class HeaderError(ValueError):
+    """A checked header that is repeated, too long or not text: the request gets a 400."""
+
+    def __init__(self, name: str, why: str) -> None:
+        super().__init__(f"header {name} {why}")
+        self.header = name
+
+
+def checked_headers(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The request's `CHECKED_HEADERS` as text, from the raw (name, value) byte pairs.
+
+    Raises HeaderError for one that is sent twice (two `Authorization` headers: which one counts
+    would depend on the server), longer than `MAX_CHECKED_HEADER_BYTES`, not UTF-8, or holding
+    control bytes. Values are stripped of surrounding blanks."""
+    out: dict[str, str] = {}
+    for key, value in raw:
+        name = key.decode("latin-1").lower()
+        if name not in CHECKED_HEADERS:
+            continue
+        if name in out:
+            raise HeaderError(name, "is sent more than once")
+        if len(value) > MAX_CHECKED_HEADER_BYTES:
+            raise HeaderError(name, f"is longer than {MAX_CHECKED_HEADER_BYTES} bytes")
+        if _CONTROL.search(value):
+            raise HeaderError(name, "holds control characters")
+        try:
+            out[name] = value.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise HeaderError(name, "is not valid UTF-8") from None
+    return out
 
 
 def new_secret() -> str:

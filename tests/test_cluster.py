@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,9 +22,14 @@ from tests.servers import free_port, spawned_by_up
 pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine is not installed")
 
 
-def up(model: str, port: int, *extra: str) -> subprocess.Popen[str]:
+SECRET = "test-cluster-secret"
+
+
+def up(model: str, port: int, *extra: str, secret: str | None = None) -> subprocess.Popen[str]:
+    """`ember up`; with `secret`, the cluster's secret is that one (an operator's)."""
     cmd = [sys.executable, "-m", "ember.cli", "up", model, "--port", str(port), *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    env = {**os.environ, "EMBER_CLUSTER_SECRET": secret} if secret else None
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
 
 
 def three_free_ports() -> int:
@@ -117,9 +123,10 @@ def engine_pid(up_pid: int, port: int) -> int:
     raise AssertionError(f"no engine child on port {port}")
 
 
-def complete(url: str, model: str) -> int:
+def complete(url: str, model: str, secret: str | None = None) -> int:
     body = {"model": model, "prompt": "hello there", "max_tokens": 4, "temperature": 0}
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    headers = {"x-ember-cluster-secret": secret} if secret else {}
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60)
     return r.status_code
 
 
@@ -139,7 +146,7 @@ def test_killed_engine_is_restarted_while_the_router_routes_around_it(tiny_model
     """Defect 11: one engine's death used to stop the whole cluster."""
     port = three_free_ports()
     model = str(tiny_model_dir("llama"))
-    proc = up(model, port, "--prefill", "0", "--decode", "0", "--both", "2")
+    proc = up(model, port, "--prefill", "0", "--decode", "0", "--both", "2", secret=SECRET)
     try:
         read_until(proc, "ember is up", 120)
         victim = engine_pid(proc.pid, port + 1)
@@ -150,13 +157,77 @@ def test_killed_engine_is_restarted_while_the_router_routes_around_it(tiny_model
         lines += read_until(proc, "both-0 is back", 90)
         assert proc.poll() is None, lines
         assert engine_pid(proc.pid, port + 1) != victim  # a new process on the same port
-        assert complete(f"http://127.0.0.1:{port + 1}", model) == 200
+        assert complete(f"http://127.0.0.1:{port + 1}", model, SECRET) == 200
         assert complete(f"http://127.0.0.1:{port}", model) == 200
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
     for p in (port, port + 1, port + 2):
         assert not listening(p), f"port {p} still served after SIGTERM"
+
+
+def descendants(pid: int) -> set[int]:
+    out: set[int] = set()
+    todo = [pid]
+    while todo:
+        kids = set(children_of(todo.pop())) - out
+        out |= kids
+        todo += kids
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited; only its parent's wait is missing
+
+
+def test_engines_answer_only_the_cluster_and_sigkill_leaves_nothing(tiny_model_dir) -> None:
+    """Behind `ember up` the router is the only public face: its engines answer nobody without
+    the cluster secret (an API key is not enough: it is the router's to check). A SIGKILLed
+    `ember up` takes every process it started with it, and its keys file goes at the next start."""
+    from ember.cluster import KEYS_FILE_PREFIX, remove_stale_keys_files
+
+    port = three_free_ports()
+    model = str(tiny_model_dir("llama"))
+    proc = up(model, port, "--api-key", "KA", secret=SECRET)
+    try:
+        read_until(proc, "ember is up", 120)
+        engine = f"http://127.0.0.1:{port + 2}"
+        body = {"model": model, "prompt": "hello", "max_tokens": 2}
+        for method, path in [
+            ("POST", "/v1/completions"), ("POST", "/tokenize"), ("GET", "/v1/models"),
+            ("GET", "/docs"), ("GET", "/openapi.json"), ("GET", "/load"),
+        ]:  # fmt: skip
+            for auth in ({}, {"authorization": "Bearer KA"}, {"x-ember-cluster-secret": "no"}):
+                r = httpx.request(method, engine + path, json=body, headers=auth, timeout=30)
+                assert r.status_code == 401, (path, auth, r.text)
+                assert r.json()["error"]["code"] == "invalid_cluster_secret"
+        assert httpx.get(f"{engine}/health", timeout=10).status_code == 200
+        assert complete(engine, model, SECRET) == 200
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json=body,
+            headers={"authorization": "Bearer KA"},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        keys_files = list(Path(tempfile.gettempdir()).glob(f"{KEYS_FILE_PREFIX}{proc.pid}-*"))
+        assert len(keys_files) == 1
+        family = descendants(proc.pid)
+        assert len(family) >= 6  # router, two engines and their two cores, at least
+    finally:
+        proc.kill()
+        proc.wait(10)
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in family) or any(listening(p) for p in range(port, port + 3)):
+        assert time.monotonic() < deadline, [p for p in family if alive(p)]
+        time.sleep(0.2)
+    assert keys_files[0].exists()  # SIGKILL gave it no chance
+    assert str(keys_files[0]) in remove_stale_keys_files()
+    assert not keys_files[0].exists()
 
 
 def test_sigterm_during_start_up_stops_at_once(tiny_model_dir) -> None:

@@ -4,7 +4,6 @@ there is work, and pushes token outputs and load statistics back. HTTP never blo
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -29,6 +28,7 @@ from ember.engine.messages import (
     Shutdown,
 )
 from ember.engine.request import RequestStatus
+from ember.parent_death import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -36,25 +36,10 @@ IDLE_POLL_MS = 500
 """How often an idle core wakes to check that its parent is still alive."""
 SEND_TIMEOUT_MS = 500
 """A send that waits this long (the API process reads nothing) checks the parent, then retries."""
-_PR_SET_PDEATHSIG = 1
 
 
 class ParentGone(Exception):
     """The API process died; the core must not outlive it."""
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Have the kernel SIGKILL this process when the API process dies, whatever it is doing (a
-    blocked ZeroMQ send, a long step). Linux only; elsewhere the loop's own checks remain.
-
-    The signal follows the parent *thread* that spawned us: CoreClient must be made on a thread
-    that lives as long as the API process (the event loop's)."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            log.warning("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
-    if os.getppid() != parent_pid:  # it died before the request above took effect
-        os._exit(1)
 
 
 def engine_core_main(
@@ -62,7 +47,9 @@ def engine_core_main(
 ) -> None:
     """Entry point of the spawned process."""
     parent = os.getppid() if parent_pid is None else parent_pid
-    die_with_parent(parent)
+    # SIGKILL whatever the core is doing (a blocked ZeroMQ send, a long step). The signal follows
+    # the thread that spawned us: CoreClient is made on one that lives as long as the API process.
+    die_with_parent(parent, signal.SIGKILL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when we stop
     logging.basicConfig(level=os.environ.get("EMBER_LOG_LEVEL", "INFO"))
     for name in filter(None, os.environ.get("EMBER_DEBUG", "").split(",")):

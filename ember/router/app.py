@@ -25,13 +25,23 @@ from ember.router.metrics import RouterMetrics
 from ember.router.pool import EndpointPool
 from ember.router.prompt import PromptReader
 from ember.router.proxy import Router
-from ember.trust import Tenant, TenantKeys, internal_headers, is_internal, resolve_secret
+from ember.trust import (
+    HeaderError,
+    Tenant,
+    TenantKeys,
+    checked_headers,
+    internal_headers,
+    is_internal,
+    resolve_secret,
+)
 
 log = logging.getLogger("ember.router")
 
 POOL = web.AppKey("pool", EndpointPool)
 ROUTER = web.AppKey("router", Router)
 TENANT = web.RequestKey("tenant", Tenant)
+HEADERS = web.RequestKey("headers", dict)
+"""The request's checked headers (`trust.checked_headers`): the only ones the router reads."""
 INTERNAL_ROUTES = ("/load", "/metrics")
 KEYED_ROUTES = ("/tokenize", "/detokenize")
 """Public routes outside /v1/ that still need an API key (vLLM serves them at the root)."""
@@ -55,13 +65,18 @@ def build_app(
     @web.middleware
     async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
         path = request.path
-        internal = is_internal(request.headers, secret)
+        try:
+            headers = checked_headers(request.raw_headers)
+        except HeaderError as e:
+            return error_response(str(e), 400, code="invalid_header")
+        request[HEADERS] = headers
+        internal = is_internal(headers, secret)
         open_route = public_metrics and path == "/metrics"
         if path in INTERNAL_ROUTES and not internal and not open_route:
             return error_response("this route needs the cluster secret", 401)
         keyed = path.startswith("/v1/") or path in KEYED_ROUTES
         if keyed and keys.enabled and not internal:
-            tenant = keys.lookup(request.headers.get("authorization"))
+            tenant = keys.lookup(headers.get("authorization"))
             if tenant is None:
                 return error_response("invalid or missing API key", 401, code="invalid_api_key")
             request[TENANT] = tenant
@@ -95,11 +110,15 @@ def build_app(
 
     async def chat(request: web.Request) -> web.StreamResponse:
         router = request.app[ROUTER]
-        return await router.handle(request, "/v1/chat/completions", True, request.get(TENANT))
+        return await router.handle(
+            request, "/v1/chat/completions", True, request.get(TENANT), request[HEADERS]
+        )
 
     async def completions(request: web.Request) -> web.StreamResponse:
         router = request.app[ROUTER]
-        return await router.handle(request, "/v1/completions", False, request.get(TENANT))
+        return await router.handle(
+            request, "/v1/completions", False, request.get(TENANT), request[HEADERS]
+        )
 
     async def forward(request: web.Request) -> web.StreamResponse:
         """/v1/models, /tokenize, /detokenize: any healthy decode-capable engine answers (they

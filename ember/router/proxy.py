@@ -85,8 +85,15 @@ class Router:
     # -- entry -------------------------------------------------------------------------------
 
     async def handle(
-        self, request: web.Request, path: str, chat: bool, tenant: Tenant | None = None
+        self,
+        request: web.Request,
+        path: str,
+        chat: bool,
+        tenant: Tenant | None = None,
+        checked: dict[str, str] | None = None,
     ) -> web.StreamResponse:
+        """`checked`: the request's headers as `trust.checked_headers` read them (one of each,
+        text, bounded); the only ones the router forwards or routes by."""
         raw = await request.read()  # bounded by the app's client_max_size (413 above it)
         big = len(raw) > OFFLOAD_BYTES
         try:
@@ -99,13 +106,14 @@ class Router:
             return error_response(f"the request body nests past {MAX_BODY_DEPTH} levels", 400)
         for name in CLIENT_ONLY_FIELDS:
             body.pop(name, None)
-        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        checked = checked or {}
+        headers = {k: v for k, v in checked.items() if k in FORWARDED_HEADERS}
         namespace = self.keys.namespace(tenant)
         if namespace:
             headers[TENANT_HEADER] = namespace
         given_salt = body.get("cache_salt")
         salt = cache_namespace(namespace, given_salt if isinstance(given_salt, str) else None)
-        session = request.headers.get("x-session-affinity") or request.headers.get("x-session-id")
+        session = checked.get("x-session-affinity") or checked.get("x-session-id")
         if big:
             prompt = await asyncio.to_thread(self.prompts.read, body, chat, salt)
         else:

@@ -54,6 +54,7 @@ def build_app(
     max_body_bytes: int = 32 << 20,
     max_waiting: int = 1024,
     tool_call_parser: str | None = "hermes",
+    require_secret: bool = False,
 ) -> FastAPI:
     """`keys`: the public face's API keys (none: open); `secret`: the cluster secret of the
     internal face (None: a random one, so only this process knows it)."""
@@ -85,6 +86,7 @@ def build_app(
         keys=keys,
         public_metrics=public_metrics,
         max_body_bytes=max_body_bytes,
+        require_secret=require_secret,
     )
 
     @app.exception_handler(APIError)
@@ -321,6 +323,12 @@ def run_server(
     try:
         prepared = prepared or prepare_serve(args)
         given, secret, config = prepared.given, prepared.secret, prepared.config
+        if args.require_secret and not prepared.configured:
+            log.error(
+                "--require-secret needs the cluster secret (--cluster-secret or "
+                "EMBER_CLUSTER_SECRET): without it nothing could reach this engine"
+            )
+            return 2
         if not prepared.configured and args.role != "both":
             log.warning(
                 "no cluster secret (--cluster-secret or EMBER_CLUSTER_SECRET): the router and "
@@ -355,6 +363,7 @@ def run_server(
         max_body_bytes=args.max_body_bytes,
         max_waiting=args.max_waiting,
         tool_call_parser=parser,
+        require_secret=args.require_secret,
     )
     # Slowloris: headers must arrive within --header-timeout; connections beyond
     # --max-connections (and beyond what the open-file limit allows) get a 503 at once.

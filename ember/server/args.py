@@ -256,6 +256,12 @@ def add_trust_args(p: argparse.ArgumentParser) -> None:
         "EMBER_CLUSTER_SECRET, else a random one (the internal face is then closed)",
     )
     p.add_argument(
+        "--require-secret",
+        action="store_true",
+        help="answer only requests that carry the cluster secret (all but /health): an engine "
+        "behind a router, which is its only public face (ember up sets it on every engine)",
+    )
+    p.add_argument(
         "--public-metrics",
         action="store_true",
         help="serve /metrics without the cluster secret (for a Prometheus scraper)",

@@ -1,5 +1,6 @@
 """ASGI middleware at the edge: who is calling (a peer with the cluster secret, a tenant's API key,
-or nobody), and the request-body size limit, before any parsing."""
+or nobody), and the request-body size limit, before any parsing. An engine that requires the
+secret (`--require-secret`, every engine `ember up` starts) answers nobody else but /health."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ember.server.errors import APIError
-from ember.trust import INTERNAL_HEADER, TENANT_HEADER, TenantKeys, is_internal
+from ember.trust import (
+    INTERNAL_HEADER,
+    TENANT_HEADER,
+    HeaderError,
+    TenantKeys,
+    checked_headers,
+    is_internal,
+)
 
 OPEN_PATHS = frozenset({"/health"})
 INTERNAL_PATHS = frozenset({"/load", "/kv_events", "/kv/release", "/metrics"})
@@ -43,19 +51,24 @@ class EdgeMiddleware:
         keys: TenantKeys | None = None,
         public_metrics: bool = False,
         max_body_bytes: int = 32 << 20,
+        require_secret: bool = False,
     ) -> None:
         self.app = app
         self.secret = secret
         self.keys = keys or TenantKeys()
         self.public_metrics = public_metrics
         self.max_body_bytes = max_body_bytes
+        self.require_secret = require_secret
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        err = self._admit(scope, headers)
+        try:
+            err = self._admit(scope, checked_headers(scope["headers"]))
+        except HeaderError as e:
+            err = APIError(str(e), 400, param=e.header, code="invalid_header")
         if err is not None:
             await _reply(scope, receive, send, err)
             return
@@ -93,17 +106,25 @@ class EdgeMiddleware:
 
         await self.app(scope, replay, send)
 
-    def _admit(self, scope: Scope, headers: dict[bytes, bytes]) -> APIError | None:
+    def _admit(self, scope: Scope, headers: dict[str, str]) -> APIError | None:
         """Record the caller in the scope, or say why the request may not pass."""
         path = scope["path"]
         if path in OPEN_PATHS or (path == "/metrics" and self.public_metrics):
             return None
-        given = headers.get(INTERNAL_HEADER.encode(), b"").decode("latin-1")
-        if is_internal({INTERNAL_HEADER: given}, self.secret):
+        given = headers.get(INTERNAL_HEADER, "")
+        if is_internal(headers, self.secret):
             # A peer (the router) resolved the tenant already; only a peer is believed on it.
-            tenant = headers.get(TENANT_HEADER.encode(), b"").decode("latin-1")
-            scope[CALLER_KEY] = Caller(internal=True, namespace=tenant)
+            scope[CALLER_KEY] = Caller(internal=True, namespace=headers.get(TENANT_HEADER, ""))
             return None
+        if self.require_secret:
+            return APIError(
+                "this engine answers only the ember cluster it belongs to (send requests to its "
+                f"router): it needs the cluster secret (header {INTERNAL_HEADER})."
+                if not given
+                else "Incorrect cluster secret.",
+                401,
+                code="invalid_cluster_secret",
+            )
         if path in INTERNAL_PATHS:
             return APIError(
                 f"{path} is internal to the ember cluster: it needs the cluster secret "
@@ -116,7 +137,7 @@ class EdgeMiddleware:
         if not self.keys.enabled:
             scope[CALLER_KEY] = PUBLIC_CALLER
             return None
-        auth = headers.get(b"authorization", b"").decode("latin-1")
+        auth = headers.get("authorization", "")
         tenant = self.keys.lookup(auth)
         if tenant is None:
             return APIError(

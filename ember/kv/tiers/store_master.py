@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from ember.parent_death import child_dies_with_us
+
 MASTER_BINARY = "mooncake_master"
 
 
@@ -105,6 +107,7 @@ class StoreMaster:
                 stdout=log,
                 stderr=log,
                 start_new_session=True,  # Ctrl-C goes to `ember up`, which stops it after the engines
+                preexec_fn=child_dies_with_us(),  # noqa: PLW1509 - and a killed `ember up` stops it
             )
         finally:
             if not isinstance(log, int):

@@ -1,0 +1,41 @@
+"""A child process that dies with its parent: Linux's PR_SET_PDEATHSIG, and the check that closes
+its race (a parent that died before the request took effect). Used by the engine core (its API
+process is the parent) and by every process `ember up` starts, so that a SIGKILLed parent leaves
+nothing running. Imports nothing from ember."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send `sig` to this process when its parent dies, whatever it is doing; exit
+    at once if the parent is gone already. Linux only; elsewhere nothing is asked.
+
+    The signal follows the parent *thread* that started us: the parent must start its children
+    from a thread that lives as long as it does (its main thread, or its event loop's)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            log.warning("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
+    if os.getppid() != parent_pid:  # it died before the request above took effect
+        os._exit(1)
+
+
+def child_dies_with_us(sig: int = signal.SIGTERM) -> object:
+    """A `preexec_fn` for `subprocess.Popen`: the child gets `sig` when this process dies (a
+    SIGTERM lets an engine stop its own children in turn)."""
+    parent = os.getpid()
+
+    def preexec() -> None:
+        die_with_parent(parent, sig)
+
+    return preexec
