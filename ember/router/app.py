@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ember.models.resolve import resolve_model
 from ember.openai_errors import FAULT_HEADER
+from ember.router.connections import ConnectionCaps, handler_factory
 from ember.router.errors import error_response, openai_errors
 from ember.router.metrics import RouterMetrics
 from ember.router.pool import EndpointPool
@@ -57,6 +58,7 @@ def build_app(
     disagg_min_uncached: int = 256,
     stall_timeout_s: float = 30.0,
     max_body_bytes: int = 32 << 20,
+    max_header_bytes: int = 64 << 10,
 ) -> web.Application:
     metrics = RouterMetrics()
     keys = keys or TenantKeys()
@@ -65,6 +67,11 @@ def build_app(
     @web.middleware
     async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
         path = request.path
+        head = len(request.raw_path) + sum(len(k) + len(v) + 4 for k, v in request.raw_headers)
+        if head > max_header_bytes:
+            return error_response(
+                f"the request head is over {max_header_bytes} bytes", 431, code="header_too_large"
+            )
         try:
             headers = checked_headers(request.raw_headers)
         except HeaderError as e:
@@ -225,6 +232,7 @@ def run_router(args: argparse.Namespace) -> int:
         disagg_min_uncached=args.disagg_min_uncached,
         stall_timeout_s=args.stall_timeout,
         max_body_bytes=args.max_body_bytes,
+        max_header_bytes=args.max_header_bytes,
     )
     log.info(
         "ember router on http://%s:%d, endpoints: %s", args.host, args.port, list(pool.endpoints)
@@ -234,9 +242,11 @@ def run_router(args: argparse.Namespace) -> int:
 
 
 async def _serve(app: web.Application, args: argparse.Namespace) -> None:
-    """aiohttp's run_app, plus what it lacks against slow clients: a deadline for a request's
-    head (aiohttp's keep-alive timer runs from the connection's start until a whole head has
-    arrived, and between requests) and a cap on open connections, below the fd limit."""
+    """aiohttp's run_app, plus what it lacks against slow or greedy clients: a deadline for a
+    request's head (aiohttp's keep-alive timer runs from the connection's start until a whole
+    head has arrived, and between requests), caps on open connections (below the fd limit) and
+    on those of one client address, and bounds on a head's lines and header count (aiohttp's
+    parser refuses longer ones before buffering more; the auth middleware checks the total)."""
     # A client that hangs up cancels its handler, which closes both legs (the engines abort).
     runner = web.AppRunner(
         app,
@@ -244,6 +254,9 @@ async def _serve(app: web.Application, args: argparse.Namespace) -> None:
         access_log=None,
         keepalive_timeout=args.header_timeout,
         shutdown_timeout=5,
+        max_line_size=min(8190, args.max_header_bytes),
+        max_field_size=min(8190, args.max_header_bytes),
+        max_headers=args.max_headers,
     )
     await runner.setup()
     server = runner.server
@@ -251,12 +264,7 @@ async def _serve(app: web.Application, args: argparse.Namespace) -> None:
         raise RuntimeError("aiohttp runner has no server after setup")
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     cap = max(16, min(args.max_connections, soft // 2 if soft > 0 else args.max_connections))
-
-    def accept() -> asyncio.BaseProtocol:
-        if len(server.connections) >= cap:
-            return _Refuse()
-        return server()
-
+    accept = handler_factory(server, ConnectionCaps(cap, args.max_connections_per_client))
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -267,10 +275,3 @@ async def _serve(app: web.Application, args: argparse.Namespace) -> None:
     finally:
         listener.close()
         await runner.cleanup()
-
-
-class _Refuse(asyncio.Protocol):
-    """A connection over the cap: closed at once, before it costs more than its socket."""
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.close()

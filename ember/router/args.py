@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from ember.edge_limits import add_connection_limit_args
+
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill engines")
@@ -88,4 +90,5 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         default=4096,
         help="client connections held at once; more are closed as they arrive",
     )
+    add_connection_limit_args(p)
     p.add_argument("--log-level", default="info")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ember.edge_limits import add_connection_limit_args
 from ember.spec.config import METHODS, SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -125,6 +126,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=4096,
         help="open connections at most (also bounded by the open-file limit); beyond: 503",
     )
+    add_connection_limit_args(p)
     p.add_argument(
         "--drain-timeout",
         type=float,

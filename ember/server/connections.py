@@ -1,11 +1,15 @@
-"""Connection limits uvicorn lacks: a deadline for a request's headers (slowloris), a cap on open
-connections, and the process's file-descriptor limit raised to its hard limit."""
+"""Connection limits uvicorn lacks: a deadline for a request's headers (slowloris), caps on open
+connections in all and per client address, bounds on a request head's bytes and header count,
+OpenAI-shaped answers to heads the parser refuses, and the process's file-descriptor limit raised
+to its hard limit."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import resource
+import sys
+from collections import Counter
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -31,33 +35,133 @@ OVER_CAPACITY = (
 )
 
 
+def error_answer(status: str, message: str, code: str) -> bytes:
+    """A whole HTTP/1.1 answer with an OpenAI error body, closing the connection."""
+    body = orjson.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": code,
+            }
+        }
+    )
+    return (
+        f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    ).encode() + body
+
+
+class _HeadTooLarge(Exception):
+    """Raised inside the parser's callbacks: httptools stops and uvicorn calls send_400_response."""
+
+
 class GuardedHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, plus: a connection that has not sent a request's complete
-    headers within `header_timeout_s` of opening (or of starting its next request) is closed, and
-    past `max_connections` open ones a new connection gets a 503 and is closed at once."""
+    headers within `header_timeout_s` of opening (or of starting its next request) is closed;
+    past `max_connections` open ones, or `max_per_client` of one client address, a new
+    connection gets a 503 and is closed at once; a head over `max_header_bytes` or with more
+    than `max_headers` header lines gets a 431 (httptools itself has no limit: a 64 MB head was
+    buffered whole, and stalled every stream while it was parsed)."""
 
     header_timeout_s: float = 10.0
     max_connections: int = 4096
+    max_per_client: int = 512
+    max_header_bytes: int = 64 << 10
+    max_headers: int = 100
+    by_client: Counter[str]
+    """Open connections by client address, shared by all connections of one server."""
     _header_timer: asyncio.TimerHandle | None = None
+    _counted: str = ""
+    _head_open: bool = True
+    """The bytes arriving now belong to a request head (none has started, or its headers are
+    still coming)."""
+    _head_bytes: int = 0
+    _head_lines: int = 0
+    _refusal: bytes = b""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > self.max_connections:
+        client = self.client[0] if self.client else "?"
+        if (
+            len(self.connections) > self.max_connections
+            or self.by_client[client] >= self.max_per_client
+        ):
             transport.write(OVER_CAPACITY)
             transport.close()
             return
+        self._counted = client
+        self.by_client[client] += 1
         self._arm_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self._head_open:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        # One header line that never ends reaches no callback: count the bytes themselves.
+        if self._head_open and self._head_bytes > self.max_header_bytes:
+            self._refuse_head(f"the request head is over {self.max_header_bytes} bytes")
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._head_open = True
+        self._head_lines = 0
         self._arm_header_timer()  # the next request of a keep-alive connection: same deadline
+
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        if len(self.url) > self.max_header_bytes:
+            raise _HeadTooLarge(f"the request line is over {self.max_header_bytes} bytes")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_lines += 1
+        if self._head_lines > self.max_headers:
+            raise _HeadTooLarge(f"the request has more than {self.max_headers} header lines")
+        super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         self._cancel_header_timer()
+        self._head_open = False
+        size = len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers)
+        if size > self.max_header_bytes:
+            raise _HeadTooLarge(f"the request head is over {self.max_header_bytes} bytes")
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._head_open, self._head_bytes = True, 0
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to anything its parser refuses: an OpenAI error object instead of
+        plain text, and a 431 for a head over the limits."""
+        # Called inside uvicorn's `except HttpParserError`: the callback's own exception is the
+        # context httptools gave it.
+        exc = sys.exc_info()[1]
+        cause = exc.__context__ if exc is not None else None
+        if isinstance(cause, _HeadTooLarge):
+            self._refuse_head(str(cause))
+            return
+        if not self.transport.is_closing():
+            self.transport.write(error_answer("400 Bad Request", msg, "invalid_request"))
+            self.transport.close()
+
+    def _refuse_head(self, why: str) -> None:
+        self._head_open = False
+        if not self.transport.is_closing():
+            log.debug("refused a request head from %s: %s", self.client, why)
+            self.transport.write(
+                error_answer("431 Request Header Fields Too Large", why, "header_too_large")
+            )
+            self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
+        if self._counted:
+            self.by_client[self._counted] -= 1
+            if self.by_client[self._counted] <= 0:
+                del self.by_client[self._counted]
+            self._counted = ""
         super().connection_lost(exc)
 
     def _arm_header_timer(self) -> None:
@@ -75,12 +179,25 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self.transport.close()
 
 
-def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[GuardedHttpProtocol]:
+def guarded_protocol(
+    header_timeout_s: float,
+    max_connections: int,
+    max_per_client: int = 512,
+    max_header_bytes: int = 64 << 10,
+    max_headers: int = 100,
+) -> type[GuardedHttpProtocol]:
     """The protocol class for `uvicorn.Config(http=...)`, with these limits."""
     return type(
         "GuardedHttpProtocol",
         (GuardedHttpProtocol,),
-        {"header_timeout_s": header_timeout_s, "max_connections": max_connections},
+        {
+            "header_timeout_s": header_timeout_s,
+            "max_connections": max_connections,
+            "max_per_client": max_per_client,
+            "max_header_bytes": max_header_bytes,
+            "max_headers": max_headers,
+            "by_client": Counter(),
+        },
     )
 
 

@@ -80,3 +80,59 @@ def test_the_cache_cannot_be_listed_without_the_secret(cluster) -> None:
         assert r.status_code == 401, (path, r.text)
     r = httpx.get(f"{router.url}/v1/models", headers={"authorization": "Bearer sk-nobody"})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+def raw_request(
+    url: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes = b""
+) -> tuple[int, dict]:
+    """One HTTP/1.1 request written byte for byte (clients refuse to send what is tried here)."""
+    import json
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    method = b"POST" if body else b"GET"
+    head = b"%s %s HTTP/1.1\r\nhost: x\r\nconnection: close\r\n" % (method, path.encode())
+    head += b"".join(k + b": " + v + b"\r\n" for k, v in headers)
+    if body:
+        head += b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body)
+    with socket.create_connection((u.hostname, u.port), timeout=30) as s:
+        s.sendall(head + b"\r\n" + body)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    status_line, _, rest = data.partition(b"\r\n")
+    payload = rest.partition(b"\r\n\r\n")[2]
+    return int(status_line.split()[1]), json.loads(payload) if payload.startswith(b"{") else {}
+
+
+BAD_HEADERS = [
+    [(b"authorization", b"Bearer \xff\xfe")],
+    [(b"x-ember-cluster-secret", b"\xc3\x28")],
+    [(b"x-session-affinity", b"ses_\x80\x81")],
+    [(b"x-session-affinity", b"ses\x01a")],
+    [(b"authorization", b"Bearer " + KA.encode()), (b"Authorization", b"Bearer " + KB.encode())],
+    [(b"x-ember-cluster-secret", b"a"), (b"x-ember-cluster-secret", b"b")],
+    [(b"x-request-id", b"r" * 5000)],
+]
+
+
+@pytest.mark.parametrize("bad", BAD_HEADERS, ids=range(len(BAD_HEADERS)))
+def test_undecodable_or_repeated_security_headers_are_400_on_both_faces(cluster, bad) -> None:
+    """Before: the router answered 500 (a traceback in its log) to non-UTF-8 bytes in
+    Authorization, the secret or the session header, on /health too; with two Authorization
+    headers the engine took the last and the router the first."""
+    router, (prefill, _) = cluster
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
+    for url, path, data in [
+        (router.url, "/v1/chat/completions", body),
+        (router.url, "/health", b""),
+        (prefill.url, "/v1/chat/completions", body),
+        (prefill.url, "/load", b""),
+    ]:
+        status, answer = raw_request(url, path, bad, data)
+        assert status == 400, (url, path, answer)
+        assert answer["error"]["code"] == "invalid_header"
+        assert set(answer["error"]) == {"message", "type", "param", "code"}
+    # Either face still answers well-formed requests.
+    assert chat(router, KA, "still fine")["choices"]
