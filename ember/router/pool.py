@@ -76,6 +76,8 @@ class EngineInfo:
     engine_id: str = ""
     kv_store: str = ""
     """The KV store the engine writes through to and loads from (its `--kv-store`), or ""."""
+    max_prompt_chars: int = 0
+    """Characters past which no prompt fits the engine's context (0: not known yet)."""
 
 
 @dataclass(slots=True)
@@ -158,6 +160,18 @@ class EndpointPool:
 
     def has_role(self, role: str) -> bool:
         return any(e.role == role for e in self.endpoints.values())
+
+    def max_prompt_chars(self) -> int:
+        """The longest prompt, in characters, that some decode-capable engine could fit (their
+        largest `max_prompt_chars`); 0 while no engine has said."""
+        return max(
+            (
+                self.info[e.url].max_prompt_chars
+                for e in self.endpoints.values()
+                if e.role != "prefill"
+            ),
+            default=0,
+        )
 
     def candidates(self, leg: str, exclude: Set[str] = frozenset()) -> list[Endpoint]:
         """Healthy endpoints that can serve a leg ("prefill" or "decode") and whose breaker lets a
@@ -298,6 +312,7 @@ class EndpointPool:
         info.kv_root_hash = bytes.fromhex(body.get("kv_root_hash", ""))
         info.block_size = int(body.get("block_size", 16))
         info.kv_store = str(body.get("kv_store") or "")
+        info.max_prompt_chars = int(body.get("max_prompt_chars") or 0)
         if body.get("kv_event_seq", 0) != info.event_seq:
             await self._events(session, ep, info, timeout)
 

@@ -105,6 +105,37 @@ class PromptReader:
         return batch[0].ids
 
 
+def prompt_chars(body: dict[str, Any], chat: bool) -> int:
+    """Characters of text a request puts into its prompt, counted as `ember serve` counts them
+    before it tokenizes (message text and reasoning; a completion's prompt strings; a token id
+    counts one): cheap, so a prompt that cannot fit is refused before it is tokenized."""
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return 0
+        return sum(_message_chars(m) for m in messages if isinstance(m, dict))
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, list):
+        return max((len(p) if isinstance(p, str | list) else 1 for p in prompt), default=0)
+    return 0
+
+
+def _message_chars(m: dict[str, Any]) -> int:
+    content = m.get("content")
+    if isinstance(content, list):
+        n = sum(
+            len(p["text"])
+            for p in content
+            if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
+    else:
+        n = len(content) if isinstance(content, str) else 0
+    reasoning = m.get("reasoning_content")
+    return n + (len(reasoning) if isinstance(reasoning, str) else 0)
+
+
 def template_message(m: dict[str, Any]) -> dict[str, Any]:
     """A message as `ember serve` hands it to the chat template (`ChatMessage.for_template`): text
     parts joined, "developer" as "system", unknown fields and nulls dropped. A client's raw message

@@ -177,6 +177,9 @@ def build_app(
             "role": engine.config.kv_role,
             "engine_id": ready.engine_id if ready else "",
             "block_size": engine.config.block_size,
+            # A router refuses, before tokenizing it, a prompt longer than this (as we do).
+            "max_model_len": engine.max_model_len,
+            "max_prompt_chars": engine.inputs.max_prompt_chars,
             "kv_root_hash": ready.kv_root_hash.hex() if ready else "",
             "kv_event_seq": engine.kv_event_seq,
             "leases": s.num_leases,

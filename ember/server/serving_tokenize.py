@@ -1,6 +1,8 @@
 """POST /tokenize and POST /detokenize, as vLLM has them: a text prompt or a conversation to the
 token ids the completion routes would run (`vllm bench serve` probes /tokenize to align its prompt
-lengths), and token ids back to text."""
+lengths), and token ids back to text. Both are bounded as the completion routes are: a text that
+cannot fit the context is refused before it is tokenized, and /detokenize takes at most
+max_model_len ids (two 30 MB bodies once took the API process from 1.5 to 11.4 GB)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from ember.server.serving import ServingContext
 from ember.server.serving_chat import render_chat, tool_dicts
 
 M = TypeVar("M", bound=BaseModel)
+DETOKENIZE_BYTES_PER_ID = 16
+"""JSON bytes allowed per id of /detokenize's limit (an id and its separator take at most 12)."""
 
 
 class TokenizeHandler:
@@ -30,6 +34,10 @@ class TokenizeHandler:
         model = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
         req = _validate(model, body)
         self.ctx.check_model(req.model)
+        if isinstance(req, TokenizeCompletionRequest):
+            self.ctx.check_prompt_chars(len(req.prompt), "prompt")
+        else:
+            self.ctx.check_prompt_chars(sum(m.num_chars for m in req.messages), "messages")
         # Templating and tokenizing a large body take seconds: off the event loop.
         ids = await asyncio.to_thread(self._ids, req)
         tokenizer = self.ctx.engine.tokenizer
@@ -44,7 +52,17 @@ class TokenizeHandler:
         )
 
     async def detokenize(self, raw: Request) -> Response:
-        req = _validate(DetokenizeRequest, await _json_object(raw))
+        limit = self.ctx.engine.max_model_len
+        # Each id takes at most 12 bytes of JSON ("4294967295, "): a longer body is refused
+        # before it is parsed into millions of Python ints.
+        body = await _json_object(raw, max_bytes=DETOKENIZE_BYTES_PER_ID * limit + 4096)
+        tokens = body.get("tokens")
+        if isinstance(tokens, list) and len(tokens) > limit:
+            raise APIError(
+                f"tokens holds {len(tokens)} ids; at most max_model_len={limit} are detokenized",
+                param="tokens",
+            )
+        req = _validate(DetokenizeRequest, body)
         self.ctx.check_model(req.model)
         inputs = self.ctx.engine.inputs
         try:
@@ -67,6 +85,7 @@ class TokenizeHandler:
                 req.add_generation_prompt,
                 req.chat_template_kwargs,
             )
+            self.ctx.check_prompt_chars(len(text), "messages")  # tools and template included
         return inputs.encode([text], add_special_tokens=req.add_special_tokens)[0]
 
 
@@ -75,10 +94,14 @@ def _json(body: dict[str, Any]) -> Response:
     return Response(orjson.dumps(body), media_type="application/json")
 
 
-async def _json_object(raw: Request) -> dict[str, Any]:
-    """The body as a JSON object, parsed strictly (orjson, as StrictJSONRoute): a 400 otherwise."""
+async def _json_object(raw: Request, max_bytes: int | None = None) -> dict[str, Any]:
+    """The body as a JSON object, parsed strictly (orjson, as StrictJSONRoute): a 400 otherwise
+    (a 413 over `max_bytes`)."""
+    data = await raw.body()
+    if max_bytes is not None and len(data) > max_bytes:
+        raise APIError(f"the request body is over {max_bytes} bytes", 413, code="request_too_large")
     try:
-        body = orjson.loads(await raw.body())
+        body = orjson.loads(data)
     except orjson.JSONDecodeError as e:
         raise APIError(f"the request body is not valid JSON: {e}") from e
     if not isinstance(body, dict):

@@ -99,6 +99,43 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(edge_server: Serv
     assert time.monotonic() - start < 1.0  # tokenizing it took 3.9 s
 
 
+def rss_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("VmRSS"))) / 1024
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "code"),
+    [
+        ("/tokenize", {"prompt": "word " * 800_000}, 400, "context_length_exceeded"),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": "word " * 800_000}]},
+            400,
+            "context_length_exceeded",
+        ),
+        ("/detokenize", {"tokens": [5] * 300}, 400, None),  # more ids than max_model_len (256)
+        ("/detokenize", {"tokens": [5] * 1_000_000}, 413, "request_too_large"),
+    ],
+    ids=["text", "chat", "ids", "body"],
+)
+def test_tokenize_and_detokenize_are_bounded(
+    edge_server: Server, path: str, body: dict, status: int, code: str | None
+) -> None:
+    """Before: /tokenize had no limit (two 30 MB bodies took the API process from 1.5 to 11.4 GB
+    and 4.2 GB stayed)."""
+    before = rss_mb(edge_server.proc.pid)
+    start = time.monotonic()
+    r = post(edge_server, path, body)
+    assert r.status_code == status, r.text
+    assert_openai_error(r)
+    assert code is None or r.json()["error"]["code"] == code
+    assert time.monotonic() - start < 2.0
+    assert rss_mb(edge_server.proc.pid) - before < 200
+    ok = post(edge_server, "/detokenize", {"tokens": [5, 6, 7]})
+    assert ok.status_code == 200 and ok.json()["prompt"]
+
+
 def test_health_answers_while_a_large_prompt_is_tokenized(server_factory) -> None:
     # A context long enough that 1.5 MB of text is worth tokenizing (then refused as too long).
     server = server_factory("--max-model-len", "32768")
