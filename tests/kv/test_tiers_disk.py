@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ember.kv.tiers.base import BlockLayout
-from ember.kv.tiers.disk import HEADER, DiskTier
+from ember.kv.tiers.disk import HEADER, KEY_FILE, MARKER, DiskDirError, DiskTier, tag
 from ember.kv.tiers.host_memory import HostMemory
 
 LAYOUT = BlockLayout(
@@ -116,12 +116,107 @@ def test_other_layout_entries_are_ignored_and_kept(tmp_path: Path) -> None:
 
 
 def test_leftover_temp_files_are_removed_at_start(tmp_path: Path) -> None:
+    DiskTier(tmp_path, 10 * ENTRY, LAYOUT)  # the directory becomes ember's
     sub = tmp_path / "ab"
     sub.mkdir()
     tmp = sub / ("ab" * 32 + ".kv.1234abcd.tmp")
     tmp.write_bytes(b"half a write")
     DiskTier(tmp_path, 10 * ENTRY, LAYOUT)
     assert not tmp.exists()
+
+
+def test_files_are_private_and_the_directory_marked(tmp_path: Path) -> None:
+    """Before: block files were world-readable (0644)."""
+    root = tmp_path / "kv"
+    disk = DiskTier(root, 10 * ENTRY, LAYOUT)
+    disk.put([key(0)], blocks(1))
+    assert root.stat().st_mode & 0o777 == 0o700
+    assert disk.path_of(key(0)).stat().st_mode & 0o777 == 0o600
+    assert disk.path_of(key(0)).parent.stat().st_mode & 0o777 == 0o700
+    assert (root / MARKER).exists() and (root / KEY_FILE).stat().st_mode & 0o777 == 0o600
+
+
+def test_a_directory_of_other_files_is_refused_and_nothing_deleted(tmp_path: Path) -> None:
+    """Before: --kv-disk-dir on an existing directory deleted user files that looked like its
+    own (`ab/thesis.tmp`)."""
+    (tmp_path / "ab").mkdir()
+    thesis = tmp_path / "ab" / "thesis.tmp"
+    thesis.write_text("four years of work")
+    other = tmp_path / "ab" / ("cd" * 32 + ".kv")
+    other.write_bytes(b"not a block")
+    with pytest.raises(DiskDirError, match="not an ember KV directory"):
+        DiskTier(tmp_path, 10 * ENTRY, LAYOUT)
+    assert thesis.read_text() == "four years of work" and other.read_bytes() == b"not a block"
+    assert not (tmp_path / MARKER).exists()
+
+
+def test_a_forged_entry_with_a_recomputed_checksum_is_refused(tmp_path: Path) -> None:
+    """Before: the checksum was not keyed, so a file written by anyone who could write the
+    directory, with its checksum recomputed, was served as KV."""
+    disk = DiskTier(tmp_path, 10 * ENTRY, LAYOUT)
+    disk.put([key(0)], blocks(1))
+    path = disk.path_of(key(0))
+    magic, fp, klen, length, _ = HEADER.unpack_from(path.read_bytes())
+    forged = bytes([0x21]) * length
+    for digest in (
+        hashlib.blake2b(forged, digest_size=16).digest(),  # the old, unkeyed checksum
+        tag(b"\0" * 32, key(0), memoryview(forged)),  # keyed, with a guessed key
+    ):
+        path.write_bytes(HEADER.pack(magic, fp, klen, length, digest) + key(0) + forged)
+        restarted = DiskTier(tmp_path, 10 * ENTRY, LAYOUT)
+        assert restarted.contains_prefix([key(0)]) == 1  # indexed from its header ...
+        out = torch.zeros(1, LAYOUT.nbytes, dtype=torch.uint8)
+        assert restarted.get_into([key(0)], out) == [False]  # ... but refused on read
+        assert restarted.stats().corrupt == 1 and not path.exists()
+    # A block moved to another key's name fails too (the tag covers the key).
+    disk = DiskTier(tmp_path, 10 * ENTRY, LAYOUT)
+    disk.put([key(1)], blocks(1, seed=1))
+    disk.path_of(key(2)).parent.mkdir(exist_ok=True)
+    moved = bytearray(disk.path_of(key(1)).read_bytes())
+    moved[HEADER.size : HEADER.size + 32] = key(2)
+    disk.path_of(key(2)).write_bytes(bytes(moved))
+    restarted = DiskTier(tmp_path, 10 * ENTRY, LAYOUT)
+    assert restarted.get_into([key(2)], torch.zeros(1, LAYOUT.nbytes, dtype=torch.uint8)) == [False]
+
+
+def test_a_full_disk_is_counted_and_logged_once(tmp_path: Path, monkeypatch, caplog) -> None:
+    """Before: a full disk logged a warning per block (1,030 lines in 1.6 s)."""
+    import errno
+
+    disk = DiskTier(tmp_path, 100 * ENTRY, LAYOUT)
+    real_open = os.open
+
+    def full(path, flags, mode=0o777, **kw):  # noqa: ANN001, ANN202
+        if str(path).endswith(".tmp"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, flags, mode, **kw)
+
+    monkeypatch.setattr(os, "open", full)
+    with caplog.at_level("WARNING", logger="ember.kv.tiers.disk"):
+        assert disk.put([key(i) for i in range(50)], blocks(50)) == [False] * 50
+    assert disk.stats().errors == 50
+    assert disk.stats().occupancy_bytes == 0
+    assert len([r for r in caplog.records if "failed" in r.getMessage()]) == 1
+
+
+def test_capacity_follows_the_filesystems_free_space(tmp_path: Path, monkeypatch) -> None:
+    import ember.kv.tiers.disk as disk_module
+
+    disk = DiskTier(tmp_path, 100 * ENTRY, LAYOUT)
+    real = os.statvfs(tmp_path)
+
+    class Tight:
+        f_frsize = 1
+        f_bavail = disk_module.FREE_RESERVE_BYTES + 3 * ENTRY  # room for three more entries
+
+    monkeypatch.setattr(disk_module.os, "statvfs", lambda _: Tight)
+    monkeypatch.setattr(disk_module, "FREE_CHECK_S", 1e9)  # the first reading stands
+    disk._free_checked = -1e9  # noqa: SLF001 - read the (tight) free space now
+    assert disk.put([key(i) for i in range(6)], blocks(6)) == [True] * 6
+    # Never more than the free space allowed: the oldest were evicted to make room.
+    assert disk.stats().occupancy_blocks == 3
+    assert disk.stats().evictions == 3
+    assert real.f_bavail > 0
 
 
 @pytest.mark.parametrize("damage", ["truncate", "bit_flip", "header", "empty"])

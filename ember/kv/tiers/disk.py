@@ -1,13 +1,19 @@
 """The disk tier: one file per KV block in a local directory, kept across restarts.
 
 A block lives at `<dir>/<first key byte hex>/<key hex>.kv`: a header (magic, the layout's
-fingerprint, the key, the payload length, a BLAKE2b-128 checksum of the payload), then the block's
-bytes. Files are written to a temporary name and renamed, so a reader never sees half a write; a
-crash can still leave a short or garbled file (no fsync), which the length and checksum catch on
-read: the entry is deleted and reported as a miss (recomputed). At start-up the index is rebuilt
-from the headers, least recently used first by modification time (a read touches it); entries of
-another layout are left alone and not counted, leftover temporary files are removed. One engine
-owns a directory.
+fingerprint, the key, the payload length, a tag), then the block's bytes. The tag is BLAKE2b-128
+keyed by the directory's own secret (`.ember-kv-key`, 0600) over the block's key and payload: a
+torn write, a block renamed to another key, or a forged file with a recomputed checksum all fail
+it on read, and the entry is deleted and reported as a miss (recomputed). Files are written to a
+temporary name and renamed, so a reader never sees half a write.
+
+The directory is ember's: created 0700 with a marker file (`.ember-kv-disk`), or adopted only if
+empty. A directory holding anything else is refused, and nothing ember did not write is ever
+deleted. Block files are 0600. At start-up the index is rebuilt from the headers, least recently
+used first by modification time (a read touches it); entries of another layout are left alone and
+not counted, leftover temporary files are removed. The capacity is the smaller of the budget and
+what the filesystem has free (checked as blocks are written); a write that fails is counted and
+logged at most once an interval. One engine owns a directory.
 """
 
 from __future__ import annotations
@@ -15,8 +21,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
+import secrets
 import struct
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -32,15 +41,64 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"EMBERKV\x01"
-# magic, layout fingerprint (16 bytes), key length, payload length, checksum (16 bytes)
+MAGIC = b"EMBERKV\x02"
+# magic, layout fingerprint (16 bytes), key length, payload length, keyed tag (16 bytes)
 HEADER = struct.Struct("<8s16sHQ16s")
 SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
+MARKER = ".ember-kv-disk"
+MARKER_TEXT = "ember KV disk tier: every file here is ember's to replace or delete\n"
+KEY_FILE = ".ember-kv-key"
+_SUBDIR = re.compile(r"[0-9a-f]{2}")
+_TMP_NAME = re.compile(r"[0-9a-f]+\.kv\.[0-9a-f]{8}\.tmp")
+FREE_CHECK_S = 1.0
+"""How often the filesystem's free space is read (a statvfs, ~2 us)."""
+FREE_RESERVE_BYTES = 256 << 20
+"""Room left on the filesystem for everything else."""
+ERROR_LOG_INTERVAL_S = 30.0
 
 
-def checksum(payload: memoryview) -> bytes:
-    return hashlib.blake2b(payload, digest_size=16).digest()
+class DiskDirError(ValueError):
+    """The directory given for the disk tier cannot be ember's (it holds other files)."""
+
+
+def tag(secret: bytes, key: bytes, payload: memoryview) -> bytes:
+    """The block's tag: BLAKE2b-128 keyed by the directory's secret, over its key and bytes."""
+    h = hashlib.blake2b(key, digest_size=16, key=secret)
+    h.update(payload)
+    return h.digest()
+
+
+def claim_directory(root: Path) -> bytes:
+    """Make `root` the disk tier's own (create it 0700, or adopt it if empty, with the marker and
+    a fresh secret) or check that it is already; returns the directory's secret. Raises
+    DiskDirError for a directory of anything else: it is never written into or deleted from."""
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    marker, key_file = root / MARKER, root / KEY_FILE
+    if not marker.exists():
+        others = sorted(p.name for p in root.iterdir())
+        if others:
+            raise DiskDirError(
+                f"--kv-disk-dir {root} is not an ember KV directory (no {MARKER}) and is not "
+                f"empty ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}): give an "
+                "empty or new directory"
+            )
+        os.chmod(root, 0o700)
+        _write_private(key_file, secrets.token_bytes(32))
+        _write_private(marker, MARKER_TEXT.encode())
+    try:
+        secret = key_file.read_bytes()
+    except OSError as e:
+        raise DiskDirError(f"--kv-disk-dir {root}: cannot read its key {KEY_FILE}: {e}") from e
+    if len(secret) != 32:
+        raise DiskDirError(f"--kv-disk-dir {root}: its key {KEY_FILE} is not 32 bytes")
+    return secret
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
 
 
 def _row_bytes(row: torch.Tensor) -> memoryview:
@@ -53,11 +111,17 @@ class DiskTier(Tier):
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, layout: BlockLayout):
         self.root = Path(path)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self._secret = claim_directory(self.root)
         self.layout = layout
         self.capacity_bytes = capacity_bytes
+        """The budget; what may be used is also bounded by the filesystem's free space."""
         self._fingerprint = bytes.fromhex(layout.fingerprint())
         self._lock = threading.Lock()
+        self._free_checked = -FREE_CHECK_S
+        self._room = capacity_bytes
+        self._failed_writes = 0
+        """Write failures not yet logged (logged at most once per ERROR_LOG_INTERVAL_S)."""
+        self._last_error_log = -ERROR_LOG_INTERVAL_S
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size; front = LRU
         self._used = 0
         self._stats = TierStats(capacity_bytes=capacity_bytes)
@@ -115,7 +179,7 @@ class DiskTier(Tier):
             if key in self._index:
                 self._index.move_to_end(key)
                 return True
-            if size > self.capacity_bytes:
+            if size > self._usable_bytes():
                 self._stats.drops += 1
                 return False
             victims = self._make_room(size)
@@ -123,23 +187,26 @@ class DiskTier(Tier):
             self._unlink(self.path_of(victim))
         self.events.record("removed", victims)
         payload = _row_bytes(row)
-        header = HEADER.pack(MAGIC, self._fingerprint, len(key), len(payload), checksum(payload))
+        digest = tag(self._secret, key, payload)
+        header = HEADER.pack(MAGIC, self._fingerprint, len(key), len(payload), digest)
         path = self.path_of(key)
         tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
         try:
-            path.parent.mkdir(exist_ok=True)
-            with open(tmp, "wb") as f:
+            path.parent.mkdir(mode=0o700, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
                 f.write(header)
                 f.write(key)
                 f.write(payload)
             os.replace(tmp, path)
         except OSError as e:
-            log.warning("disk tier: cannot write %s: %s", path, e)
             self._unlink(tmp)
             with self._lock:
                 self._used -= size
                 self._stats.errors += 1
                 self._stats.drops += 1
+                self._free_checked = -FREE_CHECK_S  # a full disk: read the free space again
+            self._log_write_failure(path, e)
             return False
         with self._lock:
             self._index[key] = size
@@ -148,11 +215,45 @@ class DiskTier(Tier):
         self.events.record("stored", [key])
         return True
 
+    def _usable_bytes(self) -> int:
+        """The budget, or less when the filesystem has less free (what we hold counts as ours:
+        used + free - reserve). Read at most every FREE_CHECK_S. Under the lock."""
+        now = time.monotonic()
+        if now - self._free_checked >= FREE_CHECK_S:
+            self._free_checked = now
+            try:
+                st = os.statvfs(self.root)
+                free = st.f_bavail * st.f_frsize
+                self._room = max(
+                    0, min(self.capacity_bytes, self._used + free - FREE_RESERVE_BYTES)
+                )
+            except OSError:
+                self._room = self.capacity_bytes
+        return self._room
+
+    def _log_write_failure(self, path: Path, e: OSError) -> None:
+        """One warning per interval, however many writes fail (a full disk fails them all)."""
+        now = time.monotonic()
+        with self._lock:
+            self._failed_writes += 1
+            if now - self._last_error_log < ERROR_LOG_INTERVAL_S:
+                return
+            count, self._failed_writes = self._failed_writes, 0
+            self._last_error_log = now
+        log.warning(
+            "disk tier: %d block write(s) failed in the last %.0f s, the last %s: %s",
+            count,
+            ERROR_LOG_INTERVAL_S,
+            path,
+            e,
+        )
+
     def _make_room(self, size: int) -> list[bytes]:
         """Drop least recently used entries from the index until `size` more bytes fit, and
         count the bytes as used; the caller deletes the victims' files. Under the lock."""
         victims = []
-        while self._used + size > self.capacity_bytes and self._index:
+        limit = self._usable_bytes()
+        while self._used + size > limit and self._index:
             key, freed = self._index.popitem(last=False)
             self._used -= freed
             self._stats.evictions += 1
@@ -198,7 +299,7 @@ class DiskTier(Tier):
             return False
         if f.readinto(out) != length or f.read(1):
             return False
-        return checksum(out) == digest
+        return secrets.compare_digest(tag(self._secret, key, out), digest)
 
     def _drop_corrupt(self, key: bytes, path: Path) -> None:
         log.warning("disk tier: dropping a truncated or corrupt entry %s", path)
@@ -236,10 +337,10 @@ class DiskTier(Tier):
         and entries of this layout that are short or unreadable; leave other layouts' alone."""
         found: list[tuple[float, bytes, int]] = []
         for sub in self.root.iterdir():
-            if not sub.is_dir() or len(sub.name) != 2:
+            if not sub.is_dir() or not _SUBDIR.fullmatch(sub.name):
                 continue
             for path in sub.iterdir():
-                if path.name.endswith(TMP_SUFFIX):
+                if _TMP_NAME.fullmatch(path.name):
                     self._unlink(path)
                 elif path.name.endswith(SUFFIX):
                     entry = self._scan(path)
