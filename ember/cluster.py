@@ -79,7 +79,14 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         help='any other `ember serve` flags for every engine, one string: "--kv-lease-s 60 '
         '--block-size 32" (flags ember up sets itself are refused)',
     )
-    p.add_argument("--kv-transport", default="mooncake", choices=["mooncake", "cuda_ipc"])
+    p.add_argument(
+        "--kv-transport",
+        default="auto",
+        choices=["auto", "shm", "cuda_ipc", "mooncake"],
+        help="how engines move KV: auto (engines of one host, no network port: shm on the CPU, "
+        "cuda_ipc on GPUs), or mooncake across hosts (it listens on --kv-host, which must be a "
+        "private network: Mooncake has no access control)",
+    )
     p.add_argument(
         "--store",
         action="store_true",

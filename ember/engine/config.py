@@ -49,9 +49,10 @@ class EngineConfig:
     kv_role: str = "both"
     """Disaggregation: "prefill" leases finished prompts' KV to decode engines, "decode" reads it
     from them, "both" does everything itself."""
-    kv_transport: str = "mooncake"
-    """How KV moves between engines: "mooncake" (TCP here, RDMA/NVLink on GPU clusters) or
-    "cuda_ipc" (two GPUs of one node)."""
+    kv_transport: str = "auto"
+    """How KV moves between engines: "auto" (engines of one host, no network port: "shm" on the
+    CPU, "cuda_ipc" on GPUs), "shm", "cuda_ipc", or "mooncake" (across hosts: TCP, RDMA or
+    NVLink, listening on kv_host; the KV network must be private)."""
     kv_host: str = "127.0.0.1"
     """The address this engine's KV transport listens on, as peers reach it."""
     kv_lease_s: float = 30.0

@@ -172,7 +172,14 @@ class EngineCore:
                 num_blocks = num_blocks * r.kv_block_bytes // per_block
         clock.mark("kv sizing")
         self.num_kv_blocks = num_blocks
-        self.runner.allocate_kv_cache(num_blocks)
+        transport = None
+        if config.kv_role != "both":
+            from ember.kv.transport import make_transport, resolve_kind
+
+            kind = resolve_kind(config.kv_transport, config.device)
+            transport = make_transport(kind, config.kv_host, config.kv_timeout_s)
+        # The KV cache in memory the transport can hand to peers (shared memory on the CPU).
+        self.runner.allocate_kv_cache(num_blocks, transport.allocate if transport else None)
         if self.runner.drafter is not None:
             self.runner.drafter.allocate_kv_cache(num_blocks)
         # Block hashes name the model by what it computes, not by its path: every engine of the
@@ -192,10 +199,7 @@ class EngineCore:
         )
         self.engine_id = uuid.uuid4().hex[:12]
         self.connector: KVConnector | None = None
-        if config.kv_role != "both":
-            from ember.kv.transport import make_transport
-
-            transport = make_transport(config.kv_transport, config.kv_host, config.kv_timeout_s)
+        if transport is not None:
             self.connector = KVConnector(
                 config.kv_role,
                 self.kv,

@@ -8,7 +8,9 @@ prompt is prefilled locally instead (never a token computed on wrong KV).
 
 The decode side gets its parameters only after its API process checked them (signed by a peer with
 the cluster secret, release URL among the configured peers); the release call carries the secret,
-since /kv/release is an internal route.
+since /kv/release is an internal route. Over a transport that other hosts reach by network
+(Mooncake), every leased block carries a tag keyed by the cluster secret, and the decode side uses
+what it read only if every tag matches (ember/kv/transport/block_tags.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from ember.engine.messages import KVTransferParams
+from ember.kv.transport.block_tags import BlockTagger
 from ember.trust import internal_headers
 
 if TYPE_CHECKING:
@@ -63,6 +66,9 @@ class KVConnector:
         # The cache is block-major: one block of every layer is one contiguous region.
         self.block_bytes = kv_cache[0].numel() * kv_cache.element_size()
         self.base_addr = transport.register(kv_cache)
+        self.tagger = BlockTagger(secret, kv_cache) if transport.exposed else None
+        self.tag_failures = 0
+        """Loads refused because a block's tag did not match (forged or damaged KV)."""
         self.leases: dict[str, tuple[Request, float]] = {}
         self.lease_expiries = 0
         self.loads = 0
@@ -79,10 +85,13 @@ class KVConnector:
         """Lease a finished prompt's blocks; the params tell a decode engine where they are."""
         lease_id = f"{self.engine_id}:{req.request_id}"
         self.leases[lease_id] = (req, self.clock() + self.lease_s)
+        block_ids = self.kv.block_ids(req.request_id)
+        tags = self.tagger.tags(block_ids, lease_id) if self.tagger is not None else []
         return KVTransferParams(
             engine_id=self.engine_id,
             lease_id=lease_id,
-            block_ids=self.kv.block_ids(req.request_id),
+            block_ids=block_ids,
+            block_tags=tags,
             transfer_address=self.transport.address,
             kv_base_addr=self.base_addr,
             block_bytes=self.block_bytes,
@@ -161,6 +170,11 @@ class KVConnector:
                 self.transport.read(params.transfer_address, srcs, dsts, lens)
                 self.load_seconds += time.perf_counter() - t0
                 self.load_bytes += sum(lens)
+            if self.tagger is not None and not self.tagger.verify(
+                local[skip:], params.lease_id, params.block_tags[skip:], first=skip
+            ):
+                self.tag_failures += 1
+                raise ValueError("a block's tag does not match: forged or damaged KV refused")
             ok = True
         except Exception as e:
             log.warning("KV read for lease %s failed: %s", params.lease_id, e)

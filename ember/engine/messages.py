@@ -33,6 +33,9 @@ class KVTransferParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
     """Seconds the prefill engine holds the blocks unless released first."""
     release_url: str = ""
     """Where the decode side POSTs {"lease_id": ...} once it has read the blocks."""
+    block_tags: list[str] = msgspec.field(default_factory=list)
+    """Over a transport that peers reach by network (Mooncake): each block's keyed tag
+    (ember/kv/transport/block_tags.py), checked by the decode engine before it uses the block."""
     signature: str = ""
     """HMAC of the other fields under the cluster secret, set by the prefill engine's API process
     (ember.trust.sign_kv_params): a decode engine reads only KV that a peer really offered."""

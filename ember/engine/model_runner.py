@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+Allocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+"""Where the KV cache's memory comes from: (shape, dtype, device) -> a zeroed tensor."""
+
 PROFILED_LAYERS_OF_EACH_KIND = 2
 """The KV sizing's profiled step runs this many decoder layers of each kind, not all: every later
 layer of a kind allocates and frees as the second does (the first meets no residual yet), so the
@@ -137,9 +140,14 @@ class ModelRunner:
         self.num_draft_tokens = 0
         """K: the drafts the head chains per request and step."""
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, allocate: Allocator | None = None) -> None:
+        """`allocate(shape, dtype, device)`: where the cache's memory comes from (a KV
+        transport's, for peers to read); zeroed memory of the device otherwise."""
         shape = kv_cache_shape(self.config, num_blocks, self.block_size)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if allocate is None:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        else:
+            self.kv_cache = allocate(shape, self.dtype, self.device)
 
     # -- inputs ----------------------------------------------------------------------------
 

@@ -83,7 +83,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         choices=["both", "prefill", "decode"],
         help="disaggregation: prefill leases prompts' KV to decode engines, decode reads it",
     )
-    p.add_argument("--kv-transport", default="mooncake", choices=["mooncake", "cuda_ipc"])
+    p.add_argument(
+        "--kv-transport",
+        default="auto",
+        choices=["auto", "shm", "cuda_ipc", "mooncake"],
+        help="how engines move KV: auto (engines of one host, no network port: shm on the CPU, "
+        "cuda_ipc on GPUs), or mooncake across hosts (it listens on --kv-host, which must be a "
+        "private network: Mooncake has no access control)",
+    )
     p.add_argument(
         "--kv-host", default="127.0.0.1", help="address peers reach this engine's KV transport at"
     )

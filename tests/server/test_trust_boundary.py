@@ -14,6 +14,7 @@ from typing import Any, cast
 
 import httpx
 import pytest
+import torch
 
 from ember.server.api_server import build_app
 from ember.server.args import add_serve_args, engine_config_from_args
@@ -231,9 +232,9 @@ def pd(server_factory) -> PD:
     return PD(p, d)
 
 
-def lease(pd: PD) -> dict:
+def lease(pd: PD, prompt: list[int] = PROMPT) -> dict:
     """A real prefill leg's answer, as the router gets it."""
-    r = complete(pd.prefill, INTERNAL, prompt=PROMPT, kv_transfer_params={"do_remote_decode": True})
+    r = complete(pd.prefill, INTERNAL, prompt=prompt, kv_transfer_params={"do_remote_decode": True})
     return ok(r)["kv_transfer_params"]
 
 
@@ -314,4 +315,72 @@ def test_logprobs_on_a_decode_leg_is_a_clear_400(pd: PD) -> None:
     assert error(r, 400)["param"] == "logprobs"
     httpx.post(
         f"{pd.prefill.url}/kv/release", json={"lease_id": params["lease_id"]}, headers=INTERNAL
+    )
+
+
+# -- the same pair over Mooncake, a transport with a network port -------------------------------
+
+
+@pytest.fixture(scope="module")
+def pd_mooncake(server_factory) -> PD:
+    pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine is not installed")
+    engine = ("--cpu-threads", "1", "--kv-lease-s", "10", "--kv-transport", "mooncake")
+    p = server_factory(*engine, "--role", "prefill")
+    d = server_factory(*engine, "--role", "decode", "--kv-peers", p.url)
+    return PD(p, d)
+
+
+def test_mooncake_blocks_carry_tags_and_a_planted_block_is_refused(pd_mooncake: PD) -> None:
+    """Before: any process that reached the Mooncake port could write a leased block, and the
+    decode engine served it as cached KV. Now each block's keyed tag is checked before use: a
+    planted block fails its tag, the decode engine prefills the prompt itself, the answer holds."""
+    from ember.kv.transport.mooncake import MooncakeTransport
+
+    pd = pd_mooncake
+    # Each prompt is new to both engines' unsalted caches (the reference answers are salted), so
+    # the decode engine reads every block of its lease.
+    prompts = [[(t + shift) % 2900 + 40 for t in PROMPT] for shift in (101, 202)]
+    plain = [
+        ok(complete(pd.decode, {}, prompt=p, cache_salt="reference"))["choices"][0]["text"]
+        for p in prompts
+    ]
+    params = lease(pd, prompts[0])
+    assert len(params["block_tags"]) == len(params["block_ids"]) > 1
+    before = pd.decode.load()
+    r = complete(pd.decode, INTERNAL, prompt=prompts[0], kv_transfer_params=decode_leg(params))
+    assert ok(r)["choices"][0]["text"] == plain[0]
+    assert pd.decode.load()["remote_kv_loads"] == before["remote_kv_loads"] + 1
+
+    attacker = MooncakeTransport()  # another local process, as an attacker would be
+    params = lease(pd, prompts[1])
+    size = params["block_bytes"]
+    junk = torch.full((size,), 0x21, dtype=torch.uint8)
+    src = attacker.register(junk)
+    target = params["kv_base_addr"] + params["block_ids"][1] * size
+    attacker.write(params["transfer_address"], [src], [target], [size])
+    before = pd.decode.load()
+    r = complete(pd.decode, INTERNAL, prompt=prompts[1], kv_transfer_params=decode_leg(params))
+    assert ok(r)["choices"][0]["text"] == plain[1]  # recomputed, not read from the planted block
+    after = pd.decode.load()
+    assert after["remote_kv_failures"] == before["remote_kv_failures"] + 1
+    assert after["remote_kv_loads"] == before["remote_kv_loads"]
+    assert pd.prefill.load()["leases"] == 0
+    attacker.close()
+
+
+def test_tags_travel_signed(pd_mooncake: PD) -> None:
+    params = lease(pd_mooncake)
+    tags = list(params["block_tags"])
+    tags[0] = "0" * 32
+    r = complete(
+        pd_mooncake.decode,
+        INTERNAL,
+        prompt=PROMPT,
+        kv_transfer_params=decode_leg(params | {"block_tags": tags}),
+    )
+    assert error(r, 403)["code"] == "invalid_kv_signature"
+    httpx.post(
+        f"{pd_mooncake.prefill.url}/kv/release",
+        json={"lease_id": params["lease_id"]},
+        headers=INTERNAL,
     )

@@ -1,7 +1,15 @@
-"""ember.kv.transport: moves KV-cache blocks between processes (Mooncake TE, CUDA IPC)."""
+"""ember.kv.transport: moves KV-cache blocks between processes (shared memory, CUDA IPC, Mooncake TE)."""
 
 from ember.kv.transport.base import KVTransport, TransferError
-from ember.kv.transport.factory import make_transport
+from ember.kv.transport.factory import KINDS, make_transport, resolve_kind
 from ember.kv.transport.layout import block_regions, pair_regions
 
-__all__ = ["KVTransport", "TransferError", "block_regions", "make_transport", "pair_regions"]
+__all__ = [
+    "KINDS",
+    "KVTransport",
+    "TransferError",
+    "block_regions",
+    "make_transport",
+    "pair_regions",
+    "resolve_kind",
+]

@@ -21,6 +21,18 @@ class TransferError(RuntimeError):
 
 class KVTransport(ABC):
     name: str
+    exposed: bool = False
+    """Whether other hosts reach this transport's memory through a network port with no access
+    control of its own (Mooncake): the blocks it moves then carry keyed tags."""
+
+    def allocate(
+        self, shape: Sequence[int], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A zeroed tensor for the KV cache in memory this transport can `register` (plain
+        memory, unless the transport needs its own, as shared memory does)."""
+        import torch
+
+        return torch.zeros(tuple(shape), dtype=dtype, device=device)
 
     @abstractmethod
     def register(self, tensor: torch.Tensor) -> int:

@@ -40,6 +40,7 @@ _BYTES_PER_S = 1 << 30
 
 class MooncakeTransport(KVTransport):
     name = "mooncake"
+    exposed = True  # any process that reaches the port may read and write registered memory
 
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", timeout_s: float = 30.0):
         # The default TCP slice (64 KiB) makes loopback transfers many times slower.
