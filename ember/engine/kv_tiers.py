@@ -127,6 +127,7 @@ def build_tiers(
                     config.kv_store,
                     host=config.kv_host,
                     segment_bytes=int(config.kv_store_gb * GiB),
+                    secret=config.cluster_secret or None,
                 )
             )
     except BaseException:

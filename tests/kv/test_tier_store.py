@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import logging
 import multiprocessing as mp
@@ -42,6 +43,7 @@ LAYOUT = BlockLayout(
     num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32", model="m1"
 )
 SEGMENT = 16 << 20  # the smallest segment Mooncake takes
+SECRET = "store-test-secret"
 
 
 def keys_of(tag: int, n: int) -> list[bytes]:
@@ -81,7 +83,7 @@ def master() -> Iterator[StoreMaster]:
 
 @pytest.fixture(scope="module")
 def tier(master: StoreMaster) -> Iterator[StoreTier]:
-    t = StoreTier(LAYOUT, master.address, segment_bytes=SEGMENT)
+    t = StoreTier(LAYOUT, master.address, segment_bytes=SEGMENT, secret=SECRET)
     yield t
     t.close()
 
@@ -89,7 +91,7 @@ def tier(master: StoreMaster) -> Iterator[StoreTier]:
 @pytest.fixture(scope="module")
 def other(master: StoreMaster) -> Iterator[StoreTier]:
     """A second client of the same store, as a second engine would be."""
-    t = StoreTier(LAYOUT, master.address, segment_bytes=SEGMENT)
+    t = StoreTier(LAYOUT, master.address, segment_bytes=SEGMENT, secret=SECRET)
     yield t
     t.close()
 
@@ -127,7 +129,13 @@ def test_rows_of_the_host_memory_round_trip(tier: StoreTier) -> None:
 
 
 def test_put_in_chunks_larger_than_the_staging_buffer(master: StoreMaster) -> None:
-    t = StoreTier(LAYOUT, master.address, segment_bytes=SEGMENT, staging_bytes=3 * LAYOUT.nbytes)
+    t = StoreTier(
+        LAYOUT,
+        master.address,
+        segment_bytes=SEGMENT,
+        secret=SECRET,
+        staging_bytes=3 * LAYOUT.nbytes,
+    )
     try:
         keys, src = keys_of(3, 8), blocks(8, seed=3)
         assert t.put(keys, src) == [True] * 8
@@ -152,7 +160,7 @@ def test_two_clients_see_each_others_blocks(tier: StoreTier, other: StoreTier) -
 def _writer(address: str, conn: Connection) -> None:
     """Another engine's process: writes blocks to the store and stays up (its segment may hold
     them) until told to leave."""
-    t = StoreTier(LAYOUT, address, segment_bytes=SEGMENT)
+    t = StoreTier(LAYOUT, address, segment_bytes=SEGMENT, secret=SECRET)
     conn.send(t.put(keys_of(5, 6), blocks(6, seed=5)))
     conn.recv()
     t.close()
@@ -193,7 +201,7 @@ def test_another_layout_misses(master: StoreMaster, tier: StoreTier) -> None:
         assert store_key(changed.fingerprint(), keys[0]) != ours
     # Another model with blocks of the very same size: only the key keeps them apart.
     model2 = BlockLayout(2, 2, 8, 4, "float32", "m2")
-    t = StoreTier(model2, master.address, segment_bytes=SEGMENT)
+    t = StoreTier(model2, master.address, segment_bytes=SEGMENT, secret=SECRET)
     try:
         assert t.contains_prefix(keys) == 0
         dst = torch.zeros((3, model2.nbytes), dtype=torch.uint8)
@@ -239,7 +247,7 @@ def test_a_missing_block_is_a_miss(tier: StoreTier) -> None:
 
 def test_the_client_listens_on_its_host_only(master: StoreMaster) -> None:
     before = listening_sockets()
-    t = StoreTier(LAYOUT, master.address, host="127.0.0.1", segment_bytes=SEGMENT)
+    t = StoreTier(LAYOUT, master.address, host="127.0.0.1", segment_bytes=SEGMENT, secret=SECRET)
     try:
         opened = listening_sockets() - before
         assert opened, "the store client opened no listener"
@@ -252,7 +260,7 @@ def test_the_client_listens_on_its_host_only(master: StoreMaster) -> None:
 
 def test_master_killed_means_misses_then_it_recovers(caplog: pytest.LogCaptureFixture) -> None:
     m = start_master()
-    t = StoreTier(LAYOUT, m.address, segment_bytes=SEGMENT)
+    t = StoreTier(LAYOUT, m.address, segment_bytes=SEGMENT, secret=SECRET)
     try:
         keys, src = keys_of(9, 3), blocks(3, seed=9)
         assert t.put(keys, src) == [True] * 3
@@ -283,7 +291,9 @@ def test_master_killed_means_misses_then_it_recovers(caplog: pytest.LogCaptureFi
 
 def test_no_master_at_start_then_one_comes() -> None:
     port = free_port("127.0.0.1")
-    t = StoreTier(LAYOUT, f"127.0.0.1:{port}", segment_bytes=SEGMENT, connect_timeout_s=0.1)
+    t = StoreTier(
+        LAYOUT, f"127.0.0.1:{port}", segment_bytes=SEGMENT, secret=SECRET, connect_timeout_s=0.1
+    )
     m = StoreMaster("127.0.0.1", port, free_port("127.0.0.1"))
     try:
         keys, src = keys_of(10, 2), blocks(2, seed=10)
@@ -325,7 +335,7 @@ class _FailingReads:
 def _with_client(client: object, **kw: float) -> StoreTier:
     """A tier that found no master, handed a stand-in client as if it had connected."""
     address = f"127.0.0.1:{free_port('127.0.0.1')}"
-    t = StoreTier(LAYOUT, address, segment_bytes=SEGMENT, connect_timeout_s=0, **kw)
+    t = StoreTier(LAYOUT, address, segment_bytes=SEGMENT, secret=SECRET, connect_timeout_s=0, **kw)
     t._conn._client = client
     t._conn._up.set()
     return t
@@ -344,7 +354,7 @@ def test_a_failed_transfer_never_lands_in_the_host_buffer() -> None:
         assert host.chunks[0].data_ptr() not in fake.registered
         assert all(bool((host.row(s) == 7).all()) for s in range(4))
         # ...which is set aside (still registered) rather than reused for the next read.
-        assert len(t._retired) == 1 and t._staging is None
+        assert len(t._retired) == 2 and t._staging is None and t._tags is None
         assert not t.connected and t.stats().errors == errors + 1
     finally:
         t.close()
@@ -392,3 +402,45 @@ def test_a_hung_lookup_is_a_miss_and_later_lookups_do_not_queue_behind_it() -> N
     finally:
         fake.release.set()
         t.close()
+
+
+def plant(client_tier: StoreTier, names: list[str], values: list[bytes]) -> None:
+    """Overwrite objects as any client of the store can (upsert from registered memory)."""
+    buf = torch.frombuffer(bytearray(b"".join(values)), dtype=torch.uint8)
+    assert client_tier._register(buf)
+    addrs, at = [], buf.data_ptr()
+    for v in values:
+        addrs.append(at)
+        at += len(v)
+    codes = client_tier._conn.client.batch_upsert_from(names, addrs, [len(v) for v in values])
+    assert list(codes) == [0] * len(values), codes
+
+
+def test_a_block_planted_without_the_secret_is_a_miss(master: StoreMaster, tier: StoreTier) -> None:
+    """Before: any store client could overwrite a block, and it was served (a victim's prompt
+    came back as '!!!!'). Now each block's tag is keyed by the cluster secret."""
+    keys, src = keys_of(20, 3), blocks(3, seed=20)
+    assert tier.put(keys, src) == [True] * 3
+    attacker = StoreTier(LAYOUT, master.address, segment_bytes=SEGMENT, secret="not-the-secret")
+    try:
+        assert attacker.contains_prefix(keys) == 0  # its names are not ours: it finds nothing
+        names = tier._names(keys)  # as a listing of the store shows them
+        junk = b"!" * LAYOUT.nbytes
+        # A block overwritten, and one with a tag recomputed as an unkeyed checksum would be.
+        digest = hashlib.blake2b(names[1].encode() + b"\0" + junk, digest_size=16).digest()
+        plant(attacker, [names[0], names[1], names[1] + ".tag"], [junk, junk, digest])
+        corrupt = tier.stats().corrupt
+        dst = torch.zeros_like(src)
+        assert tier.get_into(keys, dst) == [False, False, True]
+        assert torch.count_nonzero(dst[:2]) == 0 and torch.equal(dst[2], src[2])
+        assert tier.stats().corrupt == corrupt + 2
+        assert tier.connected  # a forged block is a miss, not an outage
+    finally:
+        attacker.close()
+
+
+def test_names_in_the_store_hide_the_block_hashes(tier: StoreTier) -> None:
+    keys = keys_of(21, 2)
+    names = tier._names(keys)
+    assert all(k.hex() not in n for k, n in zip(keys, names, strict=True))
+    assert store_key(LAYOUT.fingerprint(), keys[0]) != names[0]  # the plain name is not used

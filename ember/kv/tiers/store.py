@@ -6,6 +6,13 @@ mount (`segment_bytes` each), so an engine's blocks leave with it (the master fo
 `ember/<layout fingerprint prefix>/<block hash hex>`: engines of another model, dtype or block
 layout never read each other's blocks, and tenants' blocks differ by their salted hashes.
 
+Anyone who reaches the master's or a client's port can list, overwrite and delete objects (the
+Mooncake Store has no access control: its network must be private). So nothing read is trusted:
+every block is written with a tag, BLAKE2b keyed by the cluster secret over its name and bytes (a
+small object beside it), and a read whose tag does not match is a miss, counted as corrupt. Names
+are keyed too (`ember/<layout>/<keyed hash of the block hash>`): a listing of the store says
+nothing about which prompts it holds. Engines that share a store share the cluster secret.
+
 Faults never reach the engine: while the master is unreachable or transfers fail, every call is a
 miss (False, 0) until the connection (store_connection.py) has the master answering again. Reads
 land in a staging buffer of this tier and are copied on only once complete: after a failed
@@ -15,7 +22,10 @@ aside for a while, never a host-tier slot that is about to hold another block.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -62,8 +72,29 @@ _SETTLED_MISS = frozenset({INVALID_PARAMS, REPLICA_IS_NOT_READY, OBJECT_NOT_FOUN
 """Read failures that end before or after the transfer, never during it."""
 
 
-def store_key(layout_fingerprint: str, key: bytes) -> str:
+TAG_BYTES = 16
+TAG_SUFFIX = ".tag"
+_PROCESS_SECRET = secrets.token_hex(32)
+"""The secret of tiers given none: only this process reads back what it wrote."""
+
+
+def store_key(layout_fingerprint: str, key: bytes, name_key: bytes = b"") -> str:
+    """The object name of block `key`; with `name_key`, the block hash is replaced by a keyed
+    hash of it (what a listing of the store shows)."""
+    if name_key:
+        key = hashlib.blake2b(key, key=name_key, digest_size=16).digest()
     return f"ember/{layout_fingerprint[:FINGERPRINT_CHARS]}/{key.hex()}"
+
+
+def block_tag(tag_key: bytes, name: str, payload: memoryview) -> bytes:
+    """BLAKE2b-128 keyed by `tag_key` over the object's name and bytes."""
+    h = hashlib.blake2b(name.encode() + b"\0", key=tag_key, digest_size=TAG_BYTES)
+    h.update(payload)
+    return h.digest()
+
+
+def _row_view(row: torch.Tensor) -> memoryview:
+    return memoryview(row.numpy()).cast("B")
 
 
 class StoreTier(Tier):
@@ -81,16 +112,25 @@ class StoreTier(Tier):
         lookup_timeout_s: float = 1.0,
         protocol: str = "tcp",
         device: str = "",
+        secret: str | None = None,
     ) -> None:
         """`master`: HOST:PORT of the `mooncake_master`; `host`: this engine's address, the only
         one the client listens on (`--kv-host`); `segment_bytes`: the memory this engine lends
         the store (allocated as it fills); `connect_timeout_s`: how long start-up waits for the
-        first connection (then the tier starts as misses and keeps trying)."""
+        first connection (then the tier starts as misses and keeps trying); `secret`: the
+        cluster secret that keys names and tags (None: this process's own)."""
         if segment_bytes < MIN_SEGMENT_BYTES:
             raise StoreError(f"segment_bytes must be >= {MIN_SEGMENT_BYTES}, got {segment_bytes}")
         self.layout = layout
         self.master = master
         self._fingerprint = layout.fingerprint()
+        root = hmac.new(
+            (secret or _PROCESS_SECRET).encode(), b"ember KV store", hashlib.sha256
+        ).digest()
+        self._name_key = hmac.new(root, b"names", hashlib.sha256).digest()
+        self._tag_key = hmac.new(root, b"tags", hashlib.sha256).digest()
+        self._tags: torch.Tensor | None = None
+        """Registered rows of TAG_BYTES: the tags of one chunk's writes or reads."""
         self._nbytes = layout.nbytes
         self._chunk = max(1, staging_bytes // self._nbytes)
         self._lookup_timeout_s = lookup_timeout_s
@@ -109,7 +149,7 @@ class StoreTier(Tier):
             master,
             host,
             segment_bytes,
-            probe_key=store_key(self._fingerprint, b"probe"),
+            probe_key=store_key(self._fingerprint, b"probe", self._name_key),
             protocol=protocol,
             device=device,
             connect_timeout_s=connect_timeout_s,
@@ -134,7 +174,7 @@ class StoreTier(Tier):
         missing = [False] * len(keys)
         if client is None or not keys or (stuck is not None and not stuck.done()):
             return missing
-        names = [store_key(self._fingerprint, k) for k in keys]
+        names = self._names(keys)
         # A lookup waits a bounded time, never the library's own timeouts (4 s and more) of a
         # master that stopped answering; while a call that overran is still out, lookups are
         # misses rather than queued behind it.
@@ -167,8 +207,9 @@ class StoreTier(Tier):
                     done += self._dropped(stop - start)
                     continue
                 staging.copy_(src[start:stop])
+                rows = [staging[i] for i in range(stop - start)]
                 done += self._put_from(
-                    keys[start:stop], self._addresses(staging, range(stop - start))
+                    keys[start:stop], self._addresses(staging, range(stop - start)), rows
                 )
         return done
 
@@ -186,7 +227,11 @@ class StoreTier(Tier):
         with self._io_lock:
             if not all(self._register(chunk) for chunk in {id(c): c for c, _ in rows}.values()):
                 return self._dropped(len(keys))
-            return self._put_from(keys, [c.data_ptr() + r * self._nbytes for c, r in rows])
+            return self._put_from(
+                keys,
+                [c.data_ptr() + r * self._nbytes for c, r in rows],
+                [memory.row(s) for s in slots],
+            )
 
     def get_into(self, keys: Sequence[bytes], dst: torch.Tensor) -> list[bool]:
         check_rows(dst, len(keys), self._nbytes, "dst")
@@ -211,18 +256,42 @@ class StoreTier(Tier):
         with self._io_lock:  # only now: a failed read's late bytes may land until the close
             self._registered.clear()
             self._staging = None
+            self._tags = None
             self._retired.clear()
 
     # -- reads and writes --------------------------------------------------------------------
 
-    def _put_from(self, keys: Sequence[bytes], addrs: list[int]) -> list[bool]:
-        """One batch write from registered memory (under the I/O lock)."""
-        names = [store_key(self._fingerprint, k) for k in keys]
+    def _names(self, keys: Sequence[bytes]) -> list[str]:
+        return [store_key(self._fingerprint, k, self._name_key) for k in keys]
+
+    def _put_from(
+        self, keys: Sequence[bytes], addrs: list[int], rows: Sequence[torch.Tensor]
+    ) -> list[bool]:
+        """One batch write from registered memory (under the I/O lock): the blocks, then their
+        tags (a block without its tag is a miss: written second, it counts only once both are)."""
+        names = self._names(keys)
+        tags = self._tag_rows(len(keys))
+        if tags is None:
+            return self._dropped(len(keys))
+        for i, (name, row) in enumerate(zip(names, rows, strict=True)):
+            digest = block_tag(self._tag_key, name, _row_view(row))
+            tags[i].copy_(torch.frombuffer(bytearray(digest), dtype=torch.uint8))
         sizes = [self._nbytes] * len(keys)
         codes = self._native(lambda c: c.batch_put_from(names, addrs, sizes), len(keys))
         if codes is None:
             return self._dropped(len(keys))
+        tag_names = [n + TAG_SUFFIX for n in names]
+        tag_addrs = self._addresses(tags, range(len(keys)), TAG_BYTES)
+        tag_codes = self._native(
+            lambda c: c.batch_put_from(tag_names, tag_addrs, [TAG_BYTES] * len(keys)), len(keys)
+        )
+        if tag_codes is None:
+            return self._dropped(len(keys))
         # An existing key holds the same bytes: its hash names its content.
+        codes = [
+            rc if rc not in (0, OBJECT_ALREADY_EXISTS) else t
+            for rc, t in zip(codes, tag_codes, strict=True)
+        ]
         done = [rc in (0, OBJECT_ALREADY_EXISTS) for rc in codes]
         failed = sorted({rc for rc in codes if rc not in (0, OBJECT_ALREADY_EXISTS)})
         with self._stats_lock:
@@ -256,18 +325,42 @@ class StoreTier(Tier):
         self, keys: Sequence[bytes], offset: int, place: Callable[[int, torch.Tensor], Any]
     ) -> list[bool]:
         staging = self._staging_rows(len(keys))
-        if staging is None:
+        tags = self._tag_rows(len(keys))
+        if staging is None or tags is None:
             return [False] * len(keys)
-        names = [store_key(self._fingerprint, k) for k in keys]
+        names = self._names(keys)
         addrs = self._addresses(staging, range(len(keys)))
         sizes = [self._nbytes] * len(keys)
         codes = self._native(lambda c: c.batch_get_into(names, addrs, sizes), len(keys))
         if codes is None:
             return [False] * len(keys)
+        tag_names = [n + TAG_SUFFIX for n in names]
+        tag_addrs = self._addresses(tags, range(len(keys)), TAG_BYTES)
+        tag_codes = self._native(
+            lambda c: c.batch_get_into(tag_names, tag_addrs, [TAG_BYTES] * len(keys)), len(keys)
+        )
+        if tag_codes is None:
+            return [False] * len(keys)
         found = [rc == self._nbytes for rc in codes]
+        forged = 0
         for i, ok in enumerate(found):
-            if ok:
-                place(offset + i, staging[i])
+            if not ok:
+                continue
+            want = block_tag(self._tag_key, names[i], _row_view(staging[i]))
+            if tag_codes[i] != TAG_BYTES or not hmac.compare_digest(want, bytes(tags[i].numpy())):
+                found[i] = False
+                forged += 1
+                continue
+            place(offset + i, staging[i])
+        if forged:
+            with self._stats_lock:
+                self._stats.corrupt += forged
+            log.warning(
+                "KV store: %d block(s) failed their tag (written without the secret)", forged
+            )
+        codes = [
+            rc if rc < 0 else t if t < 0 else rc for rc, t in zip(codes, tag_codes, strict=True)
+        ]
         unsettled = sorted({rc for rc in codes if rc < 0 and rc not in _SETTLED_MISS})
         if any(rc not in _UNREACHABLE for rc in unsettled):
             self._retire_staging()
@@ -298,9 +391,11 @@ class StoreTier(Tier):
             self._stats.drops += n
         return [False] * n
 
-    def _addresses(self, t: torch.Tensor, rows: Sequence[int] | range) -> list[int]:
-        base = t.data_ptr()
-        return [base + r * self._nbytes for r in rows]
+    def _addresses(
+        self, t: torch.Tensor, rows: Sequence[int] | range, row_bytes: int = 0
+    ) -> list[int]:
+        base, size = t.data_ptr(), row_bytes or self._nbytes
+        return [base + r * size for r in rows]
 
     # -- registered memory (under the I/O lock) ----------------------------------------------
 
@@ -345,11 +440,27 @@ class StoreTier(Tier):
             self._staging = fresh
         return self._staging[:n]
 
+    def _tag_rows(self, n: int) -> torch.Tensor | None:
+        """The first `n` rows of the tag buffer (grown to fit and registered); None if down."""
+        if self._conn.client is None:
+            return None
+        if self._tags is None or self._tags.shape[0] < n:
+            fresh = torch.zeros((max(n, self._chunk), TAG_BYTES), dtype=torch.uint8)
+            if not self._register(fresh):
+                return None
+            if self._tags is not None:
+                self._unregister(self._tags)
+            self._tags = fresh
+        return self._tags[:n]
+
     def _retire_staging(self) -> None:
-        """Set the staging buffer aside, still registered, until any late write is over."""
+        """Set the staging buffers aside, still registered, until any late write is over."""
         if self._staging is not None:
             self._retired.append((time.monotonic() + QUARANTINE_S, self._staging))
             self._staging = None
+        if self._tags is not None:
+            self._retired.append((time.monotonic() + QUARANTINE_S, self._tags))
+            self._tags = None
 
     def _reap(self) -> None:
         now = time.monotonic()
