@@ -17,54 +17,95 @@ import torch
 import triton
 import triton.language as tl
 
-CHUNK_PAIRS = 2048
-"""Word pairs one program sums (16 KiB of a block)."""
+CHUNK_PAIRS = 1024
+"""Word pairs one step of a program sums (8 KiB of a block: each thread loads whole pairs)."""
+STEPS = 32
+"""Steps of one program: 256 KiB of a block, so a 2 MiB block leaves 8 partial sums (a lease too
+small to fill the GPU that way takes SMALL_STEPS)."""
+SMALL_STEPS = 8
+NUM_WARPS = 16
+"""The tiling measured fastest on an H200 (benchmarks/kv_tag_cost.py --sweep, 1024 blocks of the
+8B shape: 2.5 TB/s against 2.4 for the next ones; docs/performance.md)."""
 
 
 @triton.jit
 def _nh_kernel(
-    data_ptr,  # int32 words: the cache viewed as [num_blocks, words_per_block]
-    key_ptr,  # int32 words: words_per_block + 2
+    data_ptr,  # int64 word pairs: the cache viewed as [num_blocks, pairs_per_block]
+    key_ptr,  # int64 key word pairs: pairs_per_block + 1
     ids_ptr,  # int64 block ids
     out_ptr,  # int64: [len(ids), num_chunks, 2]
-    words_per_block,
+    pairs_per_block,
     num_chunks,
     CHUNK: tl.constexpr,
+    STEPS: tl.constexpr,
 ):
     b = tl.program_id(0)
     c = tl.program_id(1)
     block = tl.load(ids_ptr + b).to(tl.int64)
-    pair = c * CHUNK + tl.arange(0, CHUNK)
-    mask = pair < words_per_block // 2
-    row = data_ptr + block * words_per_block
-    m0 = tl.load(row + 2 * pair, mask=mask, other=0).to(tl.uint32, bitcast=True)
-    m1 = tl.load(row + 2 * pair + 1, mask=mask, other=0).to(tl.uint32, bitcast=True)
-    out = out_ptr + (b.to(tl.int64) * num_chunks + c) * 2
-    for lane in tl.static_range(2):
-        # Masked pairs load key words as 0 too: (0 + 0) * (0 + 0) adds nothing.
-        k0 = tl.load(key_ptr + 2 * pair + 2 * lane, mask=mask, other=0).to(tl.uint32, bitcast=True)
-        k1 = tl.load(key_ptr + 2 * pair + 1 + 2 * lane, mask=mask, other=0).to(
-            tl.uint32, bitcast=True
+    row = data_ptr + block * pairs_per_block
+    acc0 = tl.zeros([CHUNK], dtype=tl.uint64)
+    acc1 = tl.zeros([CHUNK], dtype=tl.uint64)
+    for s in range(STEPS):
+        pair = (c * STEPS + s).to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+        mask = pair < pairs_per_block
+        # One 8-byte load a pair (little-endian: word 2i low, word 2i + 1 high); masked pairs
+        # load 0 for data and key alike, and (0 + 0) * (0 + 0) adds nothing.
+        m = tl.load(row + pair, mask=mask, other=0).to(tl.uint64, bitcast=True)
+        lane0 = tl.load(key_ptr + pair, mask=mask, other=0).to(tl.uint64, bitcast=True)
+        lane1 = tl.load(key_ptr + pair + 1, mask=mask, other=0).to(tl.uint64, bitcast=True)
+        lo = m.to(tl.uint32)
+        hi = (m >> 32).to(tl.uint32)
+        # 32-bit adds wrap mod 2^32; their product widens to 64 bits exactly; sums wrap mod 2^64.
+        acc0 += (lo + lane0.to(tl.uint32)).to(tl.uint64) * (hi + (lane0 >> 32).to(tl.uint32)).to(
+            tl.uint64
         )
-        prod = (m0 + k0).to(tl.uint64) * (m1 + k1).to(tl.uint64)
-        tl.store(out + lane, tl.sum(prod, axis=0).to(tl.int64, bitcast=True))
+        acc1 += (lo + lane1.to(tl.uint32)).to(tl.uint64) * (hi + (lane1 >> 32).to(tl.uint32)).to(
+            tl.uint64
+        )
+    out = out_ptr + (b.to(tl.int64) * num_chunks + c) * 2
+    tl.store(out, tl.sum(acc0, axis=0).to(tl.int64, bitcast=True))
+    tl.store(out + 1, tl.sum(acc1, axis=0).to(tl.int64, bitcast=True))
 
 
-def nh_sums(words: torch.Tensor, key: torch.Tensor, block_ids: torch.Tensor) -> np.ndarray:
+def nh_sums(
+    words: torch.Tensor,
+    key: torch.Tensor,
+    block_ids: torch.Tensor,
+    chunk: int = CHUNK_PAIRS,
+    steps: int | None = None,
+    num_warps: int = NUM_WARPS,
+) -> np.ndarray:
     """NH_0 and NH_1 of the listed blocks, as a uint64 array [len(block_ids), 2].
 
     `words`: the cache as int32 [num_blocks, W] (W even, contiguous); `key`: int32 [W + 2] on the
-    same device; `block_ids`: int64 on that device."""
+    same device; `block_ids`: int64 on that device. `chunk`, `steps`, `num_warps`: the tiling
+    (benchmarks/kv_tag_cost.py --sweep measures others)."""
     n, words_per_block = len(block_ids), words.shape[1]
     if words_per_block % 2 or key.numel() < words_per_block + 2:
         raise ValueError(f"{words_per_block} words a block need an even count and W + 2 key words")
-    chunks = triton.cdiv(words_per_block // 2, CHUNK_PAIRS)
+    pairs = words_per_block // 2
+    if steps is None:
+        programs = n * triton.cdiv(pairs, chunk * STEPS)
+        steps = STEPS if words.is_cuda and programs >= 4 * _sms(words.device) else SMALL_STEPS
+    chunks = triton.cdiv(pairs, chunk * steps)
     partial = torch.empty((n, chunks, 2), dtype=torch.int64, device=words.device)
     if n:
         _nh_kernel[(n, chunks)](
-            words, key, block_ids, partial, words_per_block, chunks, CHUNK=CHUNK_PAIRS
+            words.view(torch.int64),
+            key[: words_per_block + 2].view(torch.int64),
+            block_ids,
+            partial,
+            pairs,
+            chunks,
+            CHUNK=chunk,
+            STEPS=steps,
+            num_warps=num_warps,
         )
     return partial.cpu().numpy().view(np.uint64).sum(axis=1, dtype=np.uint64)
+
+
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def nh_sums_reference(words: np.ndarray, key: np.ndarray) -> np.ndarray:

@@ -6,11 +6,17 @@ import numpy as np
 import pytest
 import torch
 
-from ember.kernels.kv_tag import CHUNK_PAIRS, nh_sums, nh_sums_reference
+from ember.kernels.kv_tag import CHUNK_PAIRS, SMALL_STEPS, STEPS, nh_sums, nh_sums_reference
+
+ONE_PROGRAM = 2 * CHUNK_PAIRS * SMALL_STEPS
+"""Words one program sums."""
 
 
-@pytest.mark.parametrize("words_per_block", [8, 2 * CHUNK_PAIRS, 2 * CHUNK_PAIRS + 6, 3 * 4096])
-def test_nh_matches_the_reference(device: str, words_per_block: int) -> None:
+@pytest.mark.parametrize(
+    "words_per_block", [8, 2 * CHUNK_PAIRS + 6, ONE_PROGRAM, 2 * ONE_PROGRAM + 2 * CHUNK_PAIRS + 2]
+)
+@pytest.mark.parametrize("steps", [None, STEPS])
+def test_nh_matches_the_reference(device: str, words_per_block: int, steps: int | None) -> None:
     g = np.random.default_rng(words_per_block)
     data = g.integers(0, 2**32, (7, words_per_block), dtype=np.uint32)
     data[0] = 0xFFFFFFFF  # every sum and product at its largest: wrap-around checked
@@ -22,6 +28,7 @@ def test_nh_matches_the_reference(device: str, words_per_block: int) -> None:
         words,
         torch.from_numpy(key.view(np.int32)).to(device),
         torch.tensor(ids, dtype=torch.int64, device=device),
+        steps=steps,
     )
     assert got.dtype == np.uint64
     np.testing.assert_array_equal(got, nh_sums_reference(data[ids], key))

@@ -5,9 +5,9 @@ access control) is then refused and the prompt recomputed, never served.
 
 The tag of block i of a lease is NH(block) + PRF(lease, i) mod 2^64 in each of two lanes: NH, a
 universal hash under a key stream drawn from the cluster secret (ember/kernels/kv_tag.py: a Triton
-kernel on GPUs, NumPy on the CPU), masked by BLAKE2b keyed by the secret over the lease id and the
-block's place in it (a Wegman-Carter MAC: a tag reveals nothing of the key, and no two blocks share
-a mask). The tags travel inside the lease's signed parameters."""
+kernel on GPUs, NumPy on the CPU), masked by 16 bytes of a SHAKE-256 stream keyed by the secret and
+the lease id, at the block's place in the lease (a Wegman-Carter MAC: a tag reveals nothing of the
+key, and no two blocks share a mask). The tags travel inside the lease's signed parameters."""
 
 from __future__ import annotations
 
@@ -49,10 +49,8 @@ class BlockTagger:
         """Hex tags of `block_ids`, the lease's blocks from its `first` on (on a GPU, after the
         work queued on the cache's stream: the caller's writes are ordered before it)."""
         sums = self._nh(block_ids)
-        masks = np.frombuffer(
-            b"".join(self._mask(lease_id, first + i) for i in range(len(block_ids))),
-            dtype=np.uint64,
-        ).reshape(-1, 2)
+        masks = np.frombuffer(self._masks(lease_id, first, len(block_ids)), dtype=np.uint64)
+        masks = masks.reshape(-1, 2)
         with np.errstate(over="ignore"):
             tagged = sums + masks
         return [row.tobytes().hex() for row in tagged]
@@ -66,9 +64,11 @@ class BlockTagger:
         got = self.tags(block_ids, lease_id, first)
         return all(hmac.compare_digest(a, b) for a, b in zip(got, expected, strict=True))
 
-    def _mask(self, lease_id: str, index: int) -> bytes:
-        msg = lease_id.encode() + b"\0" + index.to_bytes(8, "little")
-        return hashlib.blake2b(msg, key=self._mask_key, digest_size=TAG_BYTES).digest()
+    def _masks(self, lease_id: str, first: int, n: int) -> bytes:
+        """The masks of blocks first .. first + n - 1 of a lease: one keyed SHAKE-256 stream a
+        lease (a PRF: SHA-3's sponge has no length extension), TAG_BYTES a block."""
+        stream = hashlib.shake_256(self._mask_key + lease_id.encode())
+        return stream.digest(TAG_BYTES * (first + n))[TAG_BYTES * first :]
 
     def _nh(self, block_ids: Sequence[int]) -> np.ndarray:
         import torch
