@@ -1,7 +1,8 @@
 """Soak: `ember up` (prefill + decode engines behind the router, tiny model, CPU, loopback) under N
 minutes of mixed load: agent-like streamed chats, whole completions, clients that hang up mid-stream
 and hostile bodies. Prints requests ok / rejected / failed, the count of 5xx answers, leaked KV blocks
-and leases once the load stops, and each process's RSS at start and end; writes JSON.
+and leases once the load stops, and each process's RSS at start, at its peak during the load, at
+the load's end and `--settle-s` after it (the goal: back within 10% of the start); writes JSON.
 
     python benchmarks/soak.py [--minutes 2] [--concurrency 16] [--prefill 1] [--decode 1]
 """
@@ -16,6 +17,7 @@ import random
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,9 +114,10 @@ def label(pid: int) -> str:
 
 
 class Soak:
-    def __init__(self, url: str, args: argparse.Namespace) -> None:
+    def __init__(self, url: str, args: argparse.Namespace, minutes: float | None = None) -> None:
         self.url = url
         self.args = args
+        self.minutes = args.minutes if minutes is None else minutes
         self.counts: Counter[str] = Counter()
         self.status: Counter[int] = Counter()
         self.rng = random.Random(args.seed)
@@ -209,13 +212,28 @@ class Soak:
                 shaped = isinstance(json.loads(raw).get("error"), dict)
                 self.counts["rejected" if shaped else "failed"] += 1
 
-    async def run(self) -> None:
-        deadline = time.monotonic() + self.args.minutes * 60
+    async def run(self, sample: Callable[[], None] = lambda: None) -> None:
+        """The load until the deadline; `sample()` is called every second meanwhile."""
+        deadline = time.monotonic() + self.minutes * 60
         timeout = aiohttp.ClientTimeout(total=120)
+
+        async def sampler() -> None:
+            while time.monotonic() < deadline:
+                sample()
+                await asyncio.sleep(1.0)
+
         async with aiohttp.ClientSession(timeout=timeout) as session:
             await asyncio.gather(
-                *(self.worker(session, i, deadline) for i in range(self.args.concurrency))
+                sampler(),
+                *(self.worker(session, i, deadline) for i in range(self.args.concurrency)),
             )
+
+
+def sample_peak(peak: dict[int, float | None], pids: list[int]) -> None:
+    for p in pids:
+        now = rss_mib(p)
+        if now is not None and (peak.get(p) is None or now > (peak[p] or 0)):
+            peak[p] = now
 
 
 def main() -> int:
@@ -226,6 +244,16 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=1)
     ap.add_argument("--port", type=int, default=18700)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--settle-s", type=float, default=60.0, help="RSS is read again this long after the load"
+    )
+    ap.add_argument(
+        "--warmup-s",
+        type=float,
+        default=20.0,
+        help="a first load this long, before the RSS the load is compared with (lazy imports, "
+        "first compilations and caches of bounded size are not what the soak looks for)",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     args = ap.parse_args()
     secret = new_secret()
@@ -238,15 +266,23 @@ def main() -> int:
     with up_process(model, args.port, *flags, secret=secret) as up:
         engines = [e["url"] for e in get_load(url, secret)["endpoints"]]
         pids = children_of(up.pid)
-        rss0 = {p: rss_mib(p) for p in pids}
+        rss_fresh = {p: rss_mib(p) for p in pids}
         names = {p: label(p) for p in pids}
+        if args.warmup_s > 0:
+            asyncio.run(Soak(url, args, minutes=args.warmup_s / 60).run())
+            wait_drained(engines, secret)
+            time.sleep(min(args.settle_s, 15.0))  # the trim of the warm-up's garbage
+        rss0 = {p: rss_mib(p) for p in pids}
         soak = Soak(url, args)
+        peak = dict(rss0)
         t0 = time.monotonic()
-        asyncio.run(soak.run())
+        asyncio.run(soak.run(lambda: sample_peak(peak, pids)))
         elapsed = time.monotonic() - t0
         # Let aborted requests and leases settle, then count what is still held.
         state = wait_drained(engines, secret)
         rss1 = {p: rss_mib(p) for p in pids}
+        time.sleep(args.settle_s)
+        rss2 = {p: rss_mib(p) for p in pids}
         alive = up.poll() is None
     unanswered = [e for e, s in state.items() if "error" in s]
     leaked = {e: s.get("total_blocks", 0) - s.get("free_blocks", 0) for e, s in state.items()}
@@ -262,8 +298,18 @@ def main() -> int:
         "leases_held": leases,
         "engines_unanswered": unanswered,
         "cluster_alive": alive,
+        "settle_s": args.settle_s,
+        "warmup_s": args.warmup_s,
         "rss_mib": {
-            f"{names[p]} ({p})": {"start": rss0[p], "end": rss1.get(p)} for p in pids if rss0[p]
+            f"{names[p]} ({p})": {
+                "fresh": rss_fresh[p],
+                "start": rss0[p],
+                "peak": peak.get(p),
+                "end": rss1.get(p),
+                "settled": rss2.get(p),
+            }
+            for p in pids
+            if rss0[p]
         },
     }
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -279,10 +325,15 @@ def main() -> int:
         f"| {c['ok']} | {c['rejected']} | {c['failed']} | {c['hung up']} | {five} | "
         f"{sum(leaked.values())} | {sum(leases.values())} |"
     )
-    print("\n| process | RSS start MiB | RSS end MiB |\n|---|---|---|")
+    print(
+        f"\n| process | RSS fresh MiB | after warm-up (start) | peak | end | "
+        f"{args.settle_s:.0f} s later | later / start |\n|---|---|---|---|---|---|---|"
+    )
     for name, r in result["rss_mib"].items():
-        end = "gone" if r["end"] is None else f"{r['end']:.0f}"
-        print(f"| {name} | {r['start']:.0f} | {end} |")
+        keys = ("fresh", "start", "peak", "end", "settled")
+        cells = ["gone" if r[k] is None else f"{r[k]:.0f}" for k in keys]
+        ratio = "" if r["settled"] is None else f"{r['settled'] / r['start']:.2f}"
+        print(f"| {name} | {' | '.join(cells)} | {ratio} |")
     fails = {k: v for k, v in c.items() if k.startswith("failed:")}
     if fails:
         print(f"failures: {fails}")
