@@ -38,6 +38,7 @@ from typing import NoReturn
 
 from ember.kv.tiers.store_master import StoreMaster, start_master
 from ember.parent_death import child_dies_with_us
+from ember.server.args import add_kv_transport_arg
 from ember.trust import SECRET_ENV, TenantKeys, internal_headers, new_secret
 
 RESTART_BACKOFF_S = (1.0, 30.0)
@@ -79,14 +80,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         help='any other `ember serve` flags for every engine, one string: "--kv-lease-s 60 '
         '--block-size 32" (flags ember up sets itself are refused)',
     )
-    p.add_argument(
-        "--kv-transport",
-        default="auto",
-        choices=["auto", "shm", "cuda_ipc", "mooncake"],
-        help="how engines move KV: auto (engines of one host, no network port: shm on the CPU, "
-        "cuda_ipc on GPUs), or mooncake across hosts (it listens on --kv-host, which must be a "
-        "private network: Mooncake has no access control)",
-    )
+    add_kv_transport_arg(p)
     p.add_argument(
         "--store",
         action="store_true",

@@ -83,14 +83,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         choices=["both", "prefill", "decode"],
         help="disaggregation: prefill leases prompts' KV to decode engines, decode reads it",
     )
-    p.add_argument(
-        "--kv-transport",
-        default="auto",
-        choices=["auto", "shm", "cuda_ipc", "mooncake"],
-        help="how engines move KV: auto (engines of one host, no network port: shm on the CPU, "
-        "cuda_ipc on GPUs), or mooncake across hosts (it listens on --kv-host, which must be a "
-        "private network: Mooncake has no access control)",
-    )
+    add_kv_transport_arg(p)
     p.add_argument(
         "--kv-host", default="127.0.0.1", help="address peers reach this engine's KV transport at"
     )
@@ -141,6 +134,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests may take to finish after SIGTERM",
     )
     p.add_argument("--log-level", default="info")
+
+
+def add_kv_transport_arg(p: argparse.ArgumentParser) -> None:
+    """`--kv-transport`, which `ember up` passes on to its engines."""
+    p.add_argument(
+        "--kv-transport",
+        default="auto",
+        choices=["auto", "shm", "cuda_ipc", "mooncake"],
+        help="how engines move KV: auto (engines of one host, no network port: shm on the CPU, "
+        "cuda_ipc on GPUs), or mooncake across hosts (it listens on --kv-host, which must be a "
+        "private network: Mooncake has no access control)",
+    )
 
 
 def add_kv_tier_args(p: argparse.ArgumentParser) -> None:

@@ -429,29 +429,26 @@ class StoreTier(Tier):
     def _staging_rows(self, n: int) -> torch.Tensor | None:
         """The first `n` rows of the staging buffer (grown to fit and registered); None if down."""
         self._reap()
-        if self._conn.client is None:
-            return None
-        if self._staging is None or self._staging.shape[0] < n:
-            fresh = torch.empty((n, self._nbytes), dtype=torch.uint8)
-            if not self._register(fresh):
-                return None
-            if self._staging is not None:
-                self._unregister(self._staging)
-            self._staging = fresh
-        return self._staging[:n]
+        self._staging = self._grown(self._staging, n, self._nbytes)
+        return None if self._staging is None else self._staging[:n]
 
     def _tag_rows(self, n: int) -> torch.Tensor | None:
         """The first `n` rows of the tag buffer (grown to fit and registered); None if down."""
+        self._tags = self._grown(self._tags, max(n, self._chunk), TAG_BYTES)
+        return None if self._tags is None else self._tags[:n]
+
+    def _grown(self, buf: torch.Tensor | None, n: int, row_bytes: int) -> torch.Tensor | None:
+        """`buf`, or a registered replacement of `n` rows when it has fewer; None if down."""
         if self._conn.client is None:
             return None
-        if self._tags is None or self._tags.shape[0] < n:
-            fresh = torch.zeros((max(n, self._chunk), TAG_BYTES), dtype=torch.uint8)
-            if not self._register(fresh):
-                return None
-            if self._tags is not None:
-                self._unregister(self._tags)
-            self._tags = fresh
-        return self._tags[:n]
+        if buf is not None and buf.shape[0] >= n:
+            return buf
+        fresh = torch.zeros((n, row_bytes), dtype=torch.uint8)
+        if not self._register(fresh):
+            return None
+        if buf is not None:
+            self._unregister(buf)
+        return fresh
 
     def _retire_staging(self) -> None:
         """Set the staging buffers aside, still registered, until any late write is over."""
