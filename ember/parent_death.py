@@ -10,10 +10,14 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+# Loaded here, in the parent: a forked child (`child_dies_with_us`) then calls prctl without
+# loading anything between fork and exec.
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
@@ -22,15 +26,13 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
 
     The signal follows the parent *thread* that started us: the parent must start its children
     from a thread that lives as long as it does (its main thread, or its event loop's)."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-            log.warning("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
+    if _LIBC is not None and _LIBC.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
     if os.getppid() != parent_pid:  # it died before the request above took effect
         os._exit(1)
 
 
-def child_dies_with_us(sig: int = signal.SIGTERM) -> object:
+def child_dies_with_us(sig: int = signal.SIGTERM) -> Callable[[], None]:
     """A `preexec_fn` for `subprocess.Popen`: the child gets `sig` when this process dies (a
     SIGTERM lets an engine stop its own children in turn)."""
     parent = os.getpid()
