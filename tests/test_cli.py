@@ -114,3 +114,12 @@ def test_router_on_a_busy_port_is_one_line() -> None:
         port = s.getsockname()[1]
         r = ember("router", "--port", str(port), "--both", "http://127.0.0.1:1")
     assert one_line_error(r, "ember") == f"ember: error: port {port} is in use"
+
+
+def test_require_secret_without_a_secret_is_one_line() -> None:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "EMBER_CLUSTER_SECRET"}
+    cmd = [sys.executable, "-m", "ember.cli", "serve", "m", "--port", "1", "--require-secret"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert "--require-secret needs the cluster secret" in one_line_error(r, "ember")

@@ -326,12 +326,6 @@ def run_server(
     try:
         prepared = prepared or prepare_serve(args)
         given, secret, config = prepared.given, prepared.secret, prepared.config
-        if args.require_secret and not prepared.configured:
-            log.error(
-                "--require-secret needs the cluster secret (--cluster-secret or "
-                "EMBER_CLUSTER_SECRET): without it nothing could reach this engine"
-            )
-            return 2
         if not prepared.configured and args.role != "both":
             log.warning(
                 "no cluster secret (--cluster-secret or EMBER_CLUSTER_SECRET): the router and "

@@ -346,6 +346,11 @@ def prepare_serve(args: argparse.Namespace) -> Prepared:
     from ember.trust import resolve_secret
 
     given = args.model
-    args.model = resolve_model(given)
     secret, configured = resolve_secret(args.cluster_secret)
+    if getattr(args, "require_secret", False) and not configured:
+        raise ValueError(
+            "--require-secret needs the cluster secret (--cluster-secret or "
+            "EMBER_CLUSTER_SECRET): without it nothing could reach this engine"
+        )
+    args.model = resolve_model(given)
     return Prepared(given, secret, configured, engine_config_from_args(args, secret))
