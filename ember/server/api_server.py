@@ -374,7 +374,8 @@ def run_server(
         http=guarded_protocol(
             args.header_timeout,
             max_connections,
-            args.max_connections_per_client,
+            # An engine behind a router has one client, the router: no cap of its own there.
+            max_connections if args.require_secret else args.max_connections_per_client,
             args.max_header_bytes,
             args.max_headers,
         ),
