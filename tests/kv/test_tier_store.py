@@ -444,3 +444,14 @@ def test_names_in_the_store_hide_the_block_hashes(tier: StoreTier) -> None:
     names = tier._names(keys)
     assert all(k.hex() not in n for k, n in zip(keys, names, strict=True))
     assert store_key(LAYOUT.fingerprint(), keys[0]) != names[0]  # the plain name is not used
+
+
+def test_the_master_listens_on_its_host_only(master: StoreMaster) -> None:
+    """Its RPC port and its metrics/admin port (which `mooncake_master` cannot turn off, and
+    which lists every key: why names are keyed) both on the master's host, never a wildcard."""
+    from ember.kv.transport.listen_host import listening_sockets
+
+    assert master.popen is not None
+    found = listening_sockets(master.popen.pid)
+    assert {port for _, port in found} >= {master.port, master.metrics_port}
+    assert {host for host, _ in found} == {"127.0.0.1"}
