@@ -73,7 +73,7 @@ class EdgeHandler(RequestHandler):
             return super().handle_error(request, status, exc, message)
         log.debug("refused a malformed request from %s: %s", request.remote, message)
         text = " ".join((message or "bad request").split())[:200]
-        code = "invalid_header" if status == 400 else None
+        code = "invalid_request" if status == 400 else None
         resp = web.Response(
             body=orjson.dumps(error_body(f"malformed request: {text}", status, code=code)),
             status=status,

@@ -132,7 +132,9 @@ def test_undecodable_or_repeated_security_headers_are_400_on_both_faces(cluster,
     ]:
         status, answer = raw_request(url, path, bad, data)
         assert status == 400, (url, path, answer)
-        assert answer["error"]["code"] == "invalid_header"
+        # Ours, or the HTTP parser's own refusal of a control byte (both faces' parsers refuse
+        # it before the headers reach ember; both answer with an error object).
+        assert answer["error"]["code"] in ("invalid_header", "invalid_request")
         assert set(answer["error"]) == {"message", "type", "param", "code"}
     # Either face still answers well-formed requests.
     assert chat(router, KA, "still fine")["choices"]
