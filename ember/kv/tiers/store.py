@@ -429,21 +429,29 @@ class StoreTier(Tier):
     def _staging_rows(self, n: int) -> torch.Tensor | None:
         """The first `n` rows of the staging buffer (grown to fit and registered); None if down."""
         self._reap()
-        self._staging = self._grown(self._staging, n, self._nbytes)
-        return None if self._staging is None else self._staging[:n]
+        grown = self._grown(self._staging, n, self._nbytes)
+        if grown is None:
+            return None
+        self._staging = grown
+        return grown[:n]
 
     def _tag_rows(self, n: int) -> torch.Tensor | None:
         """The first `n` rows of the tag buffer (grown to fit and registered); None if down."""
-        self._tags = self._grown(self._tags, max(n, self._chunk), TAG_BYTES)
-        return None if self._tags is None else self._tags[:n]
+        grown = self._grown(self._tags, max(n, self._chunk), TAG_BYTES)
+        if grown is None:
+            return None
+        self._tags = grown
+        return grown[:n]
 
     def _grown(self, buf: torch.Tensor | None, n: int, row_bytes: int) -> torch.Tensor | None:
-        """`buf`, or a registered replacement of `n` rows when it has fewer; None if down."""
+        """`buf`, or a registered replacement of `n` rows (`buf` unregistered) when it has
+        fewer; None if the store is down or the replacement cannot be registered (then `buf`
+        stays as it is)."""
         if self._conn.client is None:
             return None
         if buf is not None and buf.shape[0] >= n:
             return buf
-        fresh = torch.zeros((n, row_bytes), dtype=torch.uint8)
+        fresh = torch.empty((n, row_bytes), dtype=torch.uint8)
         if not self._register(fresh):
             return None
         if buf is not None:
