@@ -18,6 +18,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ember.edge_limits import DEFAULT_MAX_HEADER_BYTES
 from ember.models.resolve import resolve_model
 from ember.openai_errors import FAULT_HEADER
 from ember.router.connections import ConnectionCaps, handler_factory
@@ -58,7 +59,7 @@ def build_app(
     disagg_min_uncached: int = 256,
     stall_timeout_s: float = 30.0,
     max_body_bytes: int = 32 << 20,
-    max_header_bytes: int = 64 << 10,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
 ) -> web.Application:
     metrics = RouterMetrics()
     keys = keys or TenantKeys()

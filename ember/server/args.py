@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ember.edge_limits import add_connection_limit_args
+from ember.kv.transport.factory import KINDS
 from ember.spec.config import METHODS, SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -141,7 +142,7 @@ def add_kv_transport_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-transport",
         default="auto",
-        choices=["auto", "shm", "cuda_ipc", "mooncake"],
+        choices=KINDS,
         help="how engines move KV: auto (engines of one host, no network port: shm on the CPU, "
         "cuda_ipc on GPUs), or mooncake across hosts (it listens on --kv-host, which must be a "
         "private network: Mooncake has no access control)",

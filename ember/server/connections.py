@@ -10,47 +10,39 @@ import logging
 import resource
 import sys
 from collections import Counter
+from http import HTTPStatus
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from ember.edge_limits import (
+    DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_MAX_HEADERS,
+)
+from ember.openai_errors import error_type
+
 log = logging.getLogger("ember.server")
 
-_BUSY = orjson.dumps(
-    {
-        "error": {
-            "message": "the server has too many open connections; retry later",
-            "type": "server_error",
-            "param": None,
-            "code": "too_many_connections",
-        }
-    }
-)
-OVER_CAPACITY = (
-    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-    b"retry-after: 1\r\nconnection: close\r\ncontent-length: "
-    + str(len(_BUSY)).encode()
-    + b"\r\n\r\n"
-    + _BUSY
-)
 
-
-def error_answer(status: str, message: str, code: str) -> bytes:
-    """A whole HTTP/1.1 answer with an OpenAI error body, closing the connection."""
+def error_answer(status: int, message: str, code: str, headers: str = "") -> bytes:
+    """A whole HTTP/1.1 answer with an OpenAI error body, closing the connection (`headers`:
+    more header lines, each ending in CRLF)."""
     body = orjson.dumps(
-        {
-            "error": {
-                "message": message,
-                "type": "invalid_request_error",
-                "param": None,
-                "code": code,
-            }
-        }
+        {"error": {"message": message, "type": error_type(status), "param": None, "code": code}}
     )
     return (
-        f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\nconnection: close\r\n"
-        f"content-length: {len(body)}\r\n\r\n"
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+        f"{headers}connection: close\r\ncontent-length: {len(body)}\r\n\r\n"
     ).encode() + body
+
+
+OVER_CAPACITY = error_answer(
+    503,
+    "the server has too many open connections; retry later",
+    "too_many_connections",
+    "retry-after: 1\r\n",
+)
 
 
 class _HeadTooLarge(Exception):
@@ -67,9 +59,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     header_timeout_s: float = 10.0
     max_connections: int = 4096
-    max_per_client: int = 512
-    max_header_bytes: int = 64 << 10
-    max_headers: int = 100
+    max_per_client: int = DEFAULT_MAX_CONNECTIONS_PER_CLIENT
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    max_headers: int = DEFAULT_MAX_HEADERS
     by_client: Counter[str]
     """Open connections by client address, shared by all connections of one server."""
     _header_timer: asyncio.TimerHandle | None = None
@@ -79,7 +71,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     still coming)."""
     _head_bytes: int = 0
     _head_lines: int = 0
-    _refusal: bytes = b""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -143,16 +134,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._refuse_head(str(cause))
             return
         if not self.transport.is_closing():
-            self.transport.write(error_answer("400 Bad Request", msg, "invalid_request"))
+            self.transport.write(error_answer(400, msg, "invalid_request"))
             self.transport.close()
 
     def _refuse_head(self, why: str) -> None:
         self._head_open = False
         if not self.transport.is_closing():
             log.debug("refused a request head from %s: %s", self.client, why)
-            self.transport.write(
-                error_answer("431 Request Header Fields Too Large", why, "header_too_large")
-            )
+            self.transport.write(error_answer(431, why, "header_too_large"))
             self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -182,9 +171,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 def guarded_protocol(
     header_timeout_s: float,
     max_connections: int,
-    max_per_client: int = 512,
-    max_header_bytes: int = 64 << 10,
-    max_headers: int = 100,
+    max_per_client: int = DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    max_headers: int = DEFAULT_MAX_HEADERS,
 ) -> type[GuardedHttpProtocol]:
     """The protocol class for `uvicorn.Config(http=...)`, with these limits."""
     return type(

@@ -95,10 +95,12 @@ def claim_directory(root: Path) -> bytes:
     return secret
 
 
-def _write_private(path: Path, data: bytes) -> None:
+def _write_private(path: Path, *parts: bytes | memoryview) -> None:
+    """A new file (never an existing one) only our user may read, holding `parts` in order."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
-        f.write(data)
+        for part in parts:
+            f.write(part)
 
 
 def _row_bytes(row: torch.Tensor) -> memoryview:
@@ -193,11 +195,7 @@ class DiskTier(Tier):
         tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
         try:
             path.parent.mkdir(mode=0o700, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(header)
-                f.write(key)
-                f.write(payload)
+            _write_private(tmp, header, key, payload)
             os.replace(tmp, path)
         except OSError as e:
             self._unlink(tmp)

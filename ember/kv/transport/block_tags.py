@@ -22,6 +22,7 @@ import hmac
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -45,14 +46,11 @@ class BlockTagger:
         if block_bytes % 8:
             raise ValueError(f"a KV block of {block_bytes} bytes cannot be tagged (not 8k bytes)")
         self.words_per_block = block_bytes // 4
-        root = hmac.new(secret.encode(), b"ember KV block tags", hashlib.sha256).digest()
-        self._mask_key = hmac.new(root, b"mask", hashlib.sha256).digest()
-        self._b2_key = hmac.new(root, b"blake2b", hashlib.sha256).digest()
-        stream = hashlib.shake_256(root + b"nh").digest(4 * (self.words_per_block + 2))
-        self._key = np.frombuffer(stream, dtype=np.uint32).copy()
+        self._root = hmac.new(secret.encode(), b"ember KV block tags", hashlib.sha256).digest()
+        self._mask_key = hmac.new(self._root, b"mask", hashlib.sha256).digest()
+        self._b2_key = hmac.new(self._root, b"blake2b", hashlib.sha256).digest()
         self._words = kv_cache.view(self.num_blocks, -1).view(torch.int32)
         self._cuda = kv_cache.is_cuda
-        self._key_dev = torch.from_numpy(self._key.view(np.int32)).to(kv_cache.device)
         self.scheme = "nh" if self._cuda else "b2"
         self._pool: ThreadPoolExecutor | None = None
 
@@ -63,6 +61,8 @@ class BlockTagger:
         (or `scheme`); on a GPU, after the work queued on the cache's stream: the caller's
         writes are ordered before it."""
         scheme = scheme or self.scheme
+        if any(not 0 <= b < self.num_blocks for b in block_ids):
+            raise ValueError("a block id outside the KV cache")
         if scheme == "b2":
             return [f"b2:{t}" for t in self._b2(block_ids, lease_id, first)]
         if scheme != "nh":
@@ -89,9 +89,19 @@ class BlockTagger:
         got = self.tags(block_ids, lease_id, first, scheme)
         return all(hmac.compare_digest(a, b) for a, b in zip(got, expected, strict=True))
 
+    @cached_property
+    def _key(self) -> np.ndarray:
+        """NH's key stream (W + 2 words, drawn from the secret): made when "nh" is first used."""
+        stream = hashlib.shake_256(self._root + b"nh").digest(4 * (self.words_per_block + 2))
+        return np.frombuffer(stream, dtype=np.uint32).copy()
+
+    @cached_property
+    def _key_dev(self) -> torch.Tensor:
+        import torch
+
+        return torch.from_numpy(self._key.view(np.int32)).to(self._words.device)
+
     def _b2(self, block_ids: Sequence[int], lease_id: str, first: int) -> list[str]:
-        if any(not 0 <= b < self.num_blocks for b in block_ids):
-            raise ValueError("a block id outside the KV cache")
         rows = self._words[list(block_ids)].cpu() if self._cuda else None
         prefix = lease_id.encode() + b"\0"
 
@@ -120,8 +130,6 @@ class BlockTagger:
 
         from ember.kernels.kv_tag import nh_sums, nh_sums_reference
 
-        if any(not 0 <= b < self.num_blocks for b in block_ids):
-            raise ValueError("a block id outside the KV cache")
         if not block_ids:
             return np.empty((0, 2), dtype=np.uint64)
         if self._cuda:

@@ -44,6 +44,9 @@ class Region:
     base: int
     nbytes: int
 
+    def holds(self, addr: int, n: int) -> bool:
+        return self.base <= addr and addr + n <= self.base + self.nbytes
+
 
 @dataclass(slots=True)
 class _PeerMap:
@@ -52,6 +55,9 @@ class _PeerMap:
     mapped: mmap.mmap
     view: Any  # numpy uint8 array over `mapped`: its address for memmove
     addr: int
+
+    def holds(self, addr: int, n: int) -> bool:
+        return self.base <= addr and addr + n <= self.base + self.nbytes
 
 
 class SharedMemoryTransport(KVTransport):
@@ -90,7 +96,7 @@ class SharedMemoryTransport(KVTransport):
         nbytes = check_registrable(tensor)
         ptr = tensor.data_ptr()
         for r in self._allocated:
-            if r.base <= ptr and ptr + nbytes <= r.base + r.nbytes:
+            if r.holds(ptr, nbytes):
                 if r not in self._registered:
                     self._registered.append(r)
                 return ptr
@@ -116,11 +122,9 @@ class SharedMemoryTransport(KVTransport):
         src = self._peer(peer)
         held = src.view  # while held, an eviction cannot unmap the file under the copies
         for remote, local, n in zip(remote_addrs, local_addrs, lengths, strict=True):
-            if not (src.base <= remote and remote + n <= src.base + src.nbytes):
+            if not src.holds(remote, n):
                 raise TransferError(f"{n} bytes at {remote:#x} lie outside the peer's memory")
-            if not any(
-                r.base <= local and local + n <= r.base + r.nbytes for r in self._registered
-            ):
+            if not any(r.holds(local, n) for r in self._registered):
                 raise TransferError(f"{n} bytes at {local:#x} lie outside the registered memory")
             ctypes.memmove(local, src.addr + (remote - src.base), n)
         del held
