@@ -2,7 +2,7 @@
 retained through the driver on a thread beside the import (what ember/engine/cuda_context.py does
 in the spawned core; this probe has the same three driver calls of its own). One process a run:
 `python benchmarks/cuda_context_probe.py plain|ahead` prints one line; session 20's call 1 ran
-`plain` and `ahead` alternately three times each (results/cuda_context_probe-NVIDIA_H200-session20.txt).
+`plain` and `ahead` alternately three times each (results/cuda_context_probe-H200-2026-11-28.txt).
 A probe as it was run, not a table-and-JSON benchmark."""
 
 import ctypes

@@ -2,7 +2,7 @@
 a 16,384-token step) with the first two decoder layers of each kind (the engine's default,
 ember/engine/model_runner.py) and with every layer, and the seconds of each; prints each and
 writes $OUT/peak_probe.json. Run as is in session 20's call 3 (GPU only;
-results/kv_profile_peak-NVIDIA_H200-session20.json)."""
+results/kv_profile_peak-H200-2026-11-28.json)."""
 
 import json
 import os
