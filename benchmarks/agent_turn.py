@@ -26,6 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from result_names import result_path  # noqa: E402
+
 
 def first_token_s(core, request_id: str, prompt: list[int]) -> float:
     """Seconds from submitting `prompt` (one output token) to its first output, stepping the core."""
@@ -100,8 +102,9 @@ def main() -> None:
         cells = [report["block_sizes"][b][str(c)] for b in sizes]
         print(f"| {c} | " + " | ".join(
             f"{r['first_turn_s'] * 1e3:.1f} / {r['next_turn_s'] * 1e3:.1f}" for r in cells) + " |")  # fmt: skip
-    name = f"agent_turn-{report['gpu'].replace(' ', '_')}.json"
-    (dest / name).write_text(json.dumps(report, indent=2))
+    out = result_path("agent_turn", report["gpu"], out_dir=dest)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.result_names import result_path  # noqa: E402
 from ember.bench.workloads.agentic import WORDS  # noqa: E402
 from ember.models.resolve import get_model  # noqa: E402
 from ember.tokenizer.prefix_cache import PrefixTokenCache  # noqa: E402
@@ -91,7 +92,8 @@ def main() -> None:
             )
     out = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     doc = {"machine": machine, "rows": [{k: v for k, v in r.items() if k != "text"} for r in rows]}
-    (out / f"chat_tokenize-{machine}.json").write_text(json.dumps(doc, indent=1))
+    (dest := result_path("chat_tokenize", "cpu", out_dir=out)).write_text(json.dumps(doc, indent=1))
+    print(f"wrote {dest}")
 
 
 if __name__ == "__main__":

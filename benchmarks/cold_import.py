@@ -27,6 +27,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from result_names import result_path
+
 ROOT = Path(__file__).resolve().parents[1]
 THREADS = 8
 CHUNK = 4 << 20
@@ -230,7 +232,9 @@ def main() -> None:
     except ImportError:
         pass
     out_dir = Path(os.environ.get("OUT", ROOT / "benchmarks" / "results"))
-    out = out_dir / f"cold_import-{machine}.json"
+    out = result_path(
+        "cold_import", machine if machine != os.uname().nodename else "cpu", out_dir=out_dir
+    )
     out.write_text(
         json.dumps(
             {

@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.result_names import result_path  # noqa: E402
 from ember.engine.config import EngineConfig  # noqa: E402
 from ember.engine.core import EngineCore  # noqa: E402
 from ember.engine.messages import EngineCoreRequest  # noqa: E402
@@ -646,10 +647,10 @@ def main() -> None:
     gpu, ceil = first["gpu"], first["ceilings"]
     results = {"gpu": gpu, "torch": torch.__version__, "ceilings": ceil, "shapes": {}}
     out_dir = Path(os.environ.get("OUT") or "benchmarks/results")
-    tag = gpu.replace(" ", "_").replace("/", "_")
+    out = result_path("engine_gpu", gpu, out_dir=out_dir)
     for name in args.shapes.split(","):
         results["shapes"][name] = run_child(name, args, ceil)
-        (out_dir / f"engine_gpu-{tag}.json").write_text(json.dumps(results, indent=2, default=str))
+        out.write_text(json.dumps(results, indent=2, default=str))
     print(
         f"GPU: {gpu}; copy {ceil['copy_bytes_per_s'] / 1e9:.0f} GB/s; "
         f"bf16 matmul {ceil['matmul_flops'] / 1e12:.0f} TFLOP/s"

@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine_gpu import SHAPES, Run, random_prompts, shape_dir  # noqa: E402
+from benchmarks.result_names import result_path  # noqa: E402
 from ember.engine.config import EngineConfig  # noqa: E402
 from ember.engine.core import EngineCore  # noqa: E402
 from ember.entrypoints.llm import LLM  # noqa: E402
@@ -161,10 +162,11 @@ def main() -> None:
             subprocess.run(cmd, check=True, env=env)
             results["configs"][name] = json.loads(Path(f.name).read_text())  # type: ignore[index]
     out_dir = Path(os.environ.get("OUT") or "benchmarks/results")
-    tag = gpu.replace(" ", "_").replace("/", "_")
     results["fresh_triton_cache"] = args.fresh_triton_cache
     suffix = "-fresh-triton-cache" if args.fresh_triton_cache else ""
-    (out_dir / f"llm_gpu-{tag}{suffix}.json").write_text(json.dumps(results, indent=2))
+    result_path("llm_gpu", gpu, tag=suffix, out_dir=out_dir).write_text(
+        json.dumps(results, indent=2)
+    )
     cfgs: dict[str, dict] = results["configs"]  # type: ignore[assignment]
     core_warm = cfgs["engine_core"]["warm"]["output_tok_s"]
     print(f"GPU: {gpu}; load {sizes(args.quick)} (prompts, in, out)")

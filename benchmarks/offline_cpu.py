@@ -13,9 +13,9 @@ import argparse
 import json
 import platform
 import time
-from pathlib import Path
 
 import torch
+from result_names import result_path
 
 from ember import LLM, SamplingParams
 from ember.models.tiny import ensure_tiny
@@ -125,7 +125,7 @@ def main() -> None:
         "model": f"tiny-{args.arch}",
         "rows": rows,
     }
-    out = Path(args.out) / f"offline_cpu-{machine}.json"
+    out = result_path("offline_cpu", "cpu", out_dir=args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")

@@ -23,6 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.environ.get("EMBER_TREE") or str(Path(__file__).resolve().parents[1]))
 
+from result_names import result_path  # noqa: E402
+
 from ember.engine.messages import EngineCoreOutput  # noqa: E402
 from ember.engine.output_processor import OutputProcessor, RequestState, SampleState  # noqa: E402
 from ember.models.tiny import ensure_tiny  # noqa: E402
@@ -74,7 +76,9 @@ def main() -> None:
     print("|---|---|---|")
     print(f"| {args.streams} x {args.tokens} | {out['tree']} | {out['median_us_per_token']:.2f} |")
     dest = Path(os.environ.get("OUT") or "benchmarks/results")
-    (dest / "output_processor-cpu.json").write_text(json.dumps(out, indent=2))
+    path = result_path("output_processor", "cpu", out_dir=dest)
+    path.write_text(json.dumps(out, indent=2))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.result_names import result_path  # noqa: E402
 from ember.bench.compare import compare_table  # noqa: E402
 from ember.bench.metrics import summarize  # noqa: E402
 from ember.bench.records import PlannedRequest  # noqa: E402
@@ -122,7 +123,7 @@ def main() -> None:
     cpu = f"cpu-{platform.machine()}-{os.cpu_count()}cores"
     print(f"\n{args.sessions} sessions x {args.turns} turns, tiny llama, {cpu}")
     print(compare_table(*results, names=("colocated", "disaggregated")))
-    out = Path(os.environ.get("OUT") or "benchmarks/results") / f"pd_cpu-{cpu}.json"
+    out = result_path("pd_cpu", "cpu")
     body = {"sessions": args.sessions, "turns": args.turns, "results": results}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(body, default=str))

@@ -35,6 +35,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine_gpu import SHAPES  # noqa: E402
+from benchmarks.result_names import hardware_label, result_path  # noqa: E402
 from ember.bench.compare import compare_table  # noqa: E402
 from ember.bench.metrics import summarize  # noqa: E402
 from ember.bench.records import PlannedRequest  # noqa: E402
@@ -220,8 +221,7 @@ def main() -> None:
                 f"{s['kv_transfer_ms_mean']:.1f} ms each, "
                 f"{s['kv_transfer_share_of_ttft']:.1%} of mean TTFT"
             )
-    name = gpu.replace(" ", "_")
-    out = Path(os.environ.get("OUT") or "benchmarks/results") / f"pd_gpu-{name}-x2.json"
+    out = result_path("pd_gpu", "2x" + hardware_label(gpu))
     out.write_text(json.dumps({"gpu": gpu, "args": vars(args), "results": results}, default=str))
     print(f"wrote {out}")
 

@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_gpu import SHAPES, kv_bytes_per_token, weight_bytes_read  # noqa: E402
+from result_names import result_path  # noqa: E402
 
 from ember.cluster import stop_processes  # noqa: E402
 from ember.kv.tiers.store_master import free_port  # noqa: E402
@@ -413,7 +414,7 @@ def main() -> None:
         "engines": {},
     }
     out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
-    out = out_dir / f"served_gpu-{gpu.replace(' ', '_')}.json"
+    out = result_path("served_gpu", gpu, out_dir=out_dir)
     ceiling = args.device == "cuda" and "b1" in wanted
     if ceiling:
         from engine_gpu import copy_bandwidth

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from result_names import result_path
 
 from ember import LLM, SamplingParams
 from ember.cluster import spawn, stop_cluster, wait_healthy
@@ -159,7 +160,7 @@ def main() -> None:
         f"{served['tokens_per_s'] / inproc['tokens_per_s']:.2f}"
     )
     machine = f"cpu-{platform.machine()}-{os.cpu_count()}cores"
-    out = Path(args.out) / f"server_overhead-{machine}.json"
+    out = result_path("server_overhead", "cpu", out_dir=args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         json.dumps(

@@ -42,6 +42,7 @@ from benchmarks.engine_gpu import (  # noqa: E402
     kv_bytes_per_token,
     random_prompts,
 )
+from benchmarks.result_names import result_path  # noqa: E402
 from ember.engine.core import EngineCore  # noqa: E402
 from ember.engine.messages import EngineCoreRequest  # noqa: E402
 from ember.sampling_params import SamplingParams  # noqa: E402
@@ -228,9 +229,9 @@ def main() -> None:
         )
     dest = Path(os.environ.get("OUT") or "benchmarks/results")
     dest.mkdir(parents=True, exist_ok=True)
-    name = f"smollm2_gpu-{gpu.replace(' ', '_')}.json"
-    (dest / name).write_text(json.dumps(out, indent=2, default=str))
-    print(f"\nwrote {dest / name}")
+    path = result_path("smollm2_gpu", gpu, out_dir=dest)
+    path.write_text(json.dumps(out, indent=2, default=str))
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

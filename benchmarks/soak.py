@@ -25,6 +25,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.result_names import result_path  # noqa: E402
 from ember.cluster import get_load  # noqa: E402
 from ember.trust import new_secret  # noqa: E402
 from ember.up_process import up_process, wait_drained  # noqa: E402
@@ -313,7 +314,7 @@ def main() -> int:
         },
     }
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    out = Path(args.out) / "soak-cpu.json"
+    out = result_path("soak", "cpu", out_dir=args.out)
     out.write_text(json.dumps(result, indent=2))
     c = soak.counts
     print(

@@ -45,6 +45,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.result_names import result_path  # noqa: E402
 from ember.bench.report import format_number, format_percent  # noqa: E402
 from ember.bench.workloads.mooncake import (  # noqa: E402
     MOONCAKE_BLOCK_SIZE,
@@ -301,7 +302,7 @@ def main() -> None:
         f"{format_percent(summary['ideal_cache_hit_ratio'])}, of the whole trace {whole:.1%}"
     )
     print(table(results, BLOCK_SIZE))
-    out = Path(os.environ.get("OUT") or "benchmarks/results") / f"tiers_cpu-{cpu}.json"
+    out = result_path("tiers_cpu", "cpu")
     body = {
         "slice": asdict(spec) | {"span_s": args.span_s, "requests": len(chosen),
                                  "prompt_tokens": sum(r["input_length"] for r in chosen)},

@@ -62,6 +62,7 @@ from benchmarks.pd_gpu import (  # noqa: E402
     model_dir,
     serve,
 )
+from benchmarks.result_names import result_path  # noqa: E402
 from benchmarks.tiers_cpu import tier_counters  # noqa: E402
 from ember.bench.metrics import summarize  # noqa: E402
 from ember.bench.runner import RunLimits, run_sessions  # noqa: E402
@@ -498,9 +499,10 @@ def main() -> None:
     print(f"GPU: {gpu}; {SHAPE} shape, dummy bf16 weights{' (quick)' if args.quick else ''}")
     print(table(results))
     out_dir = Path(os.environ.get("OUT") or "benchmarks/results")
-    tag = gpu.replace(" ", "_").replace("/", "_") + ("-quick" if args.quick else "")
-    tag += "" if args.parts == list(PARTS) else "-" + "+".join(args.parts)
-    out = out_dir / f"tiers_gpu-{tag}.json"
+    tag = ("quick" if args.quick else "") + (
+        "" if args.parts == list(PARTS) else "-" + "+".join(args.parts)
+    )
+    out = result_path("tiers_gpu", gpu, tag=tag, out_dir=out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2, default=str))
     print(f"wrote {out}")
