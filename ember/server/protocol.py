@@ -325,11 +325,6 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens or self.max_tokens
 
     @property
-    def max_tokens_param(self) -> str:
-        """The field `requested_max_tokens` came from, for an error to name."""
-        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
-
-    @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 

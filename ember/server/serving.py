@@ -184,23 +184,13 @@ class ServingContext:
                 code="context_length_exceeded",
             )
 
-    def check_max_tokens(self, requested: int | None, param: str) -> None:
-        """vLLM's one refusal of an output budget: more than the whole context. Anything less is
-        lowered to what the prompt leaves (`resolve_max_tokens`); checked before tokenizing."""
-        max_len = self.engine.max_model_len
-        if requested is not None and requested > max_len:
-            raise APIError(
-                f"{param}={requested} cannot be greater than max_model_len={max_len}. "
-                "Please request fewer output tokens.",
-                param=param,
-                code="invalid_value",
-            )
-
     def resolve_max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
         """The output budget, as vLLM's `get_max_tokens`: what was asked (or, unasked, the whole
         rest of the context), lowered to what the prompt leaves. Agent harnesses send a fixed
-        max_tokens (OpenCode: 32000) on every turn, however long the conversation has grown.
-        `param` names the prompt's field in the 400 for a prompt that leaves no room at all."""
+        max_tokens (OpenCode: 32000) on every turn, however long the conversation has grown, and
+        whatever the model's context: a budget beyond the whole context is lowered too (vLLM
+        refuses it, and OpenCode's every request failed against a context of 8,192). `param`
+        names the prompt's field in the 400 for a prompt that leaves no room at all."""
         max_len = self.engine.max_model_len
         if prompt_len >= max_len:
             raise APIError(

@@ -82,7 +82,6 @@ class ChatHandler:
         model = ctx.check_model(req.model)
         req.check_vocab(ctx.engine.inputs.vocab_size)
         req.check_prompt_logprobs()
-        ctx.check_max_tokens(req.requested_max_tokens, req.max_tokens_param)
         ctx.check_prompt_chars(sum(m.num_chars for m in req.messages), "messages")
         with ctx.admit(req.n):
             cache_salt, kv_transfer = ctx.trusted_inputs(raw, req)

@@ -43,7 +43,6 @@ class CompletionHandler:
         model = ctx.check_model(req.model)
         req.check_vocab(ctx.engine.inputs.vocab_size)
         req.check_prompt_logprobs()
-        ctx.check_max_tokens(req.max_tokens, "max_tokens")
         if req.max_tokens == 0 and not req.echo:
             raise APIError(
                 "max_tokens must be at least 1 (0 only with echo, to score the prompt)",
