@@ -1,13 +1,14 @@
 """Spawning the engine-core process, without importing torch: `ember serve` starts its core first
 thing, so that the core's imports, CUDA set-up, load and compiles overlap the API process's own
-imports (torch, FastAPI) and set-up. On an H200 the API process spent ~3.6 s before it spawned
-the core, one after the other with the core's ~8 s (docs/performance.md).
+imports (FastAPI, the tokenizer; the API process never imports torch) and set-up, rather than
+following them (docs/performance.md).
 
 Nothing here may import torch at module level; the child's entry points import what they need.
 """
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import shutil
@@ -15,6 +16,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -22,6 +24,51 @@ import zmq.asyncio
 
 if TYPE_CHECKING:
     from ember.engine.config import EngineConfig
+
+
+IPC_PREFIX = "ember-ipc-"
+"""The API process's sockets to its core live in `$TMPDIR/ember-ipc-<pid>-XXXX/` (mode 0700: no
+other user can connect to them). The directory goes when the core is stopped (`close`), when the
+process exits without having stopped it (`_remove_live_dirs`, at exit: a failed start, SIGTERM
+during start-up), and, after a SIGKILL, at the next spawn on this machine
+(`remove_stale_ipc_dirs`)."""
+
+_live_dirs: set[str] = set()
+
+
+@atexit.register
+def _remove_live_dirs() -> None:
+    for d in list(_live_dirs):
+        shutil.rmtree(d, ignore_errors=True)
+    _live_dirs.clear()
+
+
+def remove_stale_ipc_dirs(directory: str | None = None) -> list[str]:
+    """Remove the IPC directories of processes that are gone (SIGKILLed before they could);
+    returns those removed. A live process's directory, or another user's, is left alone."""
+    removed = []
+    for d in Path(directory or tempfile.gettempdir()).glob(f"{IPC_PREFIX}*-*"):
+        pid = d.name[len(IPC_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            if d.stat().st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(str(d))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @dataclass(slots=True)
@@ -47,6 +94,7 @@ class SpawnedCore:
         self.output.close(linger=0)
         self.ctx.term()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        _live_dirs.discard(self.ipc_dir)
 
 
 def spawn_core(target: Callable[..., None], *args: Any) -> SpawnedCore:
@@ -54,7 +102,9 @@ def spawn_core(target: Callable[..., None], *args: Any) -> SpawnedCore:
     spawned process (not forked: the parent may hold threads, uvloop's or torch's, that a fork
     would break). The parent-death signal follows the spawning thread: call this on the thread
     that lives as long as the process (the main one)."""
-    ipc_dir = tempfile.mkdtemp(prefix="ember-ipc-")
+    remove_stale_ipc_dirs()
+    ipc_dir = tempfile.mkdtemp(prefix=f"{IPC_PREFIX}{os.getpid()}-")
+    _live_dirs.add(ipc_dir)
     input_addr, output_addr = f"ipc://{ipc_dir}/input", f"ipc://{ipc_dir}/output"
     ctx = zmq.asyncio.Context()
     inp = ctx.socket(zmq.PUSH)
