@@ -53,7 +53,7 @@ from benchmarks.spec_verify_shape import (  # noqa: E402
 from ember.engine.llm_engine import LLMEngine  # noqa: E402
 from ember.entrypoints.llm import LLM  # noqa: E402
 from ember.sampling_params import SamplingParams  # noqa: E402
-from ember.spec.config import SpeculativeConfig  # noqa: E402
+from ember.spec_decode.config import SpeculativeConfig  # noqa: E402
 from ember.tokenizer.tokenizer import Tokenizer  # noqa: E402
 
 SETTINGS: dict[str, dict[str, float]] = {

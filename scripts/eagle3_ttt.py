@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from ember.spec.eagle3 import Eagle3DraftModel
+    from ember.spec_decode.eagle3 import Eagle3DraftModel
 
 
 def ttt_attention(

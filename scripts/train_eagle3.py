@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ember.models.config import ModelConfig  # noqa: E402
 from ember.models.loader import load_model  # noqa: E402
 from ember.models.resolve import KNOWN_MODELS, get_model  # noqa: E402
-from ember.spec.eagle3 import (  # noqa: E402
+from ember.spec_decode.eagle3 import (  # noqa: E402
     DraftRow,
     Eagle3Config,
     Eagle3Drafter,

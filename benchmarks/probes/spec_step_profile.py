@@ -34,8 +34,8 @@ from benchmarks.spec_phases import PhaseTimer, per_step_ms  # noqa: E402
 from ember.engine.core import EngineCore  # noqa: E402
 from ember.engine.messages import EngineCoreRequest  # noqa: E402
 from ember.sampling_params import SamplingParams  # noqa: E402
-from ember.spec.config import SpeculativeConfig  # noqa: E402
-from ember.spec.proposer import HostProposer  # noqa: E402
+from ember.spec_decode.config import SpeculativeConfig  # noqa: E402
+from ember.spec_decode.proposer import HostProposer  # noqa: E402
 
 
 class AlwaysDraft(HostProposer):

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ember.models.config import DTYPE_BYTES, ModelConfig, dtype_name, parse_dtype
-from ember.spec.config import SpeculativeConfig
+from ember.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     import torch
@@ -75,7 +75,7 @@ class EngineConfig:
     kv_store_gb: float = 1.0
     """Memory this engine lends the shared store, GiB."""
     speculative: SpeculativeConfig | None = None
-    """Speculative decoding (ember/spec): None is off."""
+    """Speculative decoding (ember/spec_decode): None is off."""
     cluster_secret: str = field(default="", repr=False)
     """Sent on a decode engine's lease releases (/kv/release is internal); kept out of logs."""
 

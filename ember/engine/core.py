@@ -280,7 +280,7 @@ class EngineCore:
             raise
         clock.mark("model" if beside else "load")
         if eagle3:
-            from ember.spec.eagle3 import Eagle3Drafter
+            from ember.spec_decode.eagle3 import Eagle3Drafter
 
             # Before the KV sizing and the graphs: the head's weights count as weights, and the
             # target hands out its hidden states in every captured step.

@@ -29,8 +29,8 @@ from ember.engine.sampler import Sampler, SamplerOutput, score_tokens
 from ember.engine.sampling_rows import sample_rows
 from ember.engine.warmup import blocks_of, dummy_inputs, layers_of_each_kind, profile_runs
 from ember.models.config import kv_cache_shape
-from ember.spec.eagle3_step import draft_after_step
-from ember.spec.verify import last_rows, num_accepted, verify_rows
+from ember.spec_decode.eagle3_step import draft_after_step
+from ember.spec_decode.verify import last_rows, num_accepted, verify_rows
 
 if TYPE_CHECKING:
     from torch import nn
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from ember.engine.request import Request
     from ember.engine.scheduler import SchedulerOutput
     from ember.models.config import ModelConfig
-    from ember.spec.eagle3 import Eagle3Drafter
+    from ember.spec_decode.eagle3 import Eagle3Drafter
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class ModelRunner:
         self.last_forward_ms = 0.0
         self._cuda = device.type == "cuda"
         self.drafter: Eagle3Drafter | None = None
-        """EAGLE-3: drafts from the target's hidden states after each step (ember/spec/eagle3)."""
+        """EAGLE-3: drafts from the target's hidden states after each step (ember/spec_decode/eagle3)."""
         self.num_draft_tokens = 0
         """K: the drafts the head chains per request and step."""
 
@@ -362,7 +362,7 @@ class ModelRunner:
         return result
 
     def _draft(self, step: PendingStep, result: ModelRunnerOutput) -> list[list[int]]:
-        """EAGLE-3 after a step (`ember.spec.eagle3_step`): the head's KV grows by the step's
+        """EAGLE-3 after a step (`ember.spec_decode.eagle3_step`): the head's KV grows by the step's
         accepted positions, and the speculating requests get their next drafts."""
         if step.so is None or step.aux is None or self.drafter is None:
             return [[] for _ in range(step.num_requests)]

@@ -24,7 +24,7 @@ def sample_rows(
 ) -> SamplerOutput:
     """Sample the step's rows: penalties, min_tokens and the grammar see a verification row's
     earlier drafts, and the drafts are accepted while each equals its row's sample
-    (`ember.spec.verify`)."""
+    (`ember.spec_decode.verify`)."""
     if not drafts:
         drafts = [[] for _ in reqs]
     if any(r.matcher is not None for r in reqs):

@@ -14,12 +14,12 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from ember.spec.config import DEFAULT_MAX_BATCH, SpeculativeConfig
+from ember.spec_decode.config import DEFAULT_MAX_BATCH, SpeculativeConfig
 
 if TYPE_CHECKING:
     from ember.engine.request import Request
     from ember.engine.scheduler import SchedulerOutput
-    from ember.spec.proposer import HostProposer
+    from ember.spec_decode.proposer import HostProposer
 
 
 def verify_graph_rows(config: SpeculativeConfig, max_graph_batch: int) -> int:
@@ -140,7 +140,7 @@ class Speculator:
         self.k = config.num_speculative_tokens
         self.host: HostProposer | None = None
         if config.method in ("ngram", "suffix"):
-            from ember.spec.host import make_host_proposer
+            from ember.spec_decode.host import make_host_proposer
 
             self.host = make_host_proposer(config.method, self.k)
         self.costs = StepCosts() if measure and config.max_batch is None else None

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from ember.edge_limits import add_connection_limit_args
 from ember.kv.transport.factory import KINDS
-from ember.spec.config import METHODS, SpeculativeConfig
+from ember.spec_decode.config import METHODS, SpeculativeConfig
 
 if TYPE_CHECKING:
     from ember.engine.config import EngineConfig
@@ -179,7 +179,7 @@ def add_kv_tier_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
-    """Speculative decoding (ember/spec): off unless --speculative names a proposer."""
+    """Speculative decoding (ember/spec_decode): off unless --speculative names a proposer."""
     p.add_argument(
         "--speculative",
         default=None,

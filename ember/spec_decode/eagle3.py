@@ -9,7 +9,7 @@ post_attention_layernorm}.weight`, `midlayer.self_attn.{q,k,v,o}_proj.weight` (q
 the normed token embedding, then the normed hidden state), `midlayer.mlp.{gate,up,down}_proj.weight`,
 `norm.weight`, `lm_head.weight` [draft_vocab, H], `d2t` [draft_vocab] (target id = draft id +
 d2t[draft id]) and `t2d` [vocab] (bool). The token embedding is the target's unless the checkpoint
-carries `embed_tokens.weight`. config.json is read and checked in ember/spec/eagle3_config.py.
+carries `embed_tokens.weight`. config.json is read and checked in ember/spec_decode/eagle3_config.py.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from ember.models.layers.rotary import RotaryEmbedding
 from ember.models.llama import MLP, Attention, LlamaForCausalLM
 from ember.models.loader import check_complete
 from ember.models.weight_staging import iter_safetensors
-from ember.spec.eagle3_config import Eagle3Config
-from ember.spec.eagle3_config import default_aux_layers as default_aux_layers  # re-export
+from ember.spec_decode.eagle3_config import Eagle3Config
+from ember.spec_decode.eagle3_config import default_aux_layers as default_aux_layers  # re-export
 
 
 class Eagle3Layer(nn.Module):

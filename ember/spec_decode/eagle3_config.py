@@ -1,4 +1,4 @@
-"""An EAGLE-3 head's config.json (the published layout, see ember/spec/eagle3.py): the draft
+"""An EAGLE-3 head's config.json (the published layout, see ember/spec_decode/eagle3.py): the draft
 layer's shape, its vocabulary and the target states it reads, with the checks that refuse a
 malformed checkpoint or a head trained for another target."""
 

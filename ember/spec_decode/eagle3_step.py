@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ember.spec.eagle3 import DraftRow
+from ember.spec_decode.eagle3 import DraftRow
 
 if TYPE_CHECKING:
     import torch
 
     from ember.engine.scheduler import SchedulerOutput
-    from ember.spec.eagle3 import Eagle3Drafter
+    from ember.spec_decode.eagle3 import Eagle3Drafter
 
 
 def draft_after_step(

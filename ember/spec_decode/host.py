@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ember.spec.ngram import NgramProposer
-from ember.spec.proposer import HostProposer
-from ember.spec.suffix import SuffixProposer
+from ember.spec_decode.ngram import NgramProposer
+from ember.spec_decode.proposer import HostProposer
+from ember.spec_decode.suffix import SuffixProposer
 
 HOST_METHODS = ("ngram", "suffix")
 

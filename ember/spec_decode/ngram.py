@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ember.spec.proposer import HostProposer
+from ember.spec_decode.proposer import HostProposer
 
 
 @dataclass(slots=True)

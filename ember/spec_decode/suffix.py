@@ -7,9 +7,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ember.spec.proposer import HostProposer
-from ember.spec.suffix_draft import speculate, speculate_open
-from ember.spec.suffix_tree import SuffixTree
+from ember.spec_decode.proposer import HostProposer
+from ember.spec_decode.suffix_draft import speculate, speculate_open
+from ember.spec_decode.suffix_tree import SuffixTree
 
 _OWN = 0  # the one sequence of a request's own tree
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ember.spec.suffix_tree import _NONE, SuffixTree
+from ember.spec_decode.suffix_tree import _NONE, SuffixTree
 
 
 @dataclass(slots=True)

@@ -2,7 +2,7 @@
 up to `max_depth` tokens is a path from the root, and each node counts the occurrences that pass
 through it, so child count / parent count estimates how often a continuation follows a pattern
 (SuffixDecoding, arXiv 2411.04975). Updated in O(max_depth) per appended token; drafts are
-read from it in ember/spec/suffix_draft.py."""
+read from it in ember/spec_decode/suffix_draft.py."""
 
 from __future__ import annotations
 

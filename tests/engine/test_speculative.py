@@ -20,8 +20,8 @@ import torch
 from ember import LLM, SamplingParams
 from ember.engine.speculation import StepCosts
 from ember.sampling_params import StructuredOutputsParams
-from ember.spec.config import SpeculativeConfig
-from ember.spec.proposer import HostProposer
+from ember.spec_decode.config import SpeculativeConfig
+from ember.spec_decode.proposer import HostProposer
 from tests.engine.test_async_scheduling import assert_same, prompts, run
 
 
@@ -262,7 +262,7 @@ def test_a_gpu_engine_speculates_only_up_to_the_default_batch_bound() -> None:
     """Past DEFAULT_MAX_BATCH running requests a GPU engine never speculates (no cost-model
     probe either); an explicit max_batch alone decides; the CPU always speculates."""
     from ember.engine.speculation import Speculator
-    from ember.spec.config import DEFAULT_MAX_BATCH
+    from ember.spec_decode.config import DEFAULT_MAX_BATCH
 
     gpu = Speculator(SpeculativeConfig("ngram", 4), measure=True)
     assert gpu.costs is not None
@@ -281,7 +281,7 @@ def test_verify_graphs_stop_where_speculation_does() -> None:
     DEFAULT_MAX_BATCH requests (or max_batch's), and no more requests than the graphs' batch."""
     from ember.engine.cuda_graphs import verify_graph_sizes
     from ember.engine.speculation import verify_graph_rows
-    from ember.spec.config import DEFAULT_MAX_BATCH
+    from ember.spec_decode.config import DEFAULT_MAX_BATCH
 
     assert verify_graph_rows(SpeculativeConfig("ngram"), 256) == DEFAULT_MAX_BATCH * 9
     assert verify_graph_sizes(256, verify_graph_rows(SpeculativeConfig("ngram"), 256))[-1] == 144

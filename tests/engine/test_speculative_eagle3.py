@@ -14,8 +14,8 @@ import torch
 
 from ember import LLM, SamplingParams
 from ember.models.loader import load_model
-from ember.spec.config import SpeculativeConfig
-from tests.spec.test_eagle3 import _target_forward, _weights, reference_drafts, write_head
+from ember.spec_decode.config import SpeculativeConfig
+from tests.spec_decode.test_eagle3 import _target_forward, _weights, reference_drafts, write_head
 
 K = 3
 

@@ -13,7 +13,7 @@ import torch
 from ember import LLM, SamplingParams
 from ember.models.tiny import make_tiny
 from tests.servers import pd_cluster, start_server
-from tests.spec.test_spec_serving import ENGINE, completion
+from tests.spec_decode.test_spec_serving import ENGINE, completion
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ember.server.args import add_serve_args, engine_config_from_args
-from ember.spec.config import SpeculativeConfig
+from ember.spec_decode.config import SpeculativeConfig
 from tests.servers import free_port, spawned_by_up
 
 

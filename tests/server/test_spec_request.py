@@ -17,7 +17,7 @@ from ember.engine.config import EngineConfig
 from ember.sampling_params import SamplingParams
 from ember.server.api_server import build_app
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest
-from ember.spec.config import SpeculativeConfig
+from ember.spec_decode.config import SpeculativeConfig
 from ember.trust import internal_headers
 
 SECRET = "test-secret"

@@ -21,7 +21,7 @@ from ember.attention.metadata import AttentionMetadata
 from ember.attention.torch_backend import TorchAttentionBackend
 from ember.engine.model_runner import kv_cache_shape
 from ember.models.loader import load_model
-from ember.spec.eagle3 import DraftRow, Eagle3Drafter, default_aux_layers, load_eagle3
+from ember.spec_decode.eagle3 import DraftRow, Eagle3Drafter, default_aux_layers, load_eagle3
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 4

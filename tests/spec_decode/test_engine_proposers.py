@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ember import LLM, SamplingParams
-from ember.spec.config import SpeculativeConfig
+from ember.spec_decode.config import SpeculativeConfig
 
 METHODS = ("ngram", "suffix")
 

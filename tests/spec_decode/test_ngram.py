@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ember.spec.host import make_host_proposer
-from ember.spec.ngram import NgramProposer
+from ember.spec_decode.host import make_host_proposer
+from ember.spec_decode.ngram import NgramProposer
 
 
 def _propose(tokens: list[int], k: int = 8, max_tokens: int | None = None, **kw: int) -> list[int]:

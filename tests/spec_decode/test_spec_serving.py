@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams
-from ember.spec.config import SpeculativeConfig
+from ember.spec_decode.config import SpeculativeConfig
 from ember.trust import internal_headers
 from tests.servers import SECRET, pd_cluster, start_server
 

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ember.spec.host import make_host_proposer
-from ember.spec.suffix import SuffixProposer
-from ember.spec.suffix_draft import speculate_open
-from ember.spec.suffix_tree import SuffixTree
+from ember.spec_decode.host import make_host_proposer
+from ember.spec_decode.suffix import SuffixProposer
+from ember.spec_decode.suffix_draft import speculate_open
+from ember.spec_decode.suffix_tree import SuffixTree
 
 # ---- the tree ------------------------------------------------------------------------------
 
