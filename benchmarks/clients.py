@@ -6,6 +6,8 @@
     python benchmarks/clients.py hits before.json URL [URL ...]
         the engines' prefix-cache hit ratio over what ran between the two calls
 (`counters` and `hits` read each engine's internal `/load`: set EMBER_CLUSTER_SECRET.)
+
+Prints what it measures; writes only the files named on its command line.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ floor. The files' cold read rate is measured too (one thread and eight).
 
     python benchmarks/cold_import.py [--reps 2]
 
-Prints a table and writes $OUT/cold_import-<machine>.json (or benchmarks/results/).
+Prints a table and writes
+benchmarks/results/cold_import-<GPU>-<date>.json (or $OUT/ when set).
 """
 
 from __future__ import annotations

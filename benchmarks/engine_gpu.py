@@ -8,8 +8,8 @@ context, prefill 64 x 2048, the mixed load 256 x (1024 in, 256 out), host CPU sh
 at batch 64, and, on Llama, HF transformers eager on the same weights (decode batch 1, the mixed
 load) and the relative error of ember's logits against HF's. MoE shapes add the fused MoE kernel
 against a dense batched GEMM of the same work, and MLA the KV tokens that fit against plain MHA in
-the same memory; their decode rooflines count only the experts a batch hits. Prints a table, writes JSON to
-$OUT (or benchmarks/results/) named with the GPU.
+the same memory; their decode rooflines count only the experts a batch hits. Prints a table, writes
+benchmarks/results/engine_gpu-<GPU>-<date>.json (or $OUT/ when set).
 
     python benchmarks/engine_gpu.py [--shapes llama,qwen3,moonlight,qwen3_moe] [--skip-hf] [--quick]
 

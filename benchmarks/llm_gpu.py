@@ -6,7 +6,8 @@ against (a) the same with the old default token budget (8,192), and (b) the engi
 directly (benchmarks/engine_gpu.py's `Run`, no detokenization) with the same resolved settings.
 Each configuration runs in a process of its own: a cold run (Triton compiles on first use), then a
 warm one. The `LLM` runs also time the host's output processing (detokenization, outputs).
-Prints a table; writes JSON to $OUT (or benchmarks/results/) named with the GPU.
+Prints a table; writes
+benchmarks/results/llm_gpu-<GPU>-<date>.json (or $OUT/ when set).
 
     python benchmarks/llm_gpu.py [--quick] [--fresh-triton-cache]
 """

@@ -8,7 +8,8 @@ GPU tensor as the model's loader would, then the device synchronized.
 
     python benchmarks/load_weights.py [--shape llama] [--threads 1,2,4,8,16] [--chunks 16,64,256]
 
-Prints a table and writes $OUT/load_weights-<GPU>.json (or benchmarks/results/).
+Prints a table and writes
+benchmarks/results/load_weights-<GPU>-<date>.json (or $OUT/ when set).
 """
 
 from __future__ import annotations

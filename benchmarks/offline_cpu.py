@@ -1,6 +1,7 @@
 """Offline generation speed of the tiny model on the CPU, and where each step's time goes.
 
-Prints a table and writes JSON to benchmarks/results/. Measures output tokens/s at batch 1 and 32
+Prints a table and writes
+benchmarks/results/offline_cpu-cpu-<date>.json (or `--out DIR`). Measures output tokens/s at batch 1 and 32
 and the share of wall time spent outside the model's forward pass (scheduling, input preparation,
 sampling, detokenizing, bookkeeping).
 

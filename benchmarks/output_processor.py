@@ -6,7 +6,8 @@ tree) instead of this one's, for an A/B on one machine.
 
     .venv/bin/python benchmarks/output_processor.py [--streams 256] [--tokens 256] [--rounds 5]
 
-Prints a table and writes JSON to $OUT (or benchmarks/results/).
+Prints a table and writes
+benchmarks/results/output_processor-cpu-<date>.json (or $OUT/ when set).
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ ITL (p50/p90), output tokens/s and the prompt-cache hit ratio, prints a table, w
 On a 2-core machine the engines share the cores with each other and with the client, so this
 measures the machinery's overheads (the extra leg, the KV read), not the interference that
 disaggregation removes on GPUs.
+
+Writes benchmarks/results/pd_cpu-cpu-<date>.json (or $OUT/ when set).
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ the session's history and a new tool result as token ids to /v1/completions, str
 hit ratio, and for PD the KV transfer rate and its share of TTFT. Prints a table, writes JSON.
 
     python benchmarks/pd_gpu.py [--sessions 32 --turns 4]
+
+Writes benchmarks/results/pd_gpu-2x<GPU>-<date>.json (or $OUT/ when set).
 """
 
 from __future__ import annotations

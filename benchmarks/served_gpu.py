@@ -30,7 +30,8 @@ this script.
 
 An engine named twice in `--engines` runs twice (the second as `ENGINE#2`, with caches of its own).
 
-Prints a table and writes $OUT/served_gpu-<GPU>.json (or benchmarks/results/).
+Prints a table and writes
+benchmarks/results/served_gpu-<GPU>-<date>.json (or $OUT/ when set).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """What the HTTP and IPC layers cost per token: the tiny model on the CPU, N concurrent streams
 through `ember serve` against the same engine driven in-process.
 
-Prints a table and writes JSON to benchmarks/results/. Reports requests/s, SSE events/s and
+Prints a table and writes
+benchmarks/results/server_overhead-cpu-<date>.json (or `--out DIR`). Reports requests/s, SSE events/s and
 tokens/s both ways, the wall-time overhead per token, and the CPU seconds the API process (HTTP,
 tokenizer, detokenizer, SSE) and the engine-core process spent per token.
 

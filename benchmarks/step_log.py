@@ -9,10 +9,12 @@ tells, for each burst of requests in it, where its first second went and how its
   steps and median gap), and the burst's whole span from its first step.
 
 A burst starts at a step that saw arrivals after more than `--gap` seconds without one (the
-in-process `benchmarks/profile_mixed.py` adds each pass's requests at once: pass `--gap 0` there).
+in-process `benchmarks/probes/profile_mixed.py` adds each pass's requests at once: pass `--gap 0` there).
 Prints a table and writes JSON beside the log (LOG.json).
 
     python benchmarks/step_log.py LOG [LOG ...] [--gap 1.0]
+
+A tool, not a benchmark: writes each log's bursts as JSON beside the log.
 """
 
 from __future__ import annotations

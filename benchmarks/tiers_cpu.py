@@ -21,6 +21,8 @@ set more than the host tier: on a larger one they would all hold everything.
 
 On a 2-core machine the engine and the client share the cores with whatever else runs, so TTFT
 (mostly queueing at this load) moves with that other work; the hit ratios hardly do.
+
+Writes benchmarks/results/tiers_cpu-cpu-<date>.json (or $OUT/ when set).
 """
 
 from __future__ import annotations

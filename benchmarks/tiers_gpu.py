@@ -15,7 +15,8 @@ Four measurements (`--parts`), against the issue's goals:
   hit ratio, p50/p90 TTFT and output tok/s of each.
 
 Each part runs in a fresh process (agentic: each run a fresh server). Prints a table, writes JSON
-to $OUT (or benchmarks/results/) named with the GPU. About 7 minutes on an H100; `--quick` runs
+to
+benchmarks/results/tiers_gpu-<GPU>-<date>.json (or $OUT/ when set). About 7 minutes on an H100; `--quick` runs
 small sizes to check the script.
 
     python benchmarks/tiers_gpu.py [--quick] [--parts load,ttft,decode,agentic]

@@ -18,6 +18,10 @@ Prints tables and writes JSON to $OUT (or benchmarks/results/), named with the G
 `--prefill-only`: the first two tables; `--extend-only`: the extend table and the decode tables
 (pages of 16 and 64). `EMBER_TREE=DIR`: measure DIR's ember (e.g. an earlier commit's tree)
 instead of this one's.
+
+Run on a CUDA GPU:
+
+    python benchmarks/probes/attention_kernels.py
 """
 
 from __future__ import annotations
@@ -35,8 +39,8 @@ import torch.nn.functional as F
 
 # EMBER_TREE: another tree's ember (an earlier commit's, under .ab/), its kernels measured
 # beside the working tree's in the same call.
-sys.path.insert(0, os.environ.get("EMBER_TREE") or str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, os.environ.get("EMBER_TREE") or str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine_gpu import copy_bandwidth, median_ms  # noqa: E402
 

@@ -15,10 +15,10 @@ Each setting's output is checked against the default's (and the default's agains
 reference on a few rows) before it is timed. Prints tables, writes JSON to $OUT (or
 benchmarks/results/), named with the GPU.
 
-    python benchmarks/decode_attention_sweep.py [--quick]
-    python benchmarks/decode_attention_sweep.py --splits
-    python benchmarks/decode_attention_sweep.py --layouts [--all-layouts]
-    python benchmarks/decode_attention_sweep.py --interleaved [--long]
+    python benchmarks/probes/decode_attention_sweep.py [--quick]
+    python benchmarks/probes/decode_attention_sweep.py --splits
+    python benchmarks/probes/decode_attention_sweep.py --layouts [--all-layouts]
+    python benchmarks/probes/decode_attention_sweep.py --interleaved [--long]
 
 `--splits`: the engine's default setting at each split count over batch sizes and contexts, the
 fastest count against the one `choose_num_splits` gives (at its default programs per SM and
@@ -41,8 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_gpu import copy_bandwidth, median_ms  # noqa: E402
 

@@ -13,7 +13,7 @@ cuBLAS) and bytes (weights + activations once) over the copy ceiling. Times are 
 over rotating weight copies (no L2 reuse between calls). A last table runs the prefill shape
 back to back for ~3 s: a clock that falls under sustained load shows as a rate below the burst's.
 
-    python benchmarks/gemm_shapes.py [--m 1,64,128,256,512,2048,16384]
+    python benchmarks/probes/gemm_shapes.py [--m 1,64,128,256,512,2048,16384]
 
 Prints tables and writes $OUT/gemm_shapes-<GPU>.json (or benchmarks/results/).
 """
@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine_gpu import ceilings, graph_ms  # noqa: E402
 
@@ -282,7 +282,7 @@ def main() -> None:
         f"\nsustained gate_up M=16384: burst {sus['burst_tflops']:.0f} TFLOP/s, last second of "
         f"{sus['seconds']:.0f} s {sus['sustained_tflops']:.0f} TFLOP/s (peak {peak / 1e12:.0f})"
     )
-    out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
+    out_dir = Path(os.environ.get("OUT", Path(__file__).resolve().parents[1] / "results"))
     out = out_dir / f"gemm_shapes-{gpu.replace(' ', '_')}.json"
     out.write_text(json.dumps({"gpu": gpu, "ceilings": ceil, "rows": rows, "sustained": sus}))
     print(f"wrote {out}")

@@ -12,7 +12,7 @@ them, against `torch.mm(a, w.t())` (cuBLAS on nn.Linear's [N, K] weight) in the 
 Each time is a CUDA-graph replay over rotating weight copies (as `gemm_shapes.py`), against the
 floor of the same run (FLOPs over the matmul peak, bytes over the copy ceiling).
 
-    python benchmarks/gemm_variants.py [--m 256,128]
+    python benchmarks/probes/gemm_variants.py [--m 256,128]
 
 Prints a table and writes $OUT/gemm_variants-<GPU>.json (or benchmarks/results/).
 """
@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch._inductor.config as inductor_config
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_gpu import ceilings  # noqa: E402
@@ -113,7 +114,7 @@ def main() -> None:
     for r in rows:
         cells = [f"{r[x]:,.1f} ({r[f'{x}_of_floor']:.2f})" for x in LABELS]
         print(f"| {r['weight']} | {r['m']} | {r['floor_us']:,.1f} | " + " | ".join(cells) + " |")
-    out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
+    out_dir = Path(os.environ.get("OUT", Path(__file__).resolve().parents[1] / "results"))
     out = out_dir / f"gemm_variants-{gpu.replace(' ', '_')}.json"
     out.write_text(json.dumps({"gpu": gpu, "ceilings": ceil, "rows": rows}))
     print(f"wrote {out}")

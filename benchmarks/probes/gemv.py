@@ -9,6 +9,10 @@ for every matmul (what a routing rule decides between, with the kernels around t
 the layers' routing with SiLU-and-mul in the gate/up GEMV's epilogue (what the MLP runs).
 
 Prints a table and writes JSON to $OUT (or benchmarks/results/), named with the GPU.
+
+Run on a CUDA GPU:
+
+    python benchmarks/probes/gemv.py
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_gpu import copy_bandwidth, graph_ms  # noqa: E402
 

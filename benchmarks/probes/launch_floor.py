@@ -8,7 +8,7 @@ read and write one value (a Triton kernel, and torch's elementwise add), with an
 programmatic dependent launch (PDL: the next kernel may start while the previous one drains,
 where Triton supports it), against the copy bandwidth that sets the roofline.
 
-    python benchmarks/launch_floor.py [--kernels 800]
+    python benchmarks/probes/launch_floor.py [--kernels 800]
 
 Prints a table and writes benchmarks/results/launch_floor-<GPU>.json (or $OUT/...).
 """
@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_gpu import copy_bandwidth, graph_ms  # noqa: E402
 
@@ -69,7 +69,7 @@ def main() -> None:
     for k, val in rows.items():
         print(f"| {k} | {val if isinstance(val, str) else f'{val:.2f}'} |")
     print(f"\ncopy bandwidth: {gbps:.0f} GB/s")
-    out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
+    out_dir = Path(os.environ.get("OUT", Path(__file__).resolve().parents[1] / "results"))
     out = out_dir / f"launch_floor-{name.replace(' ', '_')}.json"
     out.write_text(
         json.dumps({"gpu": name, "kernels": n, "us_per_kernel": rows, "copy_gbps": gbps})

@@ -7,7 +7,7 @@ own cost is spread thin), split kernel and merge together. "graph default" is wh
 picks inside a captured graph, where the split count is sized by the longest context the graph
 may meet (max_seq_len = the model's length, 8192 here), not by the batch's.
 
-    python benchmarks/mla_decode_sweep.py [--int64-lens]
+    python benchmarks/probes/mla_decode_sweep.py [--int64-lens]
 
 `--int64-lens`: seq_lens as int64, as the engine's decode graphs hold them (the eager path's are
 int32; the GQA decode kernel's speed followed that dtype, docs/performance.md, session 21).
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_gpu import graph_ms  # noqa: E402
 
@@ -79,7 +79,7 @@ def main() -> None:
             print(f"| {k} | {v:.1f} |")
         print(f"| graph default | {rows['graph default']:.1f} |")
         results.append({"heads": heads, "batch": batch, "ctx": ctx, "us": rows, "best": best})
-    out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
+    out_dir = Path(os.environ.get("OUT", Path(__file__).resolve().parents[1] / "results"))
     lens = "int64" if "--int64-lens" in sys.argv else "int32"
     tag = "-int64-lens" if lens == "int64" else ""
     out = out_dir / f"mla_decode_sweep-{name.replace(' ', '_')}{tag}.json"

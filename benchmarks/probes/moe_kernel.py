@@ -5,7 +5,7 @@ not count) for each candidate tile config, against the same work done dense (tor
 [E, T * k / E, H], equal flops and weight bytes) and against the bandwidth of the weights the
 batch's routes hit. Prints a table per shape and writes JSON.
 
-    python benchmarks/moe_kernel.py [--shapes moonlight,qwen3_moe] [--tokens 1,64,256,2048,8192]
+    python benchmarks/probes/moe_kernel.py [--shapes moonlight,qwen3_moe] [--tokens 1,64,256,2048,8192]
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_gpu import SHAPES, MoeLayerCase, ceilings, graph_ms  # noqa: E402
 

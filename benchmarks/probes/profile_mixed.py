@@ -9,7 +9,7 @@ A first pass runs unprofiled (the phase times a user sees); a second, on fresh p
 under the profiler (its wall times are inflated by the profiler; its kernel times are not).
 Prints a table and writes JSON beside the engine benchmark's.
 
-    python benchmarks/profile_mixed.py [--prompts 256] [--prompt-len 1024] [--out-len 256]
+    python benchmarks/probes/profile_mixed.py [--prompts 256] [--prompt-len 1024] [--out-len 256]
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_gpu import (  # noqa: E402
     SHAPES,

@@ -12,7 +12,7 @@ Prints a table per case and writes JSON beside the engine benchmark's.
 
 With --host: the host's side of mixed steps (cProfile) and one small kernel's launch cost.
 
-    python benchmarks/profile_steps.py [--shape llama] [--graphs | --host]
+    python benchmarks/probes/profile_steps.py [--shape llama] [--graphs | --host]
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_gpu import SHAPES, engine_config, random_prompts, shape_dir  # noqa: E402
 

@@ -5,7 +5,7 @@ timed by phase (benchmarks/spec_phases.py). The drafts come from a proposer that
 tokens (the last token repeated), so every step verifies whatever the dummy weights sample; the
 host work of a verify step does not depend on how many drafts land.
 
-    python benchmarks/spec_step_profile.py [--k 4] [--batch 1] [--context 3000] [--steps 200]
+    python benchmarks/probes/spec_step_profile.py [--k 4] [--batch 1] [--context 3000] [--steps 200]
         [--only 0|K]   # one case per process (an engine's memory is not handed back in-process)
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.engine_gpu import engine_config, random_prompts  # noqa: E402
 from benchmarks.smollm2_gpu import SMOLLM2_SHAPE  # noqa: E402

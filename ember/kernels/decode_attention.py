@@ -31,7 +31,7 @@ MAX_SPLITS = 64
 # its sequence's length.
 PROGRAMS_PER_SM = 4
 # Stage 1's warps, pipeline depth and grid order, measured on an H200 (8B shape, pages of 64, the
-# engine's cache layout; `benchmarks/decode_attention_sweep.py --layouts`, session 21). The
+# engine's cache layout; `benchmarks/probes/decode_attention_sweep.py --layouts`, session 21). The
 # kernel's speed depended on the dtype of seq_lens, which the kernel now casts to int32: the decode
 # graphs pass int64 and the eager path int32, and with 2 stages in row order 256 rows x 1,152
 # tokens took 278 us a layer with int64 and 300 with int32; 3 stages with one row's KV heads on
@@ -39,8 +39,8 @@ PROGRAMS_PER_SM = 4
 # 1,024 65 against 74. In the engine's mixed load the decode phase took 4.16-4.17 s against
 # 4.19 s before (two A/B pairs, same lease).
 #
-# These settings are read at each call: `benchmarks/profile_mixed.py --decode-attention` sets them
-# for a whole engine, `benchmarks/decode_attention_sweep.py` for one call at a time.
+# These settings are read at each call: `benchmarks/probes/profile_mixed.py --decode-attention` sets them
+# for a whole engine, `benchmarks/probes/decode_attention_sweep.py` for one call at a time.
 NUM_WARPS = 4
 NUM_STAGES = 3
 HEAD_MAJOR = True
@@ -59,7 +59,7 @@ def choose_num_splits(
     programs_per_sm: int | None = None,
 ) -> int:
     """Splits per sequence so that stage 1 has about `programs_per_sm` programs per SM (None:
-    the module's PROGRAMS_PER_SM, which `benchmarks/profile_mixed.py --decode-splits-per-sm` sets
+    the module's PROGRAMS_PER_SM, which `benchmarks/probes/profile_mixed.py --decode-splits-per-sm` sets
     for a whole engine, clearing this function's cache).
 
     Never more than one split per `min_tokens` tokens of the longest context: past that,

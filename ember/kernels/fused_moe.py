@@ -246,7 +246,7 @@ def sum_slabs(y: torch.Tensor) -> torch.Tensor:
 
 
 def tile_config(num_pairs: int, num_experts: int) -> dict[str, int]:
-    """Tile sizes by rows per expert, the fastest of benchmarks/moe_kernel.py's sweep on an H200
+    """Tile sizes by rows per expert, the fastest of benchmarks/probes/moe_kernel.py's sweep on an H200
     at the Moonlight and Qwen3-30B expert dims: decode-sized batches (a few rows an expert) are
     bound by the weights' bytes, so small row blocks and long K tiles keep many loads in flight;
     prefill-sized ones are bound by the tensor cores and take 128 x 128 tiles over 8 warps."""

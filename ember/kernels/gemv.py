@@ -2,7 +2,7 @@
 
 A decode step of one sequence reads every weight once for one row of activations: memory-bound,
 and cuBLAS picks kernels that leave bandwidth unused. H100, 8B shape, inside CUDA graphs over
-weights larger than L2 (`benchmarks/gemv.py`, session 13), cuBLAS against this kernel, us: q/k/v
+weights larger than L2 (`benchmarks/probes/gemv.py`, session 13), cuBLAS against this kernel, us: q/k/v
 20.3 / 18.7, o 15.5 / 13.5 (cuBLAS also adds a split-K reduce kernel), gate/up 81.4 / 77.9, down
 43.5 / 41.3, the LM head 374 / 336; served batch-1 TPOT 5.92 ms against 6.09 with q/k/v and o
 still on cuBLAS (same call). Weights up to MIN_WEIGHT_ELEMENTS (a tiny model's) stay with cuBLAS,

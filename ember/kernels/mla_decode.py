@@ -32,7 +32,7 @@ the programs-per-SM bound keeps the splits few anyway."""
 
 PROGRAMS_PER_SM = 2
 """Stage-1 programs wanted per SM: half of MHA decode's, since an MLA program carries every head
-of its block ([16, 512] fp32 accumulators). benchmarks/mla_decode_sweep.py on an H200, in CUDA
+of its block ([16, 512] fp32 accumulators). benchmarks/probes/mla_decode_sweep.py on an H200, in CUDA
 graphs sized for 8k contexts: at 4 a batch of 64 x 1k took 9 splits and 56 us (16 heads), where 4
 splits took 40; at 2 the split counts land on the sweep's best (16 heads: batch 1, 8, 64; 64
 heads: batch 1 and 8; batch 64 gets 2 where 4 was the best measured). 32 latent rows a tile

@@ -7,7 +7,7 @@ sequence and loads whole tiles with one instruction each, which frees the regist
 slots the address arithmetic took. With them a 128-query tile fits one warpgroup (4 warps) and
 two programs share an SM (96 KB of shared memory each with two stages of 64-key K and V tiles),
 so one program's softmax overlaps the other's matmuls. bf16, 32 / 8 heads of 128, causal, H100,
-TFLOP/s (`benchmarks/attention_kernels.py`): 8 x 2048 397 against 336 for the pointer kernel,
+TFLOP/s (`benchmarks/probes/attention_kernels.py`): 8 x 2048 397 against 336 for the pointer kernel,
 1 x 16384 516 against 434, 16 x 1024 259 against 223 (cuDNN, built per length: 518 / 598 / 419).
 
 The descriptors end at each sequence's last row: a tile's rows past it load as zeros and its
@@ -21,7 +21,7 @@ of 64 tokens) a key tile is one TMA copy from one page, its block looked up once
 would take four copies a tile (Hopper's TMA has no gather), so those stay on the pointer kernel.
 Chunks over a cached prefix, bf16, 32 / 8 heads of 128, H100, TFLOP/s: 1 x (32768 + 2048) 531
 against 304 for the pointer kernel over pages of 16 and 338 for FlashAttention-2 (unpaged);
-8 x (2048 + 512) 395 against 241 and 298 (`benchmarks/attention_kernels.py --extend-only`).
+8 x (2048 + 512) 395 against 241 and 298 (`benchmarks/probes/attention_kernels.py --extend-only`).
 """
 
 from __future__ import annotations

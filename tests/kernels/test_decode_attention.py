@@ -145,7 +145,7 @@ def test_decode_launch_settings_match_reference(
     device,
     monkeypatch,
 ) -> None:
-    # Every tile, pipeline and grid order the sweep (benchmarks/decode_attention_sweep.py) may
+    # Every tile, pipeline and grid order the sweep (benchmarks/probes/decode_attention_sweep.py) may
     # set computes the same attention: tiles that span pages, either grid order.
     for key, value in setting.items():
         monkeypatch.setattr(da, key.upper(), value)
