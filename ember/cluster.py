@@ -36,10 +36,13 @@ from pathlib import Path
 from types import FrameType
 from typing import NoReturn
 
+from ember.home import remove_cluster_secret, write_cluster_secret
 from ember.kv.tiers.store_master import StoreMaster, start_master
 from ember.parent_death import child_dies_with_us
 from ember.server.args import add_kv_transport_arg
 from ember.trust import SECRET_ENV, TenantKeys, internal_headers, new_secret
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 RESTART_BACKOFF_S = (1.0, 30.0)
 """A dead engine is restarted after 1 s, then 2, 4 ... up to 30 s while it keeps dying."""
@@ -59,7 +62,13 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="the router's port")
     p.add_argument("--engine-port", type=int, default=None, help="first engine port (port + 1)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the engines' context length in tokens (default: the model's own, config.json's "
+        "max_position_embeddings)",
+    )
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="per engine step")
     p.add_argument(
         "--max-num-seqs", type=int, default=None, help="sequences an engine runs at once"
@@ -116,6 +125,14 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         "--shared-cache", action="store_true", help="let all tenants share one prefix cache"
     )
     p.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        default=None,
+        help="the log level of every engine, engine core and the router (default: warning); "
+        "they all log to ember up's stderr",
+    )
+    p.add_argument(
         "--demo", action="store_true", help="once up, send one streamed chat request and print it"
     )
     p.add_argument(
@@ -157,11 +174,15 @@ def engine_extra_args(text: str) -> list[str]:
 
 
 def served_names(args: argparse.Namespace, model: str) -> list[str] | None:
-    """`--served-model-name`, else for the default model its directory's name (and its path, which
-    older clients send), else None: the engines then serve the model argument as given."""
+    """`--served-model-name`, else for the default model or a known one named (`ember up
+    smollm2`) its directory's name (and its path, which older clients send: accepted, not listed
+    by /v1/models), else None: the engines then serve the model argument as given."""
+    from ember.models.resolve import KNOWN_MODELS
+
     if names := getattr(args, "served_model_name", None):
         return list(names)
-    if getattr(args, "model", "") is None:
+    given = getattr(args, "model", "")
+    if given is None or (given in KNOWN_MODELS and not Path(given).exists()):
         return [Path(model).name, model]
     return None
 
@@ -247,6 +268,11 @@ def start_cluster(
     threads = max(1, ((os.cpu_count() or 2) - 1) // len(plan))
     # Engines sit behind the router: they ask no API key (the router's calls carry the secret).
     env = {SECRET_ENV: secret, "EMBER_API_KEY": ""}
+    # --log-level: the API processes' flag, and the engine cores' EMBER_LOG_LEVEL (unset, the
+    # cores keep the caller's EMBER_LOG_LEVEL, else WARNING: see `spawn`).
+    level = getattr(args, "log_level", None) or "warning"
+    if getattr(args, "log_level", None):
+        env["EMBER_LOG_LEVEL"] = level.upper()
     urls: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
     for role, port in plan:
         urls[role].append(f"http://{args.host}:{port}")
@@ -257,10 +283,11 @@ def start_cluster(
     for role, port in plan:
         cmd = [
             "serve", model, "--host", args.host, "--port", str(port), "--role", role,
-            "--device", args.device, "--max-model-len", str(args.max_model_len),
-            "--kv-transport", args.kv_transport, "--kv-host", args.host,
-            "--cpu-threads", str(threads), "--log-level", "warning", "--require-secret",
+            "--device", args.device, "--kv-transport", args.kv_transport, "--kv-host", args.host,
+            "--cpu-threads", str(threads), "--log-level", level, "--require-secret",
         ]  # fmt: skip
+        if getattr(args, "max_model_len", None):
+            cmd += ["--max-model-len", str(args.max_model_len)]
         if batched:
             cmd += ["--max-num-batched-tokens", str(batched)]
         if names:
@@ -280,7 +307,7 @@ def start_cluster(
         procs.append(spawn(name, f"http://{args.host}:{port}", cmd, env))
     rcmd = [
         "router", "--host", args.host, "--port", str(args.port), "--model", model,
-        "--disagg-min-uncached", str(args.disagg_min_uncached), "--log-level", "warning",
+        "--disagg-min-uncached", str(args.disagg_min_uncached), "--log-level", level,
     ]  # fmt: skip
     if getattr(args, "stall_timeout", None) is not None:
         rcmd += ["--stall-timeout", str(args.stall_timeout)]
@@ -579,6 +606,16 @@ class Supervisor:
         return None
 
 
+def logs_line(procs: Sequence[Proc], level: str, store_log: str | None = None) -> str:
+    """Where each member logs: every engine (and its engine core) and the router inherit ember
+    up's stderr, so their lines come to this terminal; a store master writes a file."""
+    names = ", ".join(p.name for p in procs)
+    line = f"logs: {names} -> this terminal (stderr), level {level}"
+    if store_log:
+        line += f"; mooncake_master -> {store_log}"
+    return line
+
+
 def print_up(router: str, procs: list[Proc], model: str, keyed: bool) -> None:
     """`model` is the id clients send: the first served name."""
     print(f"ember is up: {router}  (engines: {', '.join(p.url for p in procs[:-1])})")
@@ -591,14 +628,15 @@ def print_up(router: str, procs: list[Proc], model: str, keyed: bool) -> None:
 
 
 def run_cluster(args: argparse.Namespace) -> int:
-    from ember.models.resolve import get_model, resolve_model
+    from ember.models.resolve import KNOWN_MODELS, get_model, resolve_model
 
     keys = TenantKeys.load(args.api_key or (), args.api_keys_file, args.shared_cache)
     # A busy port is the user's to fix: say so now, not after a minute of waiting on engines.
     check_ports(args.host, [args.port, *(port for _, port in engine_plan(args))])
     # The default is a real model, SmolLM2-135M-Instruct from its PyPI wheel (which make installs).
     model = resolve_model(args.model) if args.model else str(get_model("smollm2"))
-    if args.model and model != args.model and not args.served_model_name:
+    known = args.model in KNOWN_MODELS and not Path(args.model).exists()
+    if args.model and model != args.model and not args.served_model_name and not known:
         args.served_model_name = [args.model]  # a .gguf file: served under the name given
     if not Path(model).is_dir():
         raise FileNotFoundError(f"model directory {model!r} does not exist")
@@ -608,13 +646,19 @@ def run_cluster(args: argparse.Namespace) -> int:
     served = (served_names(args, model) or [model])[0]
 
     signals = StopSignals()
-    # An operator who sets EMBER_CLUSTER_SECRET can reach the internal routes (/load, /metrics).
+    # An operator who sets EMBER_CLUSTER_SECRET can reach the internal routes (/load, /metrics);
+    # one who did not finds the secret in a private file of ember's home, which `ember bench`
+    # reads (ember/home.py); it is never printed.
     secret = os.environ.get(SECRET_ENV) or new_secret()
     keys_file = write_keys_file(keys)
     procs: list[Proc] = []
     master: StoreMaster | None = None
+    secret_file: Path | None = None
     try:
         signals.install()
+        ports = [args.port, *(port for _, port in engine_plan(args))]
+        members = [f"http://{args.host}:{port}" for port in ports]
+        secret_file = write_cluster_secret(args.port, members, secret)
         if args.store:
             log = os.path.join(tempfile.gettempdir(), f"ember-mooncake-master-{os.getpid()}.log")
             with signals.held():
@@ -623,6 +667,8 @@ def run_cluster(args: argparse.Namespace) -> int:
             start_cluster(
                 args, model, secret, keys_file, procs, store=master.address if master else None
             )
+        level = args.log_level or "warning"
+        print(logs_line(procs, level, master.log_path if master else None), flush=True)
         wait_healthy(procs, args.ready_timeout)
         router = procs[-1].url
         wait_routed(router, secret)
@@ -655,3 +701,5 @@ def run_cluster(args: argparse.Namespace) -> int:
             master.stop()  # last: the engines leave the store (their segments) before it goes
         if keys_file:
             os.unlink(keys_file)
+        if secret_file:
+            remove_cluster_secret(secret_file)

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -367,6 +368,104 @@ def test_served_names_default_to_the_tiny_models_directory_name() -> None:
     assert served_names(Namespace(model="/m/qwen", served_model_name=None), "/m/qwen") is None
     named = Namespace(model="/m/qwen", served_model_name=["qwen"])
     assert served_names(named, "/m/qwen") == ["qwen"]
+
+
+def test_served_names_of_a_known_model_named_are_its_directorys(smollm2: Path) -> None:
+    from argparse import Namespace
+
+    from ember.cluster import served_names
+
+    args = Namespace(model="smollm2", served_model_name=None)
+    assert served_names(args, str(smollm2)) == ["smollm2-135m-instruct", str(smollm2)]
+
+
+def test_up_passes_the_context_only_when_given_and_its_log_level_to_every_member(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _, spawned = spawned_by_up(monkeypatch, ["/m/tiny"])
+    assert len(spawned) == 3
+    for name, cmd in spawned.items():
+        assert cmd[cmd.index("--log-level") + 1] == "warning", name  # the default, as before
+        assert "--max-model-len" not in cmd  # the engines serve the model's own context
+    _, spawned = spawned_by_up(
+        monkeypatch, ["/m/tiny", "--max-model-len", "4096", "--log-level", "INFO"]
+    )
+    for name, cmd in spawned.items():
+        assert cmd[cmd.index("--log-level") + 1] == "info", name
+        if name != "router":
+            assert cmd[cmd.index("--max-model-len") + 1] == "4096"
+
+
+def test_up_log_level_reaches_the_engine_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+    from types import SimpleNamespace
+
+    import ember.cluster as cluster
+
+    envs: dict[str, dict] = {}
+
+    def record(name: str, url: str, args: list[str], env: dict | None = None) -> SimpleNamespace:
+        envs[name] = dict(env or {})
+        return SimpleNamespace(name=name, url=url)
+
+    monkeypatch.setattr(cluster, "spawn", record)
+    p = argparse.ArgumentParser()
+    cluster.add_up_args(p)
+    args = p.parse_args(["/m/tiny", "--log-level", "debug"])
+    procs = cluster.start_cluster(args, "/m/tiny", "s")
+    assert {e["EMBER_LOG_LEVEL"] for e in envs.values()} == {"DEBUG"}
+    line = cluster.logs_line(procs, "debug", "/tmp/master.log")
+    assert line == (
+        "logs: prefill-0, decode-0, router -> this terminal (stderr), level debug; "
+        "mooncake_master -> /tmp/master.log"
+    )
+
+
+def test_up_by_name_serves_the_models_context_lowers_max_tokens_and_keeps_its_secret(
+    smollm2: Path,
+) -> None:
+    """`ember up smollm2` as a new user runs it, then OpenCode's request shape (max_tokens 32000,
+    every request) through the router, and `ember bench`'s metrics scrape with no secret given."""
+    from ember.bench.spec_counters import fetch_metrics
+    from ember.home import cluster_secret_file, local_cluster_secret
+
+    port = three_free_ports()
+    proc = up("smollm2", port, "--log-level", "error")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        lines = read_until(proc, "ember is up", 240)
+        assert "logs: prefill-0, decode-0, router -> this terminal (stderr), level error\n" in lines
+        argv = children_of(proc.pid)[engine_pid(proc.pid, port + 1)]
+        assert argv[argv.index("--log-level") + 1] == "error"
+        listed = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
+        assert [(m["id"], m["max_model_len"]) for m in listed] == [("smollm2-135m-instruct", 8192)]
+        assert listed[0]["root"] == str(smollm2)
+        body = {
+            "model": "smollm2-135m-instruct",
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 32000,
+            "temperature": 0,
+        }
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=240)
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert 0 < usage["completion_tokens"] <= 8192 - usage["prompt_tokens"]
+        body["messages"][0]["content"] = "hello " * 9000  # longer than the context by itself
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+        secret_file = cluster_secret_file(port)
+        assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600
+        secret = local_cluster_secret(url)
+        assert secret and secret not in "".join(lines)  # kept, never printed
+        assert httpx.get(f"{url}/metrics", timeout=10).status_code == 401
+        assert "ember_router" in (fetch_metrics(url) or "")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    assert secret not in out
+    assert not secret_file.exists()
 
 
 def test_store_reaches_every_engine_and_not_the_router(monkeypatch: pytest.MonkeyPatch) -> None:

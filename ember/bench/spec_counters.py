@@ -19,6 +19,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from ember.bench.fit import warn
+from ember.home import local_cluster_secret
 from ember.trust import SECRET_ENV, internal_headers
 
 PREFIXES = ("ember:", "vllm:")
@@ -112,14 +113,15 @@ class ScrapeError(Exception):
 
 def fetch_metrics(url: str, timeout_s: float = 10.0) -> str | None:
     """GET `url`/metrics; None where the server has no such route (404). An ember server keeps it
-    behind the cluster secret: asked again with EMBER_CLUSTER_SECRET, if set, after a 401 (so the
-    secret goes only to a server that asks for it, never to one whose metrics are open)."""
+    behind the cluster secret: asked again after a 401 with EMBER_CLUSTER_SECRET, else the secret
+    of the local `ember up` that `url` belongs to (ember/home.py), if any (so the secret goes only
+    to a server that asks for it, never to one whose metrics are open)."""
     target = url.rstrip("/") + "/metrics"
     try:
         try:
             return _get(target, {}, timeout_s)
         except urllib.error.HTTPError as e:
-            secret = os.environ.get(SECRET_ENV)
+            secret = os.environ.get(SECRET_ENV) or local_cluster_secret(url)
             if e.code != 401 or not secret:
                 raise
             return _get(target, internal_headers(secret), timeout_s)

