@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -101,11 +102,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from ember.cluster import check_ports
     from ember.engine.core_spawn import engine_core_entry, spawn_core
     from ember.server.args import prepare_serve
 
+    # SIGTERM during start-up (`ember up` stopped at once) unwinds, so the spawned core is
+    # stopped and its IPC directory removed; uvicorn takes the signal over once it serves.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     check_ports(args.host, [args.port])  # now, not after the model has loaded
     # The engine core starts before this process imports torch and FastAPI: both import and
     # set up at once (ember/engine/core_spawn.py). Only torch-free modules above this line; a

@@ -95,3 +95,11 @@ def _close_gpu_engines(monkeypatch: pytest.MonkeyPatch):
     yield
     for llm in made:
         llm.close()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Servers the tests SIGKILLed (chaos and fault tests) could not remove their engine cores'
+    IPC directories: remove those of processes that are gone, as the next spawn would."""
+    from ember.engine.core_spawn import remove_stale_ipc_dirs
+
+    remove_stale_ipc_dirs()
