@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, overload
 
 if TYPE_CHECKING:
-    from ember.engine.messages import KVTransferParams
+    from ember.kv_transfer_params import KVTransferParams
 
 
 @dataclass(slots=True)

@@ -1,6 +1,7 @@
 """EAGLE-3 after each step of the target: the head's KV grows by the positions the step computed
 and kept, and the requests that speculate get their next K drafts (called by the model runner once
-the step's tokens are on the host)."""
+the step's tokens are on the host). It reads the scheduler's output, so it sits in the engine, above
+the draft head in ember/spec_decode/eagle3.py."""
 
 from __future__ import annotations
 

@@ -7,8 +7,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ember.engine.messages import EngineCoreRequest, KVTransferParams
+from ember.engine.messages import EngineCoreRequest
 from ember.engine.output_processor import RequestState, SampleState
+from ember.kv_transfer_params import KVTransferParams
 from ember.sampling_params import SamplingParams
 from ember.tokenizer.detokenizer import IncrementalDetokenizer
 from ember.tokenizer.prefix_cache import PrefixTokenCache

@@ -24,8 +24,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from ember.engine.messages import KVTransferParams
 from ember.kv.transport.block_tags import BlockTagger
+from ember.kv_transfer_params import KVTransferParams
 from ember.trust import internal_headers
 
 if TYPE_CHECKING:

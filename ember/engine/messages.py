@@ -5,40 +5,8 @@ from __future__ import annotations
 import msgspec
 
 from ember.kv.tiers.base import TierStats
+from ember.kv_transfer_params import KVTransferParams
 from ember.sampling_params import SamplingParams
-
-
-class KVTransferParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
-    """Prefill/decode disaggregation, vLLM's `kv_transfer_params` in shape.
-
-    To a prefill engine a request brings `do_remote_decode`; its answer carries the rest (where the
-    prompt's KV blocks are, under which lease, and the first token). A decode engine gets that
-    answer back with `do_remote_prefill`, reads the blocks, releases the lease and decodes on.
-    """
-
-    do_remote_decode: bool = False
-    do_remote_prefill: bool = False
-    engine_id: str = ""
-    lease_id: str = ""
-    block_ids: list[int] = msgspec.field(default_factory=list)
-    transfer_address: str = ""
-    """The prefill engine's KV transport address ("host:port" for Mooncake)."""
-    kv_base_addr: int = 0
-    """Address of the prefill engine's registered KV cache; block i starts at base + i * block_bytes."""
-    block_bytes: int = 0
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    first_token_id: int = -1
-    lease_s: float = 0.0
-    """Seconds the prefill engine holds the blocks unless released first."""
-    release_url: str = ""
-    """Where the decode side POSTs {"lease_id": ...} once it has read the blocks."""
-    block_tags: list[str] = msgspec.field(default_factory=list)
-    """Over a transport that peers reach by network (Mooncake): each block's keyed tag
-    (ember/kv/transport/block_tags.py), checked by the decode engine before it uses the block."""
-    signature: str = ""
-    """HMAC of the other fields under the cluster secret, set by the prefill engine's API process
-    (ember.trust.sign_kv_params): a decode engine reads only KV that a peer really offered."""
 
 
 class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True):

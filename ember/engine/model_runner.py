@@ -23,13 +23,13 @@ from ember.attention.backend import AttentionBackend
 from ember.attention.context import ForwardContext
 from ember.attention.metadata import AttentionMetadata
 from ember.engine.cuda_graphs import DecodeGraphs, feed_input_ids, feed_row
+from ember.engine.eagle3_step import draft_after_step
 from ember.engine.piecewise_graphs import PiecewiseGraphs
 from ember.engine.prompt_logprobs import PromptScoring, plan_prompt_scoring
 from ember.engine.sampler import Sampler, SamplerOutput, score_tokens
 from ember.engine.sampling_rows import sample_rows
 from ember.engine.warmup import blocks_of, dummy_inputs, layers_of_each_kind, profile_runs
 from ember.models.config import kv_cache_shape
-from ember.spec_decode.eagle3_step import draft_after_step
 from ember.spec_decode.verify import last_rows, num_accepted, verify_rows
 
 if TYPE_CHECKING:
@@ -362,7 +362,7 @@ class ModelRunner:
         return result
 
     def _draft(self, step: PendingStep, result: ModelRunnerOutput) -> list[list[int]]:
-        """EAGLE-3 after a step (`ember.spec_decode.eagle3_step`): the head's KV grows by the step's
+        """EAGLE-3 after a step (`ember.engine.eagle3_step`): the head's KV grows by the step's
         accepted positions, and the speculating requests get their next drafts."""
         if step.so is None or step.aux is None or self.drafter is None:
             return [[] for _ in range(step.num_requests)]

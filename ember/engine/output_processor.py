@@ -11,7 +11,8 @@ from ember.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutp
 from ember.tokenizer.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
-    from ember.engine.messages import EngineCoreOutput, KVTransferParams, TokenLogprobs
+    from ember.engine.messages import EngineCoreOutput, TokenLogprobs
+    from ember.kv_transfer_params import KVTransferParams
     from ember.sampling_params import SamplingParams
     from ember.tokenizer.tokenizer import Tokenizer
 

@@ -11,7 +11,8 @@ if TYPE_CHECKING:
     import torch
     from llguidance import LLMatcher
 
-    from ember.engine.messages import KVTransferParams, TokenLogprobs
+    from ember.engine.messages import TokenLogprobs
+    from ember.kv_transfer_params import KVTransferParams
     from ember.sampling_params import SamplingParams
 
 

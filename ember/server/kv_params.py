@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from ember.engine.messages import KVTransferParams
+from ember.kv_transfer_params import KVTransferParams
 from ember.server.errors import APIError
 from ember.trust import sign_kv_params, verify_kv_params
 

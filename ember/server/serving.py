@@ -16,7 +16,7 @@ from starlette.requests import Request
 
 from ember.engine.async_llm import AsyncLLM, RequestStream
 from ember.engine.core_client import EngineDeadError, RequestFailedError
-from ember.engine.messages import KVTransferParams
+from ember.kv_transfer_params import KVTransferParams
 from ember.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from ember.sampling_params import SamplingParams
 from ember.server.errors import APIError

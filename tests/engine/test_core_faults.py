@@ -235,7 +235,7 @@ def test_sigkill_of_the_api_process_mid_stream_ends_the_core(llama: Path) -> Non
 def test_abort_after_a_prefill_finished_releases_its_lease(llama: Path) -> None:
     """The API aborts a prefill it never saw finish (its client left as the core finished it): the
     lease the core took reached no one, so the abort frees it at once instead of at expiry."""
-    from ember.engine.messages import KVTransferParams
+    from ember.kv_transfer_params import KVTransferParams
 
     cfg = EngineConfig(
         model=str(llama), max_model_len=256, num_kv_blocks=64, cpu_threads=1, kv_role="prefill"

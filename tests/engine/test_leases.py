@@ -12,7 +12,8 @@ import pytest
 
 from ember.engine.async_llm import LEASE_MARGIN_S, AsyncLLM
 from ember.engine.config import EngineConfig
-from ember.engine.messages import EngineCoreOutput, KVTransferParams, ReleaseLease
+from ember.engine.messages import EngineCoreOutput, ReleaseLease
+from ember.kv_transfer_params import KVTransferParams
 
 
 class SilentCore:
