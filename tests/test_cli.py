@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import socket
 import subprocess
@@ -123,3 +124,67 @@ def test_require_secret_without_a_secret_is_one_line() -> None:
     cmd = [sys.executable, "-m", "ember.cli", "serve", "m", "--port", "1", "--require-secret"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
     assert "--require-secret needs the cluster secret" in one_line_error(r, "ember")
+
+
+def _parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every command's parser, by its name: `ember serve`, `ember model get`, `ember bench` ..."""
+    from ember.bench.cli import run_parser
+    from ember.cli import build_parser
+
+    found: dict[str, argparse.ArgumentParser] = {}
+
+    def walk(p: argparse.ArgumentParser, name: str) -> None:
+        subs = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+        for action in subs:
+            for sub_name, sub in action.choices.items():
+                walk(sub, f"{name} {sub_name}")
+        if not subs:
+            found[name] = p
+
+    walk(build_parser(), "ember")
+    found["ember bench"] = run_parser()  # `ember bench` parses with its own parser
+    return found
+
+
+def test_every_command_groups_its_flags_and_says_what_each_does() -> None:
+    parsers = _parsers()
+    assert {"ember serve", "ember router", "ember up", "ember generate", "ember bench"} <= set(
+        parsers
+    )
+    assert {"ember model make-tiny", "ember model import-gguf", "ember model get"} <= set(parsers)
+    for name, p in parsers.items():
+        own = p._action_groups[2:]  # after argparse's own two: positionals, options
+        assert own, f"{name} --help has no groups"
+        for g in own:
+            assert g.title and g.description and "\n" not in g.description, (name, g.title)
+        for a in p._actions:
+            if isinstance(a, argparse._HelpAction):
+                continue
+            assert a.help and a.help.strip(), f"{name} {a.option_strings or a.dest} has no help"
+            assert any(a in g._group_actions for g in own), f"{name} {a.dest} is in no group"
+
+
+@pytest.mark.parametrize(
+    ("command", "groups"),
+    [
+        (
+            "serve",
+            ["model", "server", "security", "limits", "engine", "GPU", "disaggregation",
+             "KV tiers", "speculative decoding"],
+        ),
+        (
+            "up",
+            ["model", "cluster", "engines", "routing", "KV tiers", "security", "demo"],
+        ),
+    ],
+)  # fmt: skip
+def test_help_shows_the_groups(command: str, groups: list[str]) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "ember.cli", command, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    for title in groups:
+        assert f"\n{title}:\n" in out.stdout, title

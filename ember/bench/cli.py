@@ -28,39 +28,48 @@ def run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ember bench", usage=USAGE, description=__doc__, allow_abbrev=False
     )
-    p.add_argument("--url", required=True, help="the server (or router) base URL")
-    p.add_argument("--workload", choices=["agentic", "trace", "random"], required=True)
-    p.add_argument("--model", default=None, help="model name (default: the server's first)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second")
-    p.add_argument("--rates", default=None, help="a sweep, e.g. 1,2,4,8: one run per rate")
-    p.add_argument("--max-requests", type=int, default=None)
-    p.add_argument("--duration", type=float, default=None, help="stop sending after S seconds")
-    p.add_argument(
+    g = p.add_argument_group("target", "the server under load")
+    g.add_argument("--url", required=True, help="the server (or router) base URL")
+    g.add_argument("--model", default=None, help="model name (default: the server's first)")
+    g.add_argument("--api-key", default=None, help="sent as a bearer token (default: none)")
+    g.add_argument(
+        "--metrics-url",
+        nargs="+",
+        default=None,
+        metavar="URL",
+        help="servers whose /metrics count speculative decoding, summed (default: --url; behind "
+        "a router, which counts none, give the engines' URLs); ember's needs the cluster secret: "
+        "EMBER_CLUSTER_SECRET, else a local ember up's own",
+    )
+    g = p.add_argument_group("load", "the workload and how fast it arrives")
+    g.add_argument(
+        "--workload",
+        choices=["agentic", "trace", "random"],
+        required=True,
+        help="agentic sessions, a trace replay, or random prompts",
+    )
+    g.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals")
+    g.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second")
+    g.add_argument("--rates", default=None, help="a sweep, e.g. 1,2,4,8: one run per rate")
+    g.add_argument("--max-requests", type=int, default=None, help="stop after N requests")
+    g.add_argument("--duration", type=float, default=None, help="stop sending after S seconds")
+    g.add_argument(
         "--timeout",
         type=float,
         default=600.0,
         help="a request with no end after S seconds fails as a timeout; requests still running "
         "S seconds after the last was sent are cut off and counted as timeouts too",
     )
-    p.add_argument("--slo-ttft", type=float, default=None, help="goodput SLO, TTFT in ms")
-    p.add_argument("--slo-tpot", type=float, default=None, help="goodput SLO, TPOT in ms")
-    p.add_argument("--out", default="bench-results", help="directory for JSON, tables and PNGs")
-    p.add_argument("--name", default=None, help="file name stem (default: workload and time)")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--vocab", default="10:3000", help="token-id range for token prompts (lo:hi)")
-    p.add_argument(
-        "--metrics-url",
-        nargs="+",
-        default=None,
-        metavar="URL",
-        help="servers whose /metrics count speculative decoding, summed (default: --url; behind "
-        "a router, which counts none, give the engines' URLs); ember's needs EMBER_CLUSTER_SECRET",
-    )
-    g = p.add_argument_group("agentic")
-    g.add_argument("--sessions", type=int, default=8)
-    g.add_argument("--turns", type=int, default=4)
+    g.add_argument("--vocab", default="10:3000", help="token-id range for token prompts (lo:hi)")
+    g = p.add_argument_group("report", "goodput and where the results go")
+    g.add_argument("--slo-ttft", type=float, default=None, help="goodput SLO, TTFT in ms")
+    g.add_argument("--slo-tpot", type=float, default=None, help="goodput SLO, TPOT in ms")
+    g.add_argument("--out", default="bench-results", help="directory for JSON, tables and PNGs")
+    g.add_argument("--name", default=None, help="file name stem (default: workload and time)")
+    g.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    g = p.add_argument_group("agentic", "sessions of turns that share a system prompt")
+    g.add_argument("--sessions", type=int, default=8, help="sessions run at once")
+    g.add_argument("--turns", type=int, default=4, help="turns of each session")
     g.add_argument("--think-time", type=float, default=0.0, help="seconds between turns")
     g.add_argument(
         "--system-tokens",
@@ -69,11 +78,16 @@ def run_parser() -> argparse.ArgumentParser:
         help="the shared system prompt's length in the server's tokens (measured by two probe "
         "requests; the whole workload is scaled down, with a warning, to fit max_model_len)",
     )
-    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--max-tokens", type=int, default=256, help="tokens each turn generates")
     g.add_argument("--no-affinity", action="store_true", help="no x-session-affinity header")
-    g = p.add_argument_group("trace")
-    g.add_argument("--trace-file", default=None)
-    g.add_argument("--trace-format", choices=["mooncake", "azure"], default="mooncake")
+    g = p.add_argument_group("trace", "a recorded trace replayed on its own timestamps")
+    g.add_argument("--trace-file", default=None, help="the trace (JSON lines or CSV)")
+    g.add_argument(
+        "--trace-format",
+        choices=["mooncake", "azure"],
+        default="mooncake",
+        help="the trace's format",
+    )
     g.add_argument("--time-scale", type=float, default=1.0, help="multiply trace timestamps")
     g.add_argument(
         "--block-size",
@@ -81,8 +95,8 @@ def run_parser() -> argparse.ArgumentParser:
         default=512,
         help="prompt tokens per hash id of a Mooncake trace (the published traces: 512)",
     )
-    g = p.add_argument_group("random")
-    g.add_argument("--num-requests", type=int, default=100)
+    g = p.add_argument_group("random", "random token prompts of given lengths")
+    g.add_argument("--num-requests", type=int, default=100, help="requests to send")
     g.add_argument("--input-len", default="512", help="N or LO:HI")
     g.add_argument("--output-len", default="128", help="N or LO:HI")
     return p
@@ -256,8 +270,9 @@ def cmd_compare(argv: list[str]) -> int:
     from ember.bench.compare import compare_table, load_result
 
     p = argparse.ArgumentParser(prog="ember bench compare", allow_abbrev=False)
-    p.add_argument("a")
-    p.add_argument("b")
+    g = p.add_argument_group("results", "two runs' JSON results, written by ember bench")
+    g.add_argument("a", help="the first run's JSON")
+    g.add_argument("b", help="the second run's JSON, compared with the first")
     args = p.parse_args(argv)
     print(
         compare_table(

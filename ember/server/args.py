@@ -16,128 +16,202 @@ if TYPE_CHECKING:
     from ember.engine.config import EngineConfig
 
 
+Group = argparse._ActionsContainer
+"""What the `add_*_args` helpers add to: a parser or one of its argument groups."""
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="Hugging Face-format model directory")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    add_trust_args(p)
-    p.add_argument("--served-model-name", nargs="+", default=None)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument(
+    """`ember serve`'s flags, in the groups its --help shows."""
+    g = p.add_argument_group("model", "what is served, and under which names")
+    g.add_argument(
+        "model",
+        help="a Hugging Face-format model directory, a .gguf file (imported once), or a known "
+        "model's name (smollm2)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="the model ids clients send; the first is the one answers carry (default: the "
+        "model argument; for a known model's name, its directory's name)",
+    )
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        help="weights' and activations' dtype: auto (the checkpoint's), float32, bfloat16, float16",
+    )
+    g.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "safetensors", "dummy"],
+        help="how weights load: the checkpoint's files, or dummy (random, for benchmarks)",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length in tokens, prompt and output together (default: the model's own, "
+        "config.json's max_position_embeddings)",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        help="how tool calls are read from the output: hermes | kimi_k2 | none",
+    )
+    g.add_argument("--seed", type=int, default=0, help="the sampler's seed for unseeded requests")
+
+    g = p.add_argument_group("server", "where the HTTP server listens, and how it logs and stops")
+    g.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    g.add_argument("--port", type=int, default=8000, help="the port to listen on")
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may take to finish after SIGTERM",
+    )
+    g.add_argument(
+        "--log-level",
+        default="info",
+        help="debug | info | warning | error (the engine core's: $EMBER_LOG_LEVEL)",
+    )
+
+    add_trust_args(p.add_argument_group("security", "API keys, tenants and the cluster secret"))
+
+    g = p.add_argument_group("limits", "what one client or request may take of the server")
+    g.add_argument(
+        "--max-waiting",
+        type=int,
+        default=1024,
+        help="requests beyond max-num-seqs that may wait before 429",
+    )
+    g.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=32 << 20,
+        help="larger request bodies are refused with 413",
+    )
+    g.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection may take to send a request's headers before it is closed",
+    )
+    g.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=5.0,
+        help="seconds an idle keep-alive connection stays open",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=int,
+        default=4096,
+        help="open connections at most (also bounded by the open-file limit); beyond: 503",
+    )
+    add_connection_limit_args(g)
+
+    g = p.add_argument_group("engine", "batching, the KV cache and the prefix cache")
+    g.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N")
+    g.add_argument(
+        "--max-num-seqs", type=int, default=256, help="sequences the engine runs at once"
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens one engine step may take (default: 16384 on a GPU; on the CPU the larger "
+        "of 8192 and max-model-len)",
+    )
+    g.add_argument(
         "--block-size",
         type=int,
         default=None,
         help="tokens a KV block (page) holds (default: 64 on a GPU, 16 on the CPU)",
     )
-    p.add_argument(
+    g.add_argument(
         "--num-kv-blocks",
         type=int,
         default=None,
         help="KV blocks on the device (default: sized from its free memory); a small number caps "
         "the GPU pool for tests and benchmarks of the KV tiers",
     )
-    add_kv_tier_args(p)
-    add_speculative_args(p)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
+    g.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full")
+    g.add_argument(
         "--cpu-threads",
         type=int,
         default=None,
         help="torch threads of a CPU engine core (default: all cores but one)",
     )
-    p.add_argument(
+    g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule step N+1 while the GPU runs step N (default: on for a GPU)",
+    )
+
+    g = p.add_argument_group("GPU", "memory, CUDA graphs and kernel compilation on a GPU")
+    g.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
         help="share of the GPU's memory for weights, activations and the KV cache",
     )
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument(
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument(
         "--max-piecewise-tokens",
         type=int,
         default=2048,
         help="GPU: steps with prompt tokens of up to this many tokens replay piecewise CUDA "
         "graphs (everything but attention); 0: launched from Python (default: 2048)",
     )
-    p.add_argument(
+    g.add_argument(
         "--warmup",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="GPU: compile the kernels of the batch shapes serving meets at start-up, in "
         "parallel, so no request waits on a compilation (default: on)",
     )
-    p.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="schedule step N+1 while the GPU runs step N (default: on for a GPU)",
+
+    g = p.add_argument_group(
+        "disaggregation", "prefill and decode engines, and how KV moves between them"
     )
-    p.add_argument(
+    g.add_argument(
         "--role",
         default="both",
         choices=["both", "prefill", "decode"],
         help="disaggregation: prefill leases prompts' KV to decode engines, decode reads it",
     )
-    add_kv_transport_arg(p)
-    p.add_argument(
+    add_kv_transport_arg(g)
+    g.add_argument(
         "--kv-host", default="127.0.0.1", help="address peers reach this engine's KV transport at"
     )
-    p.add_argument(
+    g.add_argument(
         "--kv-lease-s",
         type=float,
         default=30.0,
         help="seconds a prefill engine holds a prompt's KV for a decode engine",
     )
-    p.add_argument(
+    g.add_argument(
         "--kv-timeout",
         type=float,
         default=10.0,
         help="decode: seconds a KV read (and its lease release) may take before the engine "
         "prefills the prompt itself; keep it under the router's --stall-timeout",
     )
-    p.add_argument("--tool-call-parser", default="hermes", help="hermes | kimi_k2 | none")
-    p.add_argument(
-        "--max-waiting",
-        type=int,
-        default=1024,
-        help="requests beyond max-num-seqs that may wait before 429",
+
+    add_kv_tier_args(
+        p.add_argument_group(
+            "KV tiers", "where KV blocks evicted from the device go: host memory, disk, a store"
+        )
     )
-    p.add_argument("--max-body-bytes", type=int, default=32 << 20)
-    p.add_argument(
-        "--header-timeout",
-        type=float,
-        default=10.0,
-        help="seconds a connection may take to send a request's headers before it is closed",
+    add_speculative_args(
+        p.add_argument_group(
+            "speculative decoding", "draft tokens and verify them in one forward (off by default)"
+        )
     )
-    p.add_argument(
-        "--keep-alive-timeout",
-        type=float,
-        default=5.0,
-        help="seconds an idle keep-alive connection stays open",
-    )
-    p.add_argument(
-        "--max-connections",
-        type=int,
-        default=4096,
-        help="open connections at most (also bounded by the open-file limit); beyond: 503",
-    )
-    add_connection_limit_args(p)
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=30.0,
-        help="seconds in-flight requests may take to finish after SIGTERM",
-    )
-    p.add_argument("--log-level", default="info")
 
 
-def add_kv_transport_arg(p: argparse.ArgumentParser) -> None:
+def add_kv_transport_arg(p: Group) -> None:
     """`--kv-transport`, which `ember up` passes on to its engines."""
     p.add_argument(
         "--kv-transport",
@@ -149,7 +223,7 @@ def add_kv_transport_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_kv_tier_args(p: argparse.ArgumentParser) -> None:
+def add_kv_tier_args(p: Group) -> None:
     """The KV tiers below the GPU: host memory, local disk, a shared Mooncake Store."""
     p.add_argument(
         "--kv-host-gb",
@@ -178,7 +252,7 @@ def add_kv_tier_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_speculative_args(p: argparse.ArgumentParser) -> None:
+def add_speculative_args(p: Group) -> None:
     """Speculative decoding (ember/spec_decode): off unless --speculative names a proposer."""
     p.add_argument(
         "--speculative",
@@ -245,7 +319,7 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig 
     )
 
 
-def add_trust_args(p: argparse.ArgumentParser) -> None:
+def add_trust_args(p: Group) -> None:
     """Who may use which face: API keys (tenants) for /v1/*, the cluster secret for the rest."""
     p.add_argument(
         "--api-key",
