@@ -8,8 +8,9 @@ once by scripts/make_quality_text.py), tokenized once and cut into non-overlappi
 
 ember and transformers in float32 must agree within 0.1% (the script exits 1 otherwise). With
 `--dtype bfloat16` the same run also scores ember and transformers in float32, so the table shows the
-drift bfloat16 costs against float32. Prints a table; writes JSON to `--out` (default
-benchmarks/results/quality-<machine>-<dtype>.json).
+drift bfloat16 costs against float32. Prints a table; writes JSON to `--out PATH`, by default to a new, dated file,
+benchmarks/results/quality-<GPU or cpu>-<date>-<dtype>.json (refused if that file exists: a
+result already recorded is never replaced silently; name it with `--out` to replace it).
 
     .venv/bin/python benchmarks/quality.py                    # CPU, float32, a few windows
     python benchmarks/quality.py --device cuda --dtype bfloat16 --max-windows 0   # every window
@@ -31,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.result_names import RESULTS, result_path  # noqa: E402
 from ember import LLM, SamplingParams  # noqa: E402
 from ember.models.resolve import get_model  # noqa: E402
 
@@ -134,6 +136,19 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def output_path(
+    out: Path | None, hardware: str, dtype: str, *, results: Path = RESULTS, date: str | None = None
+) -> Path:
+    """Where the result goes: `out` when given (written even if it exists: the caller named it),
+    else a new dated file in `results`; an existing one there is refused, never overwritten."""
+    if out is not None:
+        return out
+    path = result_path("quality", hardware, tag=dtype, out_dir=results, date=date)
+    if path.exists():
+        raise SystemExit(f"{path} exists; pass --out PATH to write elsewhere (or to replace it)")
+    return path
+
+
 def machine(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name().replace(" ", "_").replace("/", "_")
@@ -147,8 +162,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--max-windows", type=int, default=4, help="0: every window of the text")
-    ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--out", type=Path, help="the JSON path (default: a new dated file in benchmarks/results/)"
+    )
     args = ap.parse_args()
+    out = output_path(args.out, machine(args.device), args.dtype)
     model_dir = args.model or get_model("smollm2")
     batch = windows(model_dir, args.window, args.max_windows)
 
@@ -182,7 +200,6 @@ def main() -> None:
         "float32_within_0.1pct": agrees,
         "rows": rows,
     }
-    out = args.out or Path("benchmarks/results") / f"quality-{result['machine']}-{args.dtype}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
