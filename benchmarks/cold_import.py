@@ -1,7 +1,7 @@
 """A fresh machine's first `import torch`: what the engine core pays before its first phase when
 the page cache holds none of torch's libraries, and whether reading them ahead on threads beside
 the import shortens it (it did not: on an H200 host it made the import 2-3 s slower, so ember does
-not do it; docs/performance.md, session 17).
+not do it; docs/performance.md).
 
 Each run evicts the libraries from the page cache (posix_fadvise DONTNEED: clean pages of files
 no process maps, no root needed), then times a new process's `import torch`, `import triton` and
@@ -147,7 +147,7 @@ def evict(files: list[Path]) -> int:
             continue
         try:
             # Some mounts refuse fsync on a read-only descriptor (EINVAL, seen on an H200 host's
-            # library files in session 23); such a file has no dirty pages of ours to write back.
+            # library files); such a file has no dirty pages of ours to write back.
             with contextlib.suppress(OSError):
                 os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

@@ -1,5 +1,5 @@
 """`ember serve` against `vllm serve` on one GPU, each at its defaults, driven by the same client
-(`ember bench`) with the same loads (issue 16):
+(`ember bench`) with the same loads:
 
 - mixed: 256 requests of 1024 prompt tokens and 256 output tokens, all sent at once: output tok/s;
 - b1: one request at a time, 128 in, 512 out, three times: TPOT p50, and its fraction of the
@@ -175,7 +175,7 @@ EMBER_VARIANTS = {
     "ember": [],
     "ember-no-warmup": ["--no-warmup"],
     "ember-no-host-tier": ["--kv-host-gb", "0"],
-    "ember-pages-16": ["--block-size", "16"],  # the GPU default before session 14
+    "ember-pages-16": ["--block-size", "16"],  # pages of 16, not the GPU default
     "ember-no-pieces": ["--max-piecewise-tokens", "0"],  # prefill steps launched from Python
 }
 """ember at its defaults, and without the start-up warm-up or the host KV tier (whose memory is

@@ -30,7 +30,7 @@ LINE = re.compile(
     r"(\d+) arrived since(?: \(submitted ([\d.]+) to ([\d.]+)(?:, received ([\d.]+) to "
     r"([\d.]+))?\))?(?:; scheduled and launched in ([\d.]+) ms)?"
 )
-"""A step log's line (session 22's first logs had neither the receive times nor the host's
+"""A step log's line (older logs have neither the receive times nor the host's
 milliseconds to schedule and launch the step: both optional)."""
 FULL_STEP_TOKENS = 8192
 

@@ -25,7 +25,7 @@ fastest count against the one `choose_num_splits` gives (at its default programs
 others), to tune that rule. `--layouts`: four settings on the engine's cache layout (one tensor,
 a block holding a page of every layer) against separate tensors a layer. `--interleaved`: four
 settings between the layer's matmuls, as a decode step runs them (the isolated sweep's ranking
-was not the engine's: docs/performance.md, session 21).
+was not the engine's: docs/performance.md).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from ember.kernels.dispatch import num_sms  # noqa: E402
 
 HQ, HKV, D, PAGE, LAYERS = 32, 8, 128, 64, 32
 BEFORE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "head_major": False}
-"""The kernel's setting before session 21."""
+"""The kernel's earlier setting, the baseline each table compares against."""
 FOUR = [
     {"block_n": 64, "num_warps": 4, "num_stages": stages, "head_major": head_major}
     for head_major in (False, True)
@@ -390,11 +390,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for r in ok[:12] + [before]:
         print(
-            f"| {'session 20' if r is before else ''} | {r['splits']} | {r['block_n']} | "
+            f"| {'earlier' if r is before else ''} | {r['splits']} | {r['block_n']} | "
             f"{r['num_warps']} | {r['num_stages']} | {r['head_major']} | {r['us']:.1f} | "
             f"{r['gb_s']:.0f} | {r['of_read']:.3f} |"
         )
-    # The best few settings on the other shapes the engine meets, against session 20's.
+    # The best few settings on the other shapes the engine meets, against the earlier one.
     best = [{k: r[k] for k in BEFORE} for r in ok[:4]]
     others = [BEFORE] + [c for c in best if c != BEFORE]
     print("\n| shape | splits | setting | us/layer | of read |\n|---|---|---|---|---|")

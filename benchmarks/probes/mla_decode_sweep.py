@@ -10,7 +10,7 @@ may meet (max_seq_len = the model's length, 8192 here), not by the batch's.
     python benchmarks/probes/mla_decode_sweep.py [--int64-lens]
 
 `--int64-lens`: seq_lens as int64, as the engine's decode graphs hold them (the eager path's are
-int32; the GQA decode kernel's speed followed that dtype, docs/performance.md, session 21).
+int32; the GQA decode kernel's speed followed that dtype, docs/performance.md).
 
 Prints a table per shape and writes $OUT/mla_decode_sweep-<GPU>.json (or benchmarks/results/).
 """

@@ -119,7 +119,7 @@ def mixed_table(
     steps: int = 8,
     host: Any = None,
 ) -> dict[str, Any]:
-    """Mixed steps as a lightly loaded server runs them (issue 16 item 2's premise): `decodes`
+    """Mixed steps as a lightly loaded server runs them (where a light load's step time goes): `decodes`
     requests decoding while every step also prefills one new prompt of `chunk` tokens, so no
     step is decode-only and none replays a graph. Each step's wall time unprofiled (`step_ms`)
     against its kernels' time (profiled): where the step is longer than its kernels, the host's
