@@ -59,7 +59,7 @@ from ember.kv.tiers.store_master import StoreMaster, free_port, start_master  # 
 from ember.models.tiny import ensure_tiny  # noqa: E402
 from ember.trust import SECRET_ENV, internal_headers, new_secret  # noqa: E402
 
-TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_conversation_trace.jsonl"
+TRACE = Path(__file__).resolve().parent / "data/traces/mooncake_conversation_trace.jsonl"
 HOST = "127.0.0.1"
 BLOCK_SIZE = 16
 """The engine's KV block (`ember serve --block-size` default)."""

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Packs vLLM 0.26.0 for a device machine (no network there), as ../shared/VLLM_BASELINE.md says,
-# into archives that each fit one call's 64 MiB working tree (see scripts/vllm_device_env.sh):
+# Packs vLLM 0.26.0 for a GPU machine with no network, to run it beside ember there: vLLM's wheel,
+# less the parts bf16 Llama/Qwen/DeepSeek on Hopper never load, and the wheels it imports that the
+# GPU image lacks, in archives that each fit one call's 64 MiB working tree (unpacked by
+# scripts/vllm_device_env.sh):
 #   .vllm/A.tar.xz  vllm/_C_stable_libtorch.abi3.so alone (~56 MB)
 #   .vllm/M.tar.xz  vllm/_moe_C_stable_libtorch.abi3.so (MoE models only)
 #   .vllm/B.tar.xz  the rest of vllm (FA3 included) and the pure-Python and small wheels it needs
@@ -29,7 +31,7 @@ unzip -q -o "$WORK/wheels/vllm-$VERSION-"*.whl -d "$WORK/site" \
   -x 'vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so' 'vllm/vllm-rs' \
      'vllm/third_party/deep_gemm/*' 'vllm/third_party/fmha_sm100/*'
 
-# The packages the GPU image lacks (VLLM_BASELINE.md's list: archive B, B2, the server's).
+# The packages vLLM and its OpenAI server import that the GPU image lacks (all into archive B).
 download pydantic==2.14.4 pydantic_core==2.50.5 annotated-types typing-inspection \
   fastapi==0.136.3 starlette==1.10.0 msgspec==0.22.0 pyzmq==27.3.0 cbor2 pybase64 cachetools \
   openai==3.57.0 httpx2 sniffio jiter distro docstring-parser openai-harmony==0.0.8 \

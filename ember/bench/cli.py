@@ -81,7 +81,12 @@ def run_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=256, help="tokens each turn generates")
     g.add_argument("--no-affinity", action="store_true", help="no x-session-affinity header")
     g = p.add_argument_group("trace", "a recorded trace replayed on its own timestamps")
-    g.add_argument("--trace-file", default=None, help="the trace (JSON lines or CSV)")
+    g.add_argument(
+        "--trace-file",
+        default=None,
+        help="the trace (JSON lines or CSV); a checkout of ember ships the public Mooncake and "
+        "Azure traces in benchmarks/data/traces/",
+    )
     g.add_argument(
         "--trace-format",
         choices=["mooncake", "azure"],

@@ -19,8 +19,9 @@ from ember.bench.workloads import (
 from ember.bench.workloads.mooncake import MooncakeRow
 from ember.server.protocol import CompletionRequest
 
-# ../shared beside the clone (as CI has it); a missing trace fails the test, it does not skip.
-TRACES = Path(__file__).resolve().parents[3] / ".." / "shared" / "traces"
+# The public traces the repository ships (benchmarks/data/traces/README.md); a missing trace fails
+# the test, it does not skip.
+TRACES = Path(__file__).resolve().parents[3] / "benchmarks" / "data" / "traces"
 REAL_TRACE = TRACES / "mooncake_conversation_trace.jsonl"
 
 # (timestamp ms, input_length, output_length, hash_ids) and, by hand, what an ideal cache holds.
@@ -168,7 +169,7 @@ def test_ideal_cache_is_longest_prefix_shared_with_an_earlier_prompt(
 
 
 def test_real_trace_loads() -> None:
-    assert REAL_TRACE.is_file(), f"{REAL_TRACE} is missing (CI has ../shared beside the clone)"
+    assert REAL_TRACE.is_file(), f"{REAL_TRACE} is missing"
     reqs = load_mooncake_trace(REAL_TRACE, model="m", max_requests=500)
     assert len(reqs) == 500
     assert all(0 <= r.ideal_cached_tokens <= len(r.body["prompt"]) for r in reqs)
@@ -184,7 +185,7 @@ def test_real_trace_loads() -> None:
 def test_real_trace_cut_to_a_servers_context() -> None:
     """`ember bench` against a 2,048-token server: every request fits, and the ideal ratio is the
     cut trace's (no more cached tokens than a cut prompt has)."""
-    assert REAL_TRACE.is_file(), f"{REAL_TRACE} is missing (CI has ../shared beside the clone)"
+    assert REAL_TRACE.is_file(), f"{REAL_TRACE} is missing"
     full = load_mooncake_trace(REAL_TRACE, model="m", max_requests=50)
     reqs = load_mooncake_trace(REAL_TRACE, model="m", max_requests=50, max_model_len=2048)
     assert any(len(r.body["prompt"]) + r.body["max_tokens"] > 2048 for r in full)
