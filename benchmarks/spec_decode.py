@@ -43,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.result_names import result_path  # noqa: E402
 from benchmarks.spec_phases import PhaseTimer, per_step_ms  # noqa: E402
 from benchmarks.spec_prompts import answer_shape, prompt_sets  # noqa: E402
 from benchmarks.spec_verify_shape import (  # noqa: E402
@@ -456,7 +457,9 @@ def main() -> None:
     ap.add_argument("--verify-shape", action="store_true", help="also time the 8B verify step")
     ap.add_argument("--skip-sets", action="store_true", help="only the 8B shape")
     ap.add_argument("--quick", action="store_true", help="small sizes, to check the script")
-    ap.add_argument("--out", help="JSON path (default benchmarks/results/spec_decode-<gpu>.json)")
+    ap.add_argument(
+        "--out", help="JSON path (default benchmarks/results/spec_decode-<GPU or cpu>-<date>.json)"
+    )
     args = ap.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     args.batch_sizes = [
@@ -476,10 +479,7 @@ def main() -> None:
         "max_tokens": QUICK_MAX_TOKENS if args.quick else MAX_TOKENS,
         "results": [],
     }
-    name = f"spec_decode-{gpu.replace(' ', '_').replace('/', '_')}.json"
-    dest = (
-        Path(args.out) if args.out else Path(os.environ.get("OUT") or "benchmarks/results") / name
-    )
+    dest = Path(args.out) if args.out else result_path("spec_decode", gpu)
     dest.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
