@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# On a device machine (carry .whl): issue 15's GPU checks and the MoE/MLA engine benchmark.
+# On a GPU machine (carry .whl): the MoE and MLA GPU tests, and the engine benchmark of MoE/MLA
+# model shapes.
 #   TESTS=1 bash scripts/moe_gpu.sh moonlight   # the GPU tests, then the shape(s) named
 # Results go to $OUT: moe_gpu_tests.log, engine_gpu-<GPU>.json and engine_gpu.log.
 set -uo pipefail

@@ -78,7 +78,7 @@ def one_line_error(r: subprocess.CompletedProcess[str], prog: str) -> str:
     ],
 )
 def test_abbreviated_flags_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    """Defect 15: argparse's prefix matching took `--prefil 2` as `--prefill 2`."""
+    """argparse's prefix matching is off: `--prefil 2` is refused, not taken as `--prefill 2`."""
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2
@@ -86,7 +86,7 @@ def test_abbreviated_flags_are_refused(argv: list[str], capsys: pytest.CaptureFi
 
 
 def test_bench_against_a_closed_port_is_one_line() -> None:
-    """Defect 15: a traceback (and defect 14: exit 0) when the server is down."""
+    """A server that is down: one line and exit 1, not a traceback or exit 0."""
     port = free_port()
     r = ember("bench", "--url", f"http://127.0.0.1:{port}", "--workload", "random")
     assert f"cannot reach http://127.0.0.1:{port}/v1/models" in one_line_error(r, "ember bench")
@@ -108,7 +108,7 @@ def test_bench_compare_on_a_missing_or_foreign_file_is_one_line(tmp_path: Path) 
 
 
 def test_router_on_a_busy_port_is_one_line() -> None:
-    """Defect 15: `ember router` on a busy port printed aiohttp's traceback."""
+    """`ember router` on a busy port: one line, not aiohttp's traceback."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()

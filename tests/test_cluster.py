@@ -144,7 +144,7 @@ def read_until(proc: subprocess.Popen[str], prefix: str, timeout_s: float) -> li
 
 
 def test_killed_engine_is_restarted_while_the_router_routes_around_it(tiny_model_dir) -> None:
-    """Defect 11: one engine's death used to stop the whole cluster."""
+    """One engine's death does not stop the whole cluster."""
     port = three_free_ports()
     model = str(tiny_model_dir("llama"))
     proc = up(model, port, "--prefill", "0", "--decode", "0", "--both", "2", secret=SECRET)
@@ -232,7 +232,7 @@ def test_engines_answer_only_the_cluster_and_sigkill_leaves_nothing(tiny_model_d
 
 
 def test_sigterm_during_start_up_stops_at_once(tiny_model_dir) -> None:
-    """Defect 11: a signal during start-up used to wait for --ready-timeout (or readiness)."""
+    """A signal during start-up stops ember up at once, not after --ready-timeout (or readiness)."""
     port = three_free_ports()
     proc = up(str(tiny_model_dir("llama")), port)
     deadline = time.monotonic() + 30
@@ -253,7 +253,7 @@ def test_sigterm_during_start_up_stops_at_once(tiny_model_dir) -> None:
 
 @pytest.mark.parametrize("busy", [0, 2])
 def test_busy_port_is_a_one_line_error_at_once(tiny_model_dir, busy: int) -> None:
-    """Defect 15: a busy router or engine port used to mean a traceback and a 60 s wait."""
+    """A busy router or engine port: one line at once, not a traceback after a 60 s wait."""
     port = three_free_ports()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port + busy))
@@ -269,8 +269,8 @@ def test_busy_port_is_a_one_line_error_at_once(tiny_model_dir, busy: int) -> Non
 
 
 def test_up_flags_reach_the_engines_and_the_named_model_answers(tiny_model_dir) -> None:
-    """Issue 11, defects 1 and 4: `ember up` had no --served-model-name (a configured name got
-    404), no --max-num-seqs, --dtype, nor a way to pass any other engine flag."""
+    """`ember up` takes --served-model-name (the configured name answers, not 404), --max-num-seqs,
+    --dtype, and passes any other engine flag on."""
     port = three_free_ports()
     model = str(tiny_model_dir("llama"))
     proc = up(
@@ -335,8 +335,8 @@ class HealthyStranger(BaseHTTPRequestHandler):
 
 
 def test_up_is_not_up_when_its_router_cannot_bind(tiny_model_dir) -> None:
-    """Defect 8 of issue 11: a stranger that took the router's port after ember up checked it
-    answered /health, and ember up printed "ember is up" for a router that had exited."""
+    """A stranger that takes the router's port after ember up checked it answers /health, but
+    ember up does not print "ember is up" for a router that has exited."""
     port = three_free_ports()
     proc = up(str(tiny_model_dir("llama")), port)
     deadline = time.monotonic() + 30

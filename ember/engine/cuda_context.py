@@ -3,8 +3,7 @@ imports torch.
 
 A new process's first CUDA call pays the driver's initialization and the device's primary
 context on the start-up's critical path: 0.31-0.34 s on an H200 host after `import torch`
-(`torch.cuda.set_device` and `mem_get_info` in a new process; device call 1 of session 20,
-docs/performance.md). The driver's calls release the GIL (ctypes lets it go), so a thread makes
+(`torch.cuda.set_device` and `mem_get_info` timed in a fresh process, docs/performance.md). The driver's calls release the GIL (ctypes lets it go), so a thread makes
 them here (`cuInit`, then the device's primary context retained) beside the imports; torch's
 runtime uses the device's primary context, so it finds it made: 0.02 s of set-up were left after
 the import in the same probe. The reference is kept for the process's life, as torch's own is.

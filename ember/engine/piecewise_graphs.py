@@ -1,4 +1,4 @@
-"""Piecewise CUDA graphs for steps that prefill (issue 16 item 2): everything but attention.
+"""Piecewise CUDA graphs for steps that prefill: everything but attention.
 
 A step with prompt tokens in it (a new turn beside running decodes, a prompt's chunk) cannot
 replay a decode graph: its attention's grid and metadata follow the step's sequences. Launched

@@ -1,8 +1,8 @@
 """Where an engine's start-up time goes: seconds per phase (loading, KV sizing, graphs, warm-up),
 logged once the engine is ready, with the process's age (imports and spawning included).
 
-A user's first minute with ember is its start-up: issue 16 holds it under 10 s on a fresh
-machine, so each start says where its seconds went.
+A user's first minute with ember is its start-up, meant to stay under 10 s on a fresh machine,
+so each start says where its seconds went.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Dummy forward passes: the profiled worst-case step that sizes the KV cache, and the start-up
 warm-up that meets the batch shapes serving will meet so that Triton compiles their kernel variants
-before the first request rather than during it (issue 16).
+before the first request rather than during it.
 
 A Triton kernel is compiled once per variant: its constexprs (tile sizes some kernels pick by
 token count) and the specializations of its arguments (ember's kernels keep batch-dependent

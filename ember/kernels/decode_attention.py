@@ -31,7 +31,7 @@ MAX_SPLITS = 64
 # its sequence's length.
 PROGRAMS_PER_SM = 4
 # Stage 1's warps, pipeline depth and grid order, measured on an H200 (8B shape, pages of 64, the
-# engine's cache layout; `benchmarks/probes/decode_attention_sweep.py --layouts`, session 21). The
+# engine's cache layout; `benchmarks/probes/decode_attention_sweep.py --layouts`). The
 # kernel's speed depended on the dtype of seq_lens, which the kernel now casts to int32: the decode
 # graphs pass int64 and the eager path int32, and with 2 stages in row order 256 rows x 1,152
 # tokens took 278 us a layer with int64 and 300 with int32; 3 stages with one row's KV heads on
@@ -77,7 +77,7 @@ def _block_n(head_dim: int) -> int:
     # Keys per tile: a 64 x 128 bf16 K tile is 16 KB; with V and 3 pipeline stages, 96 KB of
     # loads in flight per program, well above the ~20 KB per SM that hides HBM latency at full
     # bandwidth. Wider heads take fewer keys to keep two programs per SM. (128 keys a tile: as
-    # fast at batch 256, slower at 128 x 2048 and at batches of 8 and 64, session 21.)
+    # fast at batch 256, slower at 128 x 2048 and at batches of 8 and 64 on an H200.)
     return 64 if head_dim <= 128 else 32
 
 
@@ -136,7 +136,7 @@ def _decode_split_kernel(
     g_mask = (r < num_rows) & (i < QMAX * GROUP)
     d_mask = d < HEAD_DIM
     # int32 whatever the caller's dtype: the decode graphs hold seq_lens as int64, which made the
-    # loop's index arithmetic 64-bit (session 21).
+    # loop's index arithmetic 64-bit.
     row_lens = tl.load(seq_lens_ptr + b + r, mask=g_mask, other=0).to(tl.int32)
     seq_len = tl.max(row_lens, 0)  # the group's longest context (0 for a led row's program)
     # Each sequence cuts its own context into num_splits tile-aligned pieces, so a long context

@@ -2,7 +2,7 @@
 
 A decode step of one sequence reads every weight once for one row of activations: memory-bound,
 and cuBLAS picks kernels that leave bandwidth unused. H100, 8B shape, inside CUDA graphs over
-weights larger than L2 (`benchmarks/probes/gemv.py`, session 13), cuBLAS against this kernel, us: q/k/v
+weights larger than L2 (`benchmarks/probes/gemv.py`), cuBLAS against this kernel, us: q/k/v
 20.3 / 18.7, o 15.5 / 13.5 (cuBLAS also adds a split-K reduce kernel), gate/up 81.4 / 77.9, down
 43.5 / 41.3, the LM head 374 / 336; served batch-1 TPOT 5.92 ms against 6.09 with q/k/v and o
 still on cuBLAS (same call). Weights up to MIN_WEIGHT_ELEMENTS (a tiny model's) stay with cuBLAS,
@@ -15,8 +15,8 @@ in 1,024-element runs, with the row of x broadcast against it; fp32 accumulation
 BLOCK_N / 2 gate rows and the matching up rows (interleaved, so the tile and its sums are the
 plain GEMV's), rounds both to the activation dtype as the GEMV's store would, and writes
 silu(gate) * up with the rounding of ember/kernels/activation.py: the bits of the GEMV followed by
-that kernel, one launch fewer. Measured level with the two kernels, not faster (H100, session
-13: served batch-1 6.09 / 6.09 ms, 32 layers' chain 5.155 / 5.140 ms; why the saved launch does
+that kernel, one launch fewer. Measured level with the two kernels, not faster (H100: served
+batch-1 6.09 / 6.09 ms, 32 layers' chain 5.155 / 5.140 ms; why the saved launch does
 not show was not found). Folding the activation into the down projection's read of x instead
 was slower: every program recomputed the whole row's activation (docs/performance.md).
 
@@ -25,7 +25,7 @@ epilogue: each program takes two rotation pairs of one head (columns c, c + 1 an
 a half-head on), rounds its sums as the GEMV's store would, rotates the q and k heads with
 ember/kernels/rotary.py's fp32 math and writes k and v into the token's cache slot: the bits of
 the GEMV followed by `apply_rotary(..., kv_cache=...)`, one launch a layer fewer. Served batch-1
-TPOT on an H200 4.43 / 4.43 ms against 4.50 / 4.49 without it (session 23, alternated).
+TPOT on an H200 4.43 / 4.43 ms against 4.50 / 4.49 without it (runs alternated).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ BLOCK_K = 1024
 BLOCK_N = 4
 MIN_WEIGHT_ELEMENTS = 1 << 22
 """Weights of at most this many elements go to cuBLAS: every matmul of the 8B shape (o, the
-smallest, has 16.8M) takes the GEMV; above 32M only (gate/up, down, LM head), session 12's rule,
-was 0.17 ms a step slower served (H100)."""
+smallest, has 16.8M) takes the GEMV; a threshold of 32M (gate/up, down and the LM head only) was
+0.17 ms a step slower served (H100)."""
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

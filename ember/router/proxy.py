@@ -155,7 +155,7 @@ class Router:
             # or not, so that the session's KV grows in one place: that engine's prefix cache then
             # holds every earlier turn's prompt, a short turn costs it little (most is cached), and
             # the decode engine reads only the blocks it lacks. Run in place on a decode engine, a
-            # short turn left a hole that the next long turn's prefill recomputed (issue 11).
+            # short turn left a hole that the next long turn's prefill recomputed.
             return p
         if p.uncached_tokens < self.disagg_min_uncached:
             return None  # conditional disaggregation: a short uncached part is cheaper in place
@@ -386,7 +386,7 @@ class Router:
     async def _next_line(self, upstream: aiohttp.ClientResponse, ep: Endpoint) -> bytes:
         """The engine's next line. TimeoutError when it sent nothing for `stall_timeout_s` and
         its `/load` showed no work meanwhile: a request queued behind others in a busy engine
-        waits its turn however long (issue 11), a hung or dead engine is given up on. The read
+        waits its turn however long, a hung or dead engine is given up on. The read
         is never cancelled while it waits: a cancelled readline would drop a partial line."""
         read = asyncio.ensure_future(upstream.content.readline())
         try:

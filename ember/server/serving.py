@@ -33,7 +33,7 @@ event loop (checked, templated, tokenized, its sampling parameters resolved: wel
 millisecond at this size) instead of in a worker thread. The hop costs more than such work: GIL
 hand-offs with the loop, and a request's submission to the engine queued behind the parsing of
 every request that arrived with it (256 token-id prompts sent at once reached the core in one
-lump 0.2-0.4 s after the first while it idled; docs/performance.md, session 22). Larger prompts
+lump 0.2-0.4 s after the first while it idled; docs/performance.md). Larger prompts
 (tokenizing megabytes takes seconds) and grammars (compiling one can too) still go to a thread."""
 
 
@@ -414,8 +414,7 @@ async def merge_streams(
     """Interleave several requests' outputs as they come, tagged with the stream's index."""
     if len(streams) == 1:
         # One prompt, the common case: a task and a wait for every output cost the API process
-        # ~27% of its CPU a streamed token (benchmarks/server_overhead.py, docs/performance.md,
-        # session 22).
+        # ~27% of its CPU a streamed token (benchmarks/server_overhead.py, docs/performance.md).
         async for out in streams[0]:
             yield 0, out
         return

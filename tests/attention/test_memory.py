@@ -1,5 +1,5 @@
 """Memory of a long CPU prefill: bounded by the attention's query blocks, not by prompt length
-squared (defect 4 of issue 11: an 11k-token prompt took an engine core to 5.35 GB)."""
+squared (an 11k-token prompt would take an engine core to 5.35 GB)."""
 
 from __future__ import annotations
 

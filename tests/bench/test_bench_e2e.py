@@ -68,7 +68,7 @@ def test_trace_replay_reports_the_ideal_hit_ratio(server: Server, tmp_path: Path
 
 
 def test_trace_with_its_own_block_size(server: Server, tmp_path: Path) -> None:
-    """Defect 7 of issue 11: no --block-size, so a trace of 16-token blocks was read as 512.
+    """--block-size: a trace of 16-token blocks is not read as one of 512 (the published traces').
     Hash ids no other test uses: the module's server must have cached none of these blocks."""
     rows = [
         {"timestamp": 0, "input_length": 64, "output_length": 2, "hash_ids": [90, 91, 92, 93]},
@@ -138,8 +138,8 @@ def small_server(tiny_model_dir) -> Iterator[Server]:
 def test_readme_agentic_example_is_sized_to_a_2048_token_server(
     small_server: Server, tmp_path: Path
 ) -> None:
-    """Defect 14: the README's agentic run (3,000-token system prompt, 256 tokens a turn) had every
-    request rejected by a 2,048-token server; now it is scaled to fit, with a warning."""
+    """The README's agentic run (3,000-token system prompt, 256 tokens a turn) against a 2,048-token
+    server is scaled to fit, with a warning, rather than having every request rejected."""
     r = bench(
         "--url", small_server.url, "--workload", "agentic", "--sessions", "2", "--turns", "4",
         "--out", str(tmp_path), "--name", "agent",
@@ -155,7 +155,7 @@ def test_readme_agentic_example_is_sized_to_a_2048_token_server(
 def test_readme_trace_example_is_cut_to_a_2048_token_server(
     small_server: Server, tmp_path: Path
 ) -> None:
-    trace = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
+    trace = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "traces"
     r = bench(
         "--url", small_server.url, "--workload", "trace", "--time-scale", "0",
         "--trace-file", str(trace / "mooncake_conversation_trace.jsonl"), "--max-requests", "4",
@@ -168,7 +168,8 @@ def test_readme_trace_example_is_cut_to_a_2048_token_server(
 
 
 def test_system_tokens_counts_the_servers_tokens(server: Server, tmp_path: Path) -> None:
-    """Defect 14: `--system-tokens` counted words (1.7 tokens each for the tiny tokenizer)."""
+    """`--system-tokens` counts the server's tokens, not words (1.7 tokens each for the tiny
+    tokenizer)."""
     prompt = {}
     for n in (300, 900):
         r = bench(
@@ -181,7 +182,7 @@ def test_system_tokens_counts_the_servers_tokens(server: Server, tmp_path: Path)
 
 
 def test_exit_1_when_every_request_failed(server: Server, tmp_path: Path) -> None:
-    """Defect 14: `ember bench` exited 0 when nothing succeeded."""
+    """`ember bench` exits 1, not 0, when no request succeeded."""
     r = bench(
         "--url", server.url, "--workload", "random", "--num-requests", "3", "--input-len", "8",
         "--output-len", "2", "--model", "no-such-model", "--out", str(tmp_path),

@@ -140,8 +140,9 @@ def traced(i: int, path: str, ideal: int) -> PlannedRequest:
 def test_the_bench_cut_off_is_a_timeout_and_counts_against_the_ideal(
     request_timeout_s: float, grace_s: float, says: str
 ) -> None:
-    """Defect 7 of issue 11: a slice whose ideal was 4.17% printed "cache hit 0.0% (ideal 0.0%)",
-    the ideal taken over the completed requests only, which had nothing to reuse."""
+    """The ideal hit ratio is taken over every request sent, not only the completed ones: a slice
+    whose ideal was 4.17% would print "cache hit 0.0% (ideal 0.0%)", as the completed requests
+    had nothing to reuse."""
     from ember.bench.report import markdown_table
 
     reqs = [traced(0, "/v1/hang", 0), traced(1, "/v1/hang", 500), traced(2, "/v1/hang", 1000)]

@@ -1,4 +1,4 @@
-"""What agent clients and their benchmarks need from the router (issue 11), against real engines:
+"""What agent clients and their benchmarks need from the router, against real engines:
 two prefill engines and a decode engine that take one request at a time (so requests queue), behind
 `ember router`. A session's turns grow its KV in one place; a queue longer than the stall timeout
 ends in answers, not 503s; /tokenize and /detokenize answer as the engines do; every error the

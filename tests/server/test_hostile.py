@@ -1,4 +1,4 @@
-"""The engine's API edge against hostile clients (issue 10, defects 5, 7, 8, 9, 12): every field
+"""The engine's API edge against hostile clients: every field
 range-checked before the core sees it, admission by sequences, no blocked event loop, paged
 /kv_events, and no connection that can hold the server without sending its headers."""
 

@@ -1,4 +1,4 @@
-"""What clients written for vLLM count on (issue 11): max_tokens lowered to what the context has
+"""What clients written for vLLM count on: max_tokens lowered to what the context has
 left, /tokenize and /detokenize, and one OpenAI error shape on every error path."""
 
 from __future__ import annotations
