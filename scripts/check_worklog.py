@@ -1,7 +1,8 @@
-"""Fails on work-log phrases in the repository's tracked files: "session 3", "Session 12",
-"issue #41", "issues 13 and 15". The code, tests and docs state facts and reasons; which work
+"""Fails on work-log phrases in the repository's tracked files: a session or an issue with its
+number ("session <n>", "Sessions <n>-<m>", "issue #<n>", "issues <n> and <m>", any case). The code, tests and docs state facts and reasons; which work
 session or issue a change came from belongs in git's history, not in the files. File names that
-carry a session or issue number (`x-session3.json`) fail too.
+carry a session or issue number (`x-session<n>.json`) fail too. (This file and its test write
+the number as `<n>` so that the check passes on itself.)
 
     python scripts/check_worklog.py [ROOT]   # ROOT: a git work tree (default: this repository)
 
@@ -17,11 +18,11 @@ import sys
 from pathlib import Path
 
 PHRASE = re.compile(r"(?<![\w-])(?:session|issue)s?\s?#?\d+", re.IGNORECASE)
-"""A session or issue numbered: "session 3", "Sessions 12-22", "issue #41", "issues 13 and 15".
-Not a flag (`--sessions 8`) nor part of a longer word (`tissue 3`)."""
+"""A session or issue numbered: "session <n>", "Sessions <n>-<m>", "issue #<n>", "issues <n> and
+<m>". Not a flag (`--sessions 8`) nor part of a longer word (`tissue <n>`)."""
 
 FILE_NAME = re.compile(r"(?:session|issue)s?[-_]?\d+", re.IGNORECASE)
-"""In a path's last part: "x-session3.json", "run-issue_12.log"."""
+"""In a path's last part: "x-session<n>.json", "run-issue_<n>.log"."""
 
 ALLOWED: dict[str, str] = {}
 """Exact line texts (stripped) that may hold a phrase, each with the reason it is not a work log.
