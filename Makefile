@@ -38,14 +38,14 @@ test: $(STAMP) check-docs
 check-docs: $(STAMP)
 	$(BIN)/ruff check ember tests benchmarks scripts
 	$(BIN)/python scripts/check_worklog.py
-	$(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 lint: $(STAMP)
 	$(BIN)/ruff check ember tests benchmarks scripts
 	$(BIN)/ruff format --check ember tests benchmarks scripts
 
 docs: $(STAMP)
-	$(BIN)/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info site
