@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from cold_import import read_all  # noqa: E402
 from engine_gpu import SHAPES  # noqa: E402
+from result_names import result_path  # noqa: E402
 from served_gpu import evict_weights, model_dir, write_weights  # noqa: E402
 
 from ember.models.checkpoint_files import safetensors_files  # noqa: E402
@@ -107,8 +107,7 @@ def main() -> None:
             f"| {r['mode']} | {r['reader']} | {r['threads']} | {chunk} | {r['seconds']:.2f} | "
             f"{r['gb_s']:.1f} |"
         )
-    out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
-    out = out_dir / f"load_weights-{gpu.replace(' ', '_')}.json"
+    out = result_path("load_weights", gpu)
     out.write_text(
         json.dumps({"gpu": gpu, "shape": args.shape, "bytes": size, "rows": rows}, indent=1)
     )

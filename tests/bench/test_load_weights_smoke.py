@@ -19,7 +19,8 @@ def test_load_weights_runs_every_reader_on_the_cpu(tmp_path: Path) -> None:
         cmd, env={**os.environ, "OUT": str(tmp_path)}, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads((tmp_path / "load_weights-cpu.json").read_text())
+    [written] = tmp_path.glob("load_weights-cpu-*.json")  # <bench>-<hardware>-<date>.json
+    report = json.loads(written.read_text())
     rows = report["rows"]
     cases = {(r["reader"], r["threads"], r["chunk_mib"]) for r in rows}
     assert cases == {("library", 1, 0), ("staged", 1, 64), ("staged", 3, 64), ("staged", 8, 1)}

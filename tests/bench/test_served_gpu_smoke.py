@@ -22,7 +22,8 @@ def test_served_gpu_runs_ember_fresh_and_warm_on_the_cpu(tmp_path: Path) -> None
         [*cmd, "--engines", "ember"], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads((tmp_path / "served_gpu-cpu.json").read_text())
+    [written] = tmp_path.glob("served_gpu-cpu-*.json")  # <bench>-<hardware>-<date>.json
+    report = json.loads(written.read_text())
     runs = report["engines"]["ember"]
     for kind in ("fresh", "warm"):
         run = runs[kind]
