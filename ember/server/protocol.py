@@ -198,7 +198,9 @@ class _Sampling(_Model):
     """Fields shared by chat and completions."""
 
     model: str | None = Field(default=None, max_length=1024)  # echoed in a 404: bounded
-    max_tokens: int | None = Field(default=None, ge=1)
+    # An output budget past the context is lowered to what the prompt leaves (resolve_max_tokens);
+    # one past int32 is refused here, like every count, so no arithmetic downstream meets it.
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # and <= vocab: check_vocab
@@ -294,7 +296,7 @@ class _Sampling(_Model):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
@@ -331,7 +333,7 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
     """0 only with echo: score the prompt and generate nothing (OpenAI's and vLLM's behaviour)."""
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
