@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import time
 from contextlib import asynccontextmanager
 from typing import Any
@@ -396,5 +397,9 @@ def run_server(
     )
     server = _Server(uv, app)
     app.state.server = server
+    # `ember serve` unwinds on a SIGTERM while it starts (cli._exit_on_sigterm); from here uvicorn
+    # drains on it and then raises it again under the handler it found, so that is the default:
+    # the process dies by the signal, as a supervisor expects of a clean stop, not exit 143.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     server.run()
     return 1 if app.state.start_error or getattr(app.state, "engine_died", None) else 0
