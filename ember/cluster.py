@@ -38,7 +38,7 @@ from typing import NoReturn
 
 from ember.home import remove_cluster_secret, write_cluster_secret
 from ember.kv.tiers.store_master import StoreMaster, start_master
-from ember.parent_death import child_dies_with_us
+from ember.parent_death import child_dies_with_us, left_by_dead_processes
 from ember.server.args import add_kv_transport_arg
 from ember.trust import SECRET_ENV, TenantKeys, internal_headers, new_secret
 
@@ -371,28 +371,13 @@ def remove_stale_keys_files(directory: str | None = None) -> list[str]:
     returns the paths removed. A file of a live process, or of another user, is left alone."""
     root = Path(directory or tempfile.gettempdir())
     removed = []
-    for f in root.glob(f"{KEYS_FILE_PREFIX}*-*.json"):
-        pid = f.name[len(KEYS_FILE_PREFIX) :].split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
+    for f in left_by_dead_processes(root.glob(f"{KEYS_FILE_PREFIX}*-*.json"), KEYS_FILE_PREFIX):
         try:
-            if f.stat().st_uid != os.getuid():
-                continue
             f.unlink()
             removed.append(str(f))
         except OSError:
             continue
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def listening_inodes(port: int) -> set[str]:

@@ -19,6 +19,8 @@ import tempfile
 import urllib.parse
 from pathlib import Path
 
+from ember.parent_death import pid_alive
+
 log = logging.getLogger(__name__)
 
 
@@ -97,7 +99,7 @@ def local_cluster_secret(url: str) -> str | None:
         try:
             record = json.loads(f.read_text(encoding="utf-8"))
             pid, urls, secret = record["pid"], record["urls"], record["secret"]
-            if f.stat().st_uid != os.getuid() or not _alive(int(pid)):
+            if f.stat().st_uid != os.getuid() or not pid_alive(int(pid)):
                 continue
         except (OSError, ValueError, KeyError, TypeError):
             continue
@@ -112,12 +114,4 @@ def local_cluster_secret(url: str) -> str | None:
                 return secret
     return None
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True

@@ -1,7 +1,8 @@
 """A child process that dies with its parent: Linux's PR_SET_PDEATHSIG, and the check that closes
 its race (a parent that died before the request took effect). Used by the engine core (its API
 process is the parent) and by every process `ember up` starts, so that a SIGKILLed parent leaves
-nothing running. Imports nothing from ember."""
+nothing running; and what a process that died anyway left behind (`pid_alive`,
+`left_by_dead_processes`). Imports nothing from ember."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -41,3 +43,31 @@ def child_dies_with_us(sig: int = signal.SIGTERM) -> Callable[[], None]:
         die_with_parent(parent, sig)
 
     return preexec
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (another user's too: signalling it is refused, not missing)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def left_by_dead_processes(paths: Iterable[Path], prefix: str) -> list[Path]:
+    """Those of `paths` named `<prefix><pid>-...` whose process is gone and that belong to this
+    user: what a SIGKILLed process could not remove. A live process's, another user's, or one
+    that vanished meanwhile, are left out."""
+    dead = []
+    for p in paths:
+        pid = p.name[len(prefix) :].split("-", 1)[0]
+        if not pid.isdigit() or pid_alive(int(pid)):
+            continue
+        try:
+            if p.stat().st_uid == os.getuid():
+                dead.append(p)
+        except OSError:
+            continue
+    return dead

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 import zmq
 import zmq.asyncio
 
+from ember.parent_death import left_by_dead_processes
+
 if TYPE_CHECKING:
     from ember.engine.config import EngineConfig
 
@@ -47,28 +49,12 @@ def remove_stale_ipc_dirs(directory: str | None = None) -> list[str]:
     """Remove the IPC directories of processes that are gone (SIGKILLed before they could);
     returns those removed. A live process's directory, or another user's, is left alone."""
     removed = []
-    for d in Path(directory or tempfile.gettempdir()).glob(f"{IPC_PREFIX}*-*"):
-        pid = d.name[len(IPC_PREFIX) :].split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
-        try:
-            if d.stat().st_uid != os.getuid():
-                continue
-        except OSError:
-            continue
+    for d in left_by_dead_processes(
+        Path(directory or tempfile.gettempdir()).glob(f"{IPC_PREFIX}*-*"), IPC_PREFIX
+    ):
         shutil.rmtree(d, ignore_errors=True)
         removed.append(str(d))
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass(slots=True)
