@@ -113,5 +113,3 @@ def local_cluster_secret(url: str) -> str | None:
             if same and isinstance(secret, str) and secret:
                 return secret
     return None
-
-    return True
