@@ -204,12 +204,12 @@ def served_names(args: argparse.Namespace, model: str) -> list[str] | None:
     """`--served-model-name`, else for the default model or a known one named (`ember up
     smollm2`) its directory's name (and its path, which older clients send: accepted, not listed
     by /v1/models), else None: the engines then serve the model argument as given."""
-    from ember.models.resolve import KNOWN_MODELS
+    from ember.models.resolve import names_known_model
 
     if names := getattr(args, "served_model_name", None):
         return list(names)
     given = getattr(args, "model", "")
-    if given is None or (given in KNOWN_MODELS and not Path(given).exists()):
+    if given is None or names_known_model(given):
         return [Path(model).name, model]
     return None
 
@@ -640,14 +640,14 @@ def print_up(router: str, procs: list[Proc], model: str, keyed: bool) -> None:
 
 
 def run_cluster(args: argparse.Namespace) -> int:
-    from ember.models.resolve import KNOWN_MODELS, get_model, resolve_model
+    from ember.models.resolve import get_model, names_known_model, resolve_model
 
     keys = TenantKeys.load(args.api_key or (), args.api_keys_file, args.shared_cache)
     # A busy port is the user's to fix: say so now, not after a minute of waiting on engines.
     check_ports(args.host, [args.port, *(port for _, port in engine_plan(args))])
     # The default is a real model, SmolLM2-135M-Instruct from its PyPI wheel (which make installs).
     model = resolve_model(args.model) if args.model else str(get_model("smollm2"))
-    known = args.model in KNOWN_MODELS and not Path(args.model).exists()
+    known = bool(args.model) and names_known_model(args.model)
     if args.model and model != args.model and not args.served_model_name and not known:
         args.served_model_name = [args.model]  # a .gguf file: served under the name given
     if not Path(model).is_dir():

