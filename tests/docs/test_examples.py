@@ -49,6 +49,12 @@ def _healthy() -> bool:
         return False
 
 
+def _argv(ex: Example) -> list[str]:
+    """The block as a reader would run it: Python blocks in this venv's interpreter, shell blocks
+    in bash, stopping at the first failing command."""
+    return [sys.executable, "-c", ex.code] if ex.lang == "python" else ["bash", "-e", "-c", ex.code]
+
+
 class _Background:
     """A server block in its own process group, its output in a file."""
 
@@ -56,7 +62,7 @@ class _Background:
         self.ex, self.log = ex, log
         self._out = log.open("wb")
         self.proc = subprocess.Popen(
-            [ex.lang, "-c", ex.code] if ex.lang == "python" else ["bash", "-e", "-c", ex.code],
+            _argv(ex),
             cwd=ROOT,
             env=env,
             stdout=self._out,
@@ -99,10 +105,9 @@ class _Background:
 
 
 def _run(ex: Example, env: dict[str, str]) -> None:
-    argv = [sys.executable, "-c", ex.code] if ex.lang == "python" else ["bash", "-e", "-c", ex.code]
     try:
         done = subprocess.run(
-            argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+            _argv(ex), cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
         )
     except subprocess.TimeoutExpired:
         pytest.fail(f"{ex.where}: ran past {RUN_TIMEOUT_S} s:\n{ex.code}")
