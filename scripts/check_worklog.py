@@ -24,10 +24,6 @@ PHRASE = re.compile(r"(?<![\w-])(?:session|issue)s?\s?#?\d+", re.IGNORECASE)
 FILE_NAME = re.compile(r"(?:session|issue)s?[-_]?\d+", re.IGNORECASE)
 """In a path's last part: "x-session<n>.json", "run-issue_<n>.log"."""
 
-ALLOWED: dict[str, str] = {}
-"""Exact line texts (stripped) that may hold a phrase, each with the reason it is not a work log.
-Empty: nothing in the tree needs one yet. Keep it narrow: a line, never a file or a pattern."""
-
 BINARY_PROBE = 8192
 """Bytes read to tell a binary file (one holding a NUL byte) from a text file."""
 
@@ -63,7 +59,7 @@ def findings(root: Path) -> list[str]:
         if text is None:
             continue
         for number, line in enumerate(text.splitlines(), 1):
-            if PHRASE.search(line) and line.strip() not in ALLOWED:
+            if PHRASE.search(line):
                 found.append(f"{rel}:{number}: {line.strip()[:200]}")
     return found
 
