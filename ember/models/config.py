@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ember.models.quant_config import QuantConfig, parse_quant_config
+
 if TYPE_CHECKING:
     import torch
 
@@ -109,9 +111,8 @@ class ModelConfig:
     topk_group: int = 1
     n_shared_experts: int = 0
     routed_scaling_factor: float = 1.0
-    # FP8 block-quantized weights (DeepSeek-V3 / Kimi K2 as published): the (rows, cols) each
-    # `weight_scale_inv` entry covers; None for an unquantized checkpoint.
-    fp8_block_size: tuple[int, int] | None = None
+    # quantization_config: which linear layers are quantized and how; None if none is.
+    quant: QuantConfig | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -198,7 +199,7 @@ class ModelConfig:
                 cfg.get("mlp_only_layers") or range(cfg.get("first_k_dense_replace") or 0)
             ),
             **_deepseek_fields(cfg),
-            fp8_block_size=_fp8_block_size(cfg.get("quantization_config")),
+            quant=parse_quant_config(cfg.get("quantization_config")),
             raw=cfg,
         )
 
@@ -230,41 +231,3 @@ def _deepseek_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         "n_shared_experts": cfg.get("n_shared_experts") or 0,
         "routed_scaling_factor": float(cfg.get("routed_scaling_factor") or 1.0),
     }
-
-
-def _fp8_block_size(quant: dict[str, Any] | None) -> tuple[int, int] | None:
-    """The weight block of a `quantization_config` ember can load: FP8 (e4m3) with per-block
-    scales and dynamic activation scales, as DeepSeek-V3 and Kimi K2 publish their weights.
-    `modules_to_not_convert` / `ignored_layers` need nothing: those weights come without scales."""
-    if quant is None:
-        return None
-    if not isinstance(quant, dict):
-        raise ValueError(f"quantization_config must be an object, got {quant!r}")
-    method = quant.get("quant_method")
-    if method != "fp8":
-        raise ValueError(
-            f"unsupported quantization_config quant_method {method!r}; ember loads 'fp8' "
-            "(block-quantized, as DeepSeek-V3 and Kimi K2 publish) and unquantized checkpoints"
-        )
-    if quant.get("fmt", "e4m3") != "e4m3":
-        raise ValueError(f"unsupported fp8 fmt {quant['fmt']!r}; only 'e4m3' is supported")
-    if quant.get("activation_scheme", "dynamic") != "dynamic":
-        raise ValueError(
-            f"unsupported fp8 activation_scheme {quant['activation_scheme']!r}; only 'dynamic'"
-        )
-    block = quant.get("weight_block_size")
-    if block is None:
-        raise ValueError(
-            "fp8 quantization_config has no weight_block_size: per-tensor FP8 scales are not "
-            "supported, only block scales (weight_scale_inv)"
-        )
-    if (
-        not isinstance(block, list | tuple)
-        or len(block) != 2
-        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
-    ):
-        raise ValueError(
-            f"unsupported fp8 weight_block_size {block!r}; expected two positive integers "
-            "such as [128, 128]"
-        )
-    return block[0], block[1]

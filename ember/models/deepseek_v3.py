@@ -22,15 +22,19 @@ from ember.attention.context import ForwardContext
 from ember.attention.mla import mla_attention
 from ember.kernels.dispatch import use_triton
 from ember.models.config import ModelConfig
-from ember.models.layers.linear import StackedLinear
-from ember.models.layers.moe import FusedMoE, grouped_topk
+from ember.models.layers.linear import make_linear, quant_scheme
+from ember.models.layers.moe import grouped_topk
 from ember.models.layers.norm import RMSNorm
+from ember.models.layers.quant_moe import QuantFusedMoE, make_fused_moe
 from ember.models.layers.rotary import RotaryEmbedding, rope_type, yarn_mscale
 from ember.models.llama import MLP, DecoderLayer
-from ember.models.qwen3_moe import Qwen3MoeForCausalLM
+from ember.models.qwen3_moe import Qwen3MoeForCausalLM, expert_scheme
 
 # model.layers.L.mlp.shared_experts.{gate,up,down}_proj.weight: loaded into the stacked experts.
-_SHARED = re.compile(r"^(.*\.mlp)\.shared_experts\.(gate|up|down)_proj\.weight$")
+_SHARED = re.compile(
+    r"^(.*\.mlp)\.shared_experts\.(gate|up|down)_proj\."
+    r"(weight|weight_packed|weight_scale|weight_zero_point|weight_shape)$"
+)
 
 
 class MLAttention(nn.Module):
@@ -49,15 +53,25 @@ class MLAttention(nn.Module):
         # matmul: one launch fewer a layer, which is what batch-1 decode pays for.
         self.q_lora = bool(cfg.q_lora_rank)
         q_out = cfg.q_lora_rank if self.q_lora else h * qk
-        self.fused_qkv_a_proj = StackedLinear(
-            cfg.hidden_size, {"q": q_out, "kv_a": self.rank + self.rope}
+        prefix = f"model.layers.{layer_idx}.self_attn"
+        self.fused_qkv_a_proj = make_linear(
+            cfg.hidden_size,
+            {"q": q_out, "kv_a": self.rank + self.rope},
+            cfg.quant,
+            f"{prefix}.fused_qkv_a_proj",
+            parts={
+                "q": f"{prefix}.{'q_a_proj' if self.q_lora else 'q_proj'}",
+                "kv_a": f"{prefix}.kv_a_proj_with_mqa",
+            },
         )
         if self.q_lora:
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * qk, bias=False)
+            self.q_b_proj = make_linear(cfg.q_lora_rank, h * qk, cfg.quant, f"{prefix}.q_b_proj")
         self.kv_a_layernorm = RMSNorm(self.rank, cfg.rms_norm_eps)
+        # Attention splits this weight per head (w_uk, w_uv): it stays in the model's dtype,
+        # dequantized as it loads if the checkpoint quantized it (`dense_layers`).
         self.kv_b_proj = nn.Linear(self.rank, h * (self.nope + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(h * self.v_dim, cfg.hidden_size, bias=False)
+        self.o_proj = make_linear(h * self.v_dim, cfg.hidden_size, cfg.quant, f"{prefix}.o_proj")
         self.interleaved = bool(cfg.raw.get("rope_interleave", True))
         self.scale = qk**-0.5
         scaling = cfg.rope_scaling
@@ -129,26 +143,48 @@ on views of the same weights, which outruns the grouped GEMM on prefill-sized ro
 
 
 class DeepseekMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.cfg = cfg
         self.gate = Router(cfg.hidden_size, cfg.num_experts)
+        prefix = f"model.layers.{layer_idx}.mlp"
+        routed = expert_scheme(cfg, prefix)
+        shared = quant_scheme(
+            cfg.quant, [f"{prefix}.shared_experts.{p}_proj" for p in ("gate", "up", "down")]
+        )
         # The shared MLP (intermediate n_shared_experts * moe_intermediate_size) is stored as
-        # n_shared_experts more experts after the routed ones (FusedMoE's docstring says why).
-        self.experts = FusedMoE(
+        # n_shared_experts more experts after the routed ones (FusedMoE's docstring says why),
+        # unless it is stored otherwise than they are (Kimi K2.5: INT4 routed experts, a 16-bit
+        # shared MLP): it is then an MLP of its own.
+        fused = cfg.n_shared_experts if shared == routed else 0
+        self.experts = make_fused_moe(
             cfg.num_experts,
             cfg.num_experts_per_tok,
             cfg.hidden_size,
             cfg.moe_intermediate_size,
             cfg.norm_topk_prob,
             cfg.hidden_act,
-            num_shared=cfg.n_shared_experts,
+            routed,
+            f"{prefix}.experts",
+            num_shared=fused,
         )
+        self.shared_experts: MLP | None = None
+        if cfg.n_shared_experts and not fused:
+            self.shared_experts = MLP(
+                cfg.hidden_size,
+                cfg.n_shared_experts * cfg.moe_intermediate_size,
+                cfg.hidden_act,
+                cfg.quant,
+                f"{prefix}.shared_experts",
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg
         num_shared = self.experts.num_shared
-        fuse_shared = num_shared > 0 and x.shape[0] <= FUSED_SHARED_MAX_TOKENS
+        # Quantized experts run their shared ones in the grouped GEMM at every batch size.
+        fuse_shared = num_shared > 0 and (
+            x.shape[0] <= FUSED_SHARED_MAX_TOKENS or isinstance(self.experts, QuantFusedMoE)
+        )
         weights, experts = grouped_topk(
             self.gate(x),
             self.gate.e_score_correction_bias,
@@ -162,6 +198,8 @@ class DeepseekMoE(nn.Module):
         out = self.experts.routed(x, weights, experts)
         if num_shared and not fuse_shared:
             out = out + self.experts.shared(x)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
         return out
 
 
@@ -173,12 +211,13 @@ class DeepseekV3DecoderLayer(DecoderLayer):
 
     def make_mlp(self, cfg: ModelConfig, layer_idx: int) -> nn.Module:
         if cfg.is_moe_layer(layer_idx):
-            return DeepseekMoE(cfg)
-        return MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+            return DeepseekMoE(cfg, layer_idx)
+        return super().make_mlp(cfg, layer_idx)
 
 
 class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
     layer_cls = DeepseekV3DecoderLayer
+    dense_layers = (".kv_b_proj", ".mlp.gate")
     piecewise_graphs = False
     """MLA calls its own attention (ember/attention/mla.py), not the backend the pieces split at."""
     # The MLPs' gate and up, and MLA's two projections of the hidden state, load fused.
@@ -201,7 +240,13 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
         m = _SHARED.match(name)
         if m is None:
             return super().map_weight(name, tensor, params)
-        prefix, part = m.groups()
+        prefix, part, attr = m.groups()
+        experts = self.get_submodule(f"{prefix}.experts")
+        if not experts.num_shared:  # a shared MLP of its own: loads as an MLP
+            return super().map_weight(name, tensor, params)
+        if isinstance(experts, QuantFusedMoE):
+            filled = experts.load(attr, tensor, f"shared.{part}", name)
+            return f"{prefix}.experts.{filled}" if filled else None
         target = f"{prefix}.experts.{'w2' if part == 'down' else 'w13'}"
         param = self._param(params, target, name)
         self.get_submodule(f"{prefix}.experts").weight_loader(param, tensor, f"shared.{part}")

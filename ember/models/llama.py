@@ -16,9 +16,11 @@ from ember.kernels import gemv
 from ember.kernels.dispatch import use_triton
 from ember.models.config import ModelConfig
 from ember.models.layers.activation import gated_activation
-from ember.models.layers.linear import Linear, StackedLinear
+from ember.models.layers.linear import StackedLinear, make_linear
 from ember.models.layers.norm import RMSNorm
+from ember.models.layers.quant_linear import QuantLinear
 from ember.models.layers.rotary import RotaryEmbedding
+from ember.models.quant_config import QuantConfig
 
 
 class Attention(nn.Module):
@@ -30,10 +32,16 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = StackedLinear(
-            cfg.hidden_size, {"q": q, "k": kv, "v": kv}, bias=cfg.attention_bias
+        prefix = f"model.layers.{layer_idx}.self_attn"
+        self.qkv_proj = make_linear(
+            cfg.hidden_size,
+            {"q": q, "k": kv, "v": kv},
+            cfg.quant,
+            f"{prefix}.qkv_proj",
+            parts={p: f"{prefix}.{p}_proj" for p in "qkv"},
+            bias=cfg.attention_bias,
         )
-        self.o_proj = Linear(q, cfg.hidden_size, bias=False)
+        self.o_proj = make_linear(q, cfg.hidden_size, cfg.quant, f"{prefix}.o_proj")
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -74,6 +82,7 @@ class Attention(nn.Module):
     def _rope_in_gemv(self, x: torch.Tensor, cache: torch.Tensor, ctx: ForwardContext) -> bool:
         return (
             not self.qk_norm
+            and isinstance(self.qkv_proj, StackedLinear)
             and ctx.backend.fuses_kv_write
             and gemv.rope_usable(
                 x,
@@ -89,12 +98,26 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str) -> None:
+    """The gated MLP; `prefix` (the checkpoint's name of the module) looks up its layers'
+    quantization in `quant`."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        act: str,
+        quant: QuantConfig | None = None,
+        prefix: str = "mlp",
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = StackedLinear(
-            hidden_size, {"gate": intermediate_size, "up": intermediate_size}
+        self.gate_up_proj = make_linear(
+            hidden_size,
+            {"gate": intermediate_size, "up": intermediate_size},
+            quant,
+            f"{prefix}.gate_up_proj",
+            parts={p: f"{prefix}.{p}_proj" for p in ("gate", "up")},
         )
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.down_proj = make_linear(intermediate_size, hidden_size, quant, f"{prefix}.down_proj")
         self.act = gated_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,7 +138,13 @@ class DecoderLayer(nn.Module):
         return Attention(cfg, layer_idx, rotary)
 
     def make_mlp(self, cfg: ModelConfig, layer_idx: int) -> nn.Module:
-        return MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        return MLP(
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.hidden_act,
+            cfg.quant,
+            f"model.layers.{layer_idx}.mlp",
+        )
 
     def forward(
         self,
@@ -217,11 +246,16 @@ class LlamaForCausalLM(nn.Module):
         (".gate_up_proj.", ".up_proj.", "up"),
     )
 
+    dense_layers: tuple[str, ...] = ()
+    """Ends of checkpoint module names this model computes in its own dtype even where the
+    checkpoint quantized them (their weights are dequantized as they load)."""
+
     def __init__(self, cfg: ModelConfig, max_position: int = 0) -> None:
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg, self.layer_cls, max_position)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        quant = None if cfg.tie_word_embeddings else cfg.quant
+        self.lm_head = make_linear(cfg.hidden_size, cfg.vocab_size, quant, "lm_head")
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -232,6 +266,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def keeps_dense(self, module: str) -> bool:
+        """Whether the checkpoint layer `module` is computed in the model's dtype."""
+        return module.endswith(self.dense_layers)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into parameters; returns the names of parameters filled."""
@@ -253,10 +291,17 @@ class LlamaForCausalLM(nn.Module):
         for ours, theirs, shard in self.stacked_params:
             if theirs in name:
                 target = name.replace(theirs, ours)
+                owner_name, _, attr = target.rpartition(".")
+                owner = self._owner(owner_name, name)
+                if isinstance(owner, QuantLinear):
+                    return self._load_quantized(owner, owner_name, attr, tensor, shard, name)
                 param = self._param(params, target, name)
-                owner = self.get_submodule(target.rsplit(".", 1)[0])
                 owner.weight_loader(param, tensor, shard)
                 return target
+        owner_name, _, attr = name.rpartition(".")
+        owner = self._owner(owner_name, name)
+        if isinstance(owner, QuantLinear):
+            return self._load_quantized(owner, owner_name, attr, tensor, "", name)
         param = self._param(params, name, name)
         if param.shape != tensor.shape:
             raise ValueError(
@@ -266,6 +311,19 @@ class LlamaForCausalLM(nn.Module):
         with torch.no_grad():
             param.data.copy_(tensor)
         return name
+
+    @staticmethod
+    def _load_quantized(
+        owner: QuantLinear, owner_name: str, attr: str, tensor: torch.Tensor, shard: str, name: str
+    ) -> str | None:
+        filled = owner.load(attr, tensor, shard, name)
+        return f"{owner_name}.{filled}" if filled else None
+
+    def _owner(self, owner_name: str, name: str) -> nn.Module:
+        try:
+            return self.get_submodule(owner_name)
+        except AttributeError:
+            raise ValueError(f"checkpoint has weight {name!r}, which this model does not") from None
 
     @staticmethod
     def _param(params: dict[str, nn.Parameter], target: str, name: str) -> nn.Parameter:

@@ -13,7 +13,7 @@ from torch import nn
 
 from ember.models.checkpoint_files import safetensors_files
 from ember.models.config import ModelConfig
-from ember.models.fp8 import dequantize_fp8
+from ember.models.quant_weights import quantized_tensors
 from ember.models.registry import resolve_architecture
 from ember.models.weight_staging import iter_safetensors, iter_staged, release_cached
 
@@ -34,8 +34,15 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights of the right shapes, made where the parameters live (fast on a GPU)."""
     gen_device = next(model.parameters()).device
     gen = torch.Generator(device=gen_device).manual_seed(seed)
+    own: set[int] = set()
+    for module in model.modules():
+        if hasattr(module, "init_dummy"):  # quantized layers draw their own
+            module.init_dummy(gen)
+            own.update(id(p) for p in module.parameters())
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if id(p) in own:
+                continue
             if "norm" in name:
                 p.fill_(1.0)
             elif name.endswith("bias"):
@@ -148,9 +155,10 @@ def fill_weights(
         tensors = iter_staged(files, device, nice=nice, release=release)
     else:
         tensors = iter_safetensors(files)
-    # FP8 block-quantized checkpoints reach the model dequantized to its dtype.
+    # Quantized layers get the checkpoint's tensors as they are; layers the model computes in
+    # its dtype get them dequantized.
     with closing(tensors):
-        weights = dequantize_fp8(tensors, config.fp8_block_size, dtype or config.dtype)
+        weights = quantized_tensors(tensors, config.quant, model.keeps_dense, dtype or config.dtype)
         loaded = model.load_weights(weights if stop is None else _until(stop, weights))
     check_complete(model, loaded, f"checkpoint in {str(model_dir)!r}")
 

@@ -15,6 +15,8 @@ from torch import nn
 
 from ember.kernels import gemv
 from ember.models.layers.activation import silu_and_mul
+from ember.models.layers.quant_linear import QuantLinear
+from ember.models.quant_config import QuantConfig, WeightQuant
 
 
 class Linear(nn.Linear):
@@ -75,3 +77,31 @@ class StackedLinear(Linear):
         ):
             return gemv.gemv_silu(x, self.weight)
         return act(self(x))
+
+
+def quant_scheme(quant: QuantConfig | None, names: list[str]) -> WeightQuant | None:
+    """The scheme of the checkpoint layers `names` that one of ember's layers computes (None:
+    unquantized)."""
+    return quant.scheme_of_parts(names) if quant is not None else None
+
+
+def make_linear(
+    in_features: int,
+    out_features: int | dict[str, int],
+    quant: QuantConfig | None,
+    name: str,
+    parts: dict[str, str] | None = None,
+    bias: bool = False,
+) -> nn.Module:
+    """A linear layer as the checkpoint stores it: `Linear` (one int `out_features`) or
+    `StackedLinear` (shards by name) in the model's dtype, or a `QuantLinear` if
+    quantization_config quantizes it. `name`: the checkpoint's module name, or with `parts`
+    (shard -> the checkpoint's name of that part) the fused layer's prefix."""
+    names = list(parts.values()) if parts else [name]
+    scheme = quant_scheme(quant, names)
+    if scheme is not None:
+        shards = out_features if isinstance(out_features, dict) else {"": out_features}
+        return QuantLinear(in_features, shards, scheme, name, bias=bias)
+    if isinstance(out_features, dict):
+        return StackedLinear(in_features, out_features, bias=bias)
+    return Linear(in_features, out_features, bias=bias)

@@ -117,12 +117,16 @@ class FusedMoE(nn.Module):
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.num_shared = num_shared
         self.intermediate_size = intermediate_size
-        total = num_experts + num_shared
-        self.w13 = nn.Parameter(torch.empty(total, 2 * intermediate_size, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(total, hidden_size, intermediate_size))
+        self.hidden_size = hidden_size
         self.act = gated_activation(act)
+        self.make_weights(num_experts + num_shared, hidden_size, intermediate_size)
         self.received: set[str] = set()
         """The shards `weight_loader` has filled, checked complete by `missing_shards`."""
+
+    def make_weights(self, total: int, hidden: int, inter: int) -> None:
+        """The stacked experts' parameters (a quantized MoE holds other ones)."""
+        self.w13 = nn.Parameter(torch.empty(total, 2 * inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(total, hidden, inter))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
         """shard: 'E.gate' | 'E.up' | 'E.down' for one expert, 'gate_up' | 'down' for all routed
@@ -247,10 +251,11 @@ class SparseMoeBlock(nn.Module):
         intermediate_size: int,
         renormalize: bool,
         act: str,
+        experts: FusedMoE | None = None,
     ) -> None:
         super().__init__()
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = FusedMoE(
+        self.experts = experts or FusedMoE(
             num_experts, top_k, hidden_size, intermediate_size, renormalize, act
         )
 

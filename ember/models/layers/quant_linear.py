@@ -1,0 +1,227 @@
+"""Linear layers whose weight stays quantized on the device: packed INT4 / INT8 with group scales
+(W4A16, compressed-tensors `pack-quantized`) or FP8 with block, channel or tensor scales.
+
+A layer holds the checkpoint's tensors in their published layout (ember/kernels/quant_ref.py says
+it) and computes through the Triton kernels that dequantize in registers
+(ember/kernels/int_gemm.py, fp8_gemm.py); on the CPU through the plain-PyTorch reference, which
+dequantizes the weight first. Like StackedLinear it may fuse several checkpoint matrices (q/k/v,
+gate/up) as row shards: INT rows are independent; FP8 blocks need every shard but the last to be
+a whole number of block rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ember.kernels.dispatch import use_triton
+from ember.kernels.quant_ref import fp8_matmul_ref, int_matmul_ref, unpack_int_rows
+from ember.models.quant_config import WeightQuant
+from ember.models.quant_weights import weight_shape
+
+INT_DUMMY_SCALE = 0.02 / 4.6
+"""A dummy INT weight's scale: uniform 4-bit values have a standard deviation of ~4.6, so its
+weights come out near the 0.02 of ember's dense dummy weights."""
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+
+class QuantLinear(nn.Module):
+    """y = x W.T (+ bias) with W [sum(shard_sizes), in_features] stored quantized as `quant`
+    says. `name` (the checkpoint's module name) is for errors."""
+
+    def __init__(
+        self,
+        in_features: int,
+        shard_sizes: dict[str, int],
+        quant: WeightQuant,
+        name: str,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = n = sum(shard_sizes.values())
+        self.shard_sizes = dict(shard_sizes)
+        self.quant = quant
+        self.name = name
+        self.shard_offsets: dict[str, int] = {}
+        off = 0
+        for shard, size in shard_sizes.items():
+            self.shard_offsets[shard] = off
+            off += size
+        self.received: set[tuple[str, str]] = set()
+        dtype = torch.get_default_dtype()
+        k = in_features
+        if quant.kind == "int":
+            self.group_size = group = quant.group_for(k)
+            if k % group:
+                raise ValueError(f"{name}: group size {group} does not divide its {k} inputs")
+            self.weight_packed = _param((n, -(-k // (32 // quant.bits))), torch.int32)
+            self.weight_scale = _param((n, k // group), dtype)
+            if not quant.symmetric:
+                self.weight_zero_point = _param((n, k // group), torch.int8)
+        else:
+            self.ckpt_block = rows, cols = quant.block_for(k)
+            if any(size % rows for size in list(shard_sizes.values())[:-1]):
+                # A part that ends inside a block row: its scales cannot be stacked with the
+                # next part's, so every row gets its own copy of its block's scales.
+                rows = 1
+            self.block = (rows, cols)
+            self.act_group = quant.act_group_for(k)
+            self.weight = _param((n, k), torch.float8_e4m3fn)
+            self.weight_scale = _param((-(-n // rows), -(-k // cols)), torch.float32)
+        self.bias = _param((n,), dtype) if bias else None
+
+    def _attrs(self) -> tuple[str, ...]:
+        if self.quant.kind == "fp8":
+            return ("weight", "weight_scale")
+        zero = () if self.quant.symmetric else ("weight_zero_point",)
+        return ("weight_packed", "weight_scale", "weight_shape", *zero)
+
+    def load(self, attr: str, loaded: torch.Tensor, shard: str, source: str) -> str | None:
+        """Place checkpoint tensor `source` (this layer's `attr`, of part `shard`); returns
+        the parameter it filled (None for `weight_shape`, which is only checked)."""
+        if shard not in self.shard_sizes:
+            raise ValueError(f"{source}: {self.name} has no part {shard!r}")
+        if attr == "bias" and self.bias is not None:
+            self._rows(self.bias, loaded, shard, source)
+            self.received.add(("bias", shard))
+            return "bias"
+        if attr not in self._attrs():
+            raise ValueError(
+                f"checkpoint tensor {source!r}: {self.name} is quantized ({self.quant.describe()}) "
+                f"and holds {', '.join(self._attrs())}, not {attr!r}"
+            )
+        self.received.add((attr, shard))
+        size, k = self.shard_sizes[shard], self.in_features
+        if attr == "weight_shape":
+            if weight_shape(source, loaded) != (size, k):
+                raise ValueError(
+                    f"{source} says {weight_shape(source, loaded)}; the model's layer is "
+                    f"{(size, k)}"
+                )
+            return None
+        param = getattr(self, attr)
+        if attr == "weight_zero_point":
+            per = 32 // self.quant.bits
+            expected = (-(-size // per), k // self.group_size)
+            if loaded.dtype != torch.int32 or tuple(loaded.shape) != expected:
+                raise ValueError(
+                    f"{source} is {loaded.dtype} {tuple(loaded.shape)}, expected int32 {expected} "
+                    f"(zero points packed down the rows)"
+                )
+            loaded = unpack_int_rows(loaded, self.quant.bits, size)
+        elif attr == "weight_scale" and self.quant.kind == "fp8":
+            return self._fp8_scale(loaded, shard, source)
+        elif loaded.dtype != param.dtype and not (
+            attr == "weight_scale" and loaded.is_floating_point()
+        ):
+            raise ValueError(f"{source} is {loaded.dtype}, expected {param.dtype}")
+        self._rows(param, loaded, shard, source)
+        return attr
+
+    def _rows(self, param: torch.Tensor, loaded: torch.Tensor, shard: str, source: str) -> None:
+        off, size = self.shard_offsets[shard], self.shard_sizes[shard]
+        expected = (size, *param.shape[1:])
+        if tuple(loaded.shape) != expected:
+            raise ValueError(
+                f"{source} has shape {tuple(loaded.shape)}, expected {expected} "
+                f"({self.quant.describe()})"
+            )
+        with torch.no_grad():
+            param.data[off : off + size].copy_(loaded)
+
+    def _fp8_scale(self, loaded: torch.Tensor, shard: str, source: str) -> str:
+        rows, cols = self.ckpt_block
+        off, size = self.shard_offsets[shard], self.shard_sizes[shard]
+        if self.quant.per_tensor:  # one scale, stored down the part's rows
+            if loaded.numel() != 1:
+                raise ValueError(f"{source} has shape {tuple(loaded.shape)}, expected one scale")
+            loaded = loaded.reshape(1, 1).expand(size, 1)
+        elif cols == self.in_features and loaded.dim() == 1:
+            loaded = loaded[:, None]  # per-channel scales saved as a vector
+        expected = (-(-size // rows), self.weight_scale.shape[1])
+        if tuple(loaded.shape) != expected:
+            raise ValueError(
+                f"{source} has shape {tuple(loaded.shape)}; {size} x {self.in_features} in "
+                f"{rows}x{cols} blocks needs {expected}"
+            )
+        if self.block[0] != rows:  # scales per row (the constructor says why)
+            loaded = loaded.repeat_interleave(rows, 0)[:size]
+        rows = self.block[0]
+        first, count = off // rows, -(-size // rows)
+        with torch.no_grad():
+            self.weight_scale.data[first : first + count].copy_(loaded)
+        return "weight_scale"
+
+    def missing_shards(self, attr: str) -> list[str]:
+        if attr == "weight_scale" or attr in self._attrs() or attr == "bias":
+            return [s for s in self.shard_sizes if (attr, s) not in self.received]
+        return []
+
+    def missing_parts(self) -> list[str]:
+        """Checkpoint tensors of this layer no load has brought (`weight_shape` included)."""
+        attrs = (*self._attrs(), *(("bias",) if self.bias is not None else ()))
+        return [
+            f"{s or self.name}.{a}"
+            for a in attrs
+            for s in self.shard_sizes
+            if (a, s) not in self.received
+        ]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        q = self.quant
+        if q.kind == "int":
+            zero = getattr(self, "weight_zero_point", None)
+            args = (x2, self.weight_packed, self.weight_scale, zero, q.bits, self.group_size)
+            if use_triton(x):
+                from ember.kernels.int_gemm import int_matmul
+
+                y = int_matmul(*args)
+            else:
+                y = int_matmul_ref(*args)
+        else:
+            args8 = (x2, self.weight, self.weight_scale, self.block, self.act_group)
+            if use_triton(x):
+                from ember.kernels.fp8_gemm import fp8_matmul
+
+                y = fp8_matmul(*args8)
+            else:
+                y = fp8_matmul_ref(*args8)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def split(self, out: torch.Tensor) -> list[torch.Tensor]:
+        return list(out.split(list(self.shard_sizes.values()), dim=-1))
+
+    def activated(
+        self, act: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+    ) -> torch.Tensor:
+        return act(self(x))
+
+    def init_dummy(self, gen: torch.Generator) -> None:
+        """Random weights of ember's dummy magnitude (`--load-format dummy`)."""
+        dev = gen.device
+        with torch.no_grad():
+            if self.quant.kind == "int":
+                p = self.weight_packed
+                p.copy_(torch.randint(-(2**31), 2**31 - 1, p.shape, generator=gen, device=dev))
+                self.weight_scale.fill_(INT_DUMMY_SCALE)
+                if not self.quant.symmetric:
+                    self.weight_zero_point.zero_()
+            else:
+                w = torch.randn(self.weight.shape, generator=gen, device=dev)
+                self.weight.copy_(w.to(torch.float8_e4m3fn))
+                self.weight_scale.fill_(0.02)
+            if self.bias is not None:
+                self.bias.zero_()
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())
