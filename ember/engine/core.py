@@ -50,7 +50,7 @@ from ember.kernels import compile_log, triton_setup
 from ember.kv.kv_cache_manager import KVCacheManager
 from ember.models import checkpoint_files
 from ember.models.config import ModelConfig
-from ember.models.loader import WeightsLoading, build_model, fill_model
+from ember.models.loader import WeightsLoading, build_model, describe_weights, fill_model
 
 if TYPE_CHECKING:
     from ember.kernels.compile_workers import CompileWorkers
@@ -257,6 +257,12 @@ class EngineCore:
             device=self.device,
             load_format=config.load_format,
             max_position=r.max_model_len,
+        )
+        quant = self.model_config.quant
+        log.info(
+            "model: %s, weights %s",
+            f"quantized, {quant.describe()}" if quant else "unquantized",
+            describe_weights(model),
         )
         loading = None
         if beside:

@@ -279,3 +279,32 @@ class WeightsLoading:
     def _join(self) -> None:
         self._thread.join()
         release_cached(self._cuda)  # (idempotent: a second call finds nothing cached)
+
+
+def weight_bytes_by_kind(model: nn.Module) -> dict[str, int]:
+    """The model's parameter bytes by how they are stored: a quantized layer's tensors (packed
+    or FP8 values, scales, zero points) under its scheme ("INT4", "FP8"), every other
+    parameter under its dtype ("bfloat16", "float32"); shared parameters counted once."""
+    kinds: dict[str, int] = {}
+    seen: set[int] = set()
+    for module in model.modules():
+        quant = getattr(module, "quant", None)
+        for p in module.parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if quant is not None:
+                kind = f"INT{quant.bits}" if quant.kind == "int" else "FP8"
+            else:
+                kind = str(p.dtype).removeprefix("torch.")
+            kinds[kind] = kinds.get(kind, 0) + p.numel() * p.element_size()
+    return kinds
+
+
+def describe_weights(model: nn.Module) -> str:
+    """'8.37 GiB (INT4 4.71, bfloat16 3.66)': the weights' size by kind, for the start-up log."""
+    kinds = sorted(weight_bytes_by_kind(model).items(), key=lambda kv: -kv[1])
+    total = sum(v for _, v in kinds)
+    unit, size = ("GiB", 2**30) if total >= 2**30 else ("MiB", 2**20)
+    parts = ", ".join(f"{k} {v / size:.2f}" for k, v in kinds)
+    return f"{total / size:.2f} {unit} ({parts})"
