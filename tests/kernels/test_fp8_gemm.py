@@ -1,0 +1,303 @@
+"""The FP8 kernels (ember/kernels/fp8_gemm.py) against quant_ref's plain-PyTorch math on random
+inputs: activation quantization bit for bit (zero rows, large and tiny values, exact ties, groups
+longer than one pass); the GEMM for DeepSeek-V3's (128, 128) blocks, channel-wise (1, K) weights,
+W8A8 and weight-only, batch sizes around the 16-row tile, and N, K that no tile or block divides.
+Weights are random floats quantized per block (scale = amax / 448), as checkpoints are. Small
+tiles and fp32 in the interpreter (its dot cannot take bf16); bf16 at DeepSeek-V3's shapes and
+CUDA-graph capture on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ember.kernels import fp8_gemm
+from ember.kernels.fp8_gemm import fp8_matmul, quantize_fp8_groups, tile_config
+from ember.kernels.quant_ref import FP8_MAX, fp8_matmul_ref
+from ember.kernels.quant_ref import quantize_fp8_groups as quantize_ref
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# Small tiles so the interpreter's shapes still span several row, column and K tiles. BLOCK_K 32:
+# the least an fp8 dot takes on a GPU, and four steps to each 128-wide scale block.
+SMALL = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}
+
+N, K = 200, 300  # two 128-row blocks (the second partial), three 128-column ones (likewise)
+ROW = -1  # in KINDS: the whole row, K
+KINDS = {
+    "block-w8a8": ((128, 128), 128),  # DeepSeek-V3 / Kimi K2
+    "channel-w8a8": ((1, ROW), ROW),  # compressed-tensors FP8_DYNAMIC
+    "block-weight-only": ((128, 128), 0),
+    "channel-weight-only": ((1, ROW), 0),
+    "mixed-widths": ((32, 64), 32),  # activation groups narrower than the weight's blocks
+}
+
+
+def kind_args(kind: str, k: int) -> tuple[tuple[int, int], int]:
+    """(block, act_group) of a kind for rows of k."""
+    (bn, bk), act_group = KINDS[kind]
+    return (bn, k if bk == ROW else bk), k if act_group == ROW else act_group
+
+
+def quantize_weight(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [N, K] as an FP8 checkpoint stores it: one scale per block (amax / 448)."""
+    bn, bk = block
+    n, k = w.shape
+    padded = F.pad(w, (0, -k % bk, 0, -n % bn))
+    blocks = padded.view(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
+    scale = blocks.abs().amax((1, 3)) / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(padded.shape)[:n, :k].contiguous(), scale
+
+
+def activations(m: int, k: int, g: torch.Generator, spread: int = 4) -> torch.Tensor:
+    """Rows of very different magnitudes (10**-spread ... 10**spread), the first of two or more
+    all zeros."""
+    x = torch.randn(m, k, generator=g) * torch.logspace(-spread, spread, m)[:, None]
+    if m > 1:
+        x[0] = 0
+    return x
+
+
+def check(
+    m: int,
+    kind: str,
+    dtype: torch.dtype,
+    device: str,
+    seed: int,
+    config: dict[str, int] | None = SMALL,
+    n: int = N,
+    k: int = K,
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    block, act_group = kind_args(kind, k)
+    weight, scale = quantize_weight(torch.randn(n, k, generator=g), block)
+    x = activations(m, k, g, spread=2).to(dtype)
+    want = fp8_matmul_ref(x, weight, scale, block, act_group)
+    got = fp8_matmul(
+        x.to(device), weight.to(device), scale.to(device), block, act_group, config=config
+    )
+    assert got.shape == (m, n) and got.dtype == dtype
+    got, want = got.float().cpu(), want.float()
+    # fp32: equal up to the order of the fp32 sums (1e-5 of the row's scale). bf16 / fp16: both
+    # round fp32 sums that differ so to x's dtype: one unit in the last place apart (2**-7 of it).
+    rel = 1e-5 if dtype == torch.float32 else 2.0**-7
+    err = (got - want).abs()
+    bound = rel * want.abs() + 1e-5 * want.abs().amax(1, keepdim=True)
+    assert (err <= bound).all(), f"max error {err.max().item():.3e}"
+
+
+@pytest.mark.parametrize(
+    "m,k,group,dtype",
+    [
+        (5, K, 128, torch.float32),  # partial last group
+        (6, 256, 128, torch.bfloat16),
+        (4, 96, 32, torch.float16),
+        (3, K, K, torch.float32),  # per-token
+        (3, 4100, 4100, torch.bfloat16),  # per-token, longer than one pass: read in chunks
+        (2, 40, 128, torch.float32),  # one group wider than the row
+    ],
+)
+def test_quantize_matches_the_reference_bit_for_bit(
+    m: int, k: int, group: int, dtype: torch.dtype, device: str
+) -> None:
+    x = activations(m, k, torch.Generator().manual_seed(k + group)).to(dtype)
+    x[-1, :7] = torch.tensor([3e4, -3e4, 1e-30, -1e-30, -0.0, 1e-6, -1e-6])  # large, tiny, -0
+    q, scale = quantize_fp8_groups(x.to(device), group)
+    want_q, want_scale = quantize_ref(x, group)
+    assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scale.cpu(), want_scale)
+
+
+def test_quantize_rounds_ties_to_even(device: str) -> None:
+    """With max|x| = 448 the scale is 1: every e4m3 value and every midpoint between two comes
+    through as torch rounds it (ties to even, subnormals included, signs kept)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values = codes[codes.isfinite()].unique()
+    mids = (values[1:] + values[:-1]) / 2
+    x = torch.cat([torch.tensor([448.0]), values, mids, -mids, torch.tensor([2.0**-10])])[None]
+    q, scale = quantize_fp8_groups(x.to(device), x.shape[1])
+    want_q, _ = quantize_ref(x, x.shape[1])
+    assert scale.item() == 1.0
+    assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 33])
+@pytest.mark.parametrize("kind", list(KINDS)[:4])
+def test_fp8_matmul_matches_the_reference(m: int, kind: str, device: str) -> None:
+    check(m, kind, torch.float32, device, seed=m)
+
+
+@pytest.mark.parametrize(
+    "kind,dtype",
+    [
+        ("block-w8a8", torch.bfloat16),
+        ("channel-w8a8", torch.bfloat16),
+        ("block-weight-only", torch.float16),
+        ("channel-weight-only", torch.float16),
+        ("block-weight-only", torch.bfloat16),
+        ("mixed-widths", torch.float32),
+    ],
+)
+def test_fp8_matmul_in_half_precision_and_other_widths(
+    kind: str, dtype: torch.dtype, device: str
+) -> None:
+    if device == "cpu" and dtype == torch.bfloat16 and KINDS[kind][1] == 0:
+        pytest.skip("Triton's interpreter multiplies bf16 as integers (it stores them as uint16)")
+    check(5, kind, dtype, device, seed=7)
+
+
+def test_fp8_matmul_default_tiles(device: str) -> None:
+    """tile_config's tiles: K steps of 128 past the end of K, column tiles past N (masked)."""
+    check(3, "block-w8a8", torch.float32, device, seed=8, config=None, n=72, k=200)
+
+
+def test_fp8_matmul_takes_strided_activations(device: str) -> None:
+    g = torch.Generator().manual_seed(9)
+    weight, scale = quantize_weight(torch.randn(N, K, generator=g), (128, 128))
+    wide = torch.randn(7, K + 20, generator=g)
+    x = wide[:, 10 : K + 10]  # rows K + 20 apart
+    got = fp8_matmul(
+        wide.to(device)[:, 10 : K + 10],
+        weight.to(device),
+        scale.to(device),
+        (128, 128),
+        128,
+        config=SMALL,
+    )
+    want = fp8_matmul_ref(x, weight, scale, (128, 128), 128)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_empty_batch_and_empty_k(device: str) -> None:
+    weight = torch.zeros(N, K, dtype=torch.float8_e4m3fn, device=device)
+    scale = torch.ones(2, 3, device=device)
+    x = torch.zeros(0, K, dtype=torch.bfloat16, device=device)
+    for act_group in (128, 0):
+        y = fp8_matmul(x, weight, scale, (128, 128), act_group)
+        assert y.shape == (0, N) and y.dtype == torch.bfloat16
+    q, s = quantize_fp8_groups(x, 128)
+    assert q.shape == (0, K) and s.shape == (0, 3)
+    empty_k = torch.zeros(N, 0, dtype=torch.float8_e4m3fn, device=device)
+    y = fp8_matmul(torch.ones(3, 0, device=device), empty_k, scale[:, :0], (128, 128), 128)
+    assert torch.equal(y.cpu(), torch.zeros(3, N))
+
+
+def test_bad_shapes_raise() -> None:
+    weight = torch.zeros(N, K, dtype=torch.float8_e4m3fn)
+    scale = torch.ones(2, 3)
+    x = torch.zeros(4, K)
+    with pytest.raises(ValueError, match="must be \\[M, K\\], \\[N, K\\]"):
+        fp8_matmul(torch.zeros(4, K + 1), weight, scale, (128, 128), 128)
+    with pytest.raises(ValueError, match="must be \\[M, K\\]"):
+        fp8_matmul(torch.zeros(2, 4, K), weight, scale, (128, 128), 128)
+    with pytest.raises(ValueError, match="scale"):
+        fp8_matmul(x, weight, torch.ones(2, 2), (128, 128), 128)
+    with pytest.raises(ValueError, match="scale"):
+        fp8_matmul(x, weight, scale, (1, K), K)  # channel-wise needs [N, 1]
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_matmul(x, weight.float(), scale, (128, 128), 128)
+    with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
+        fp8_matmul(x.to(torch.float64), weight, scale, (128, 128), 128)
+    with pytest.raises(ValueError, match="act_group"):
+        fp8_matmul(x, weight, scale, (128, 128), -1)
+    with pytest.raises(ValueError, match="positive"):
+        fp8_matmul(x, weight, scale, (0, 128), 128)
+    # 48-wide blocks leave fp8 K steps of 16; weight-only dots take 16.
+    scale48 = torch.ones(2, 7)
+    with pytest.raises(ValueError, match="block \\(128, 48\\) with act_group 128"):
+        fp8_matmul(x, weight, scale48, (128, 48), 128)
+    with pytest.raises(ValueError, match="act_group 100"):
+        fp8_matmul(x, weight, scale, (128, 128), 100)
+    with pytest.raises(ValueError, match="group"):
+        quantize_fp8_groups(x, 0)
+
+
+def test_tile_config_grows_with_the_batch() -> None:
+    assert all(tile_config(m)["BLOCK_M"] == 16 for m in range(1, 17))
+    assert tile_config(17)["BLOCK_M"] > 16
+    assert tile_config(8192)["BLOCK_M"] == 128
+    sizes = [tile_config(m)["BLOCK_M"] for m in range(1, 9000)]
+    assert sizes == sorted(sizes) and len(set(sizes)) <= 4  # a few compiled variants per layer
+
+
+# Weights [N, K] around DeepSeek-V3's hidden size of 7168.
+GPU_SHAPES = [(7168, 2048), (2048, 7168), (4096, 7168)]
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", GPU_SHAPES)
+@pytest.mark.parametrize("m", [1, 7, 16, 64, 300, 2048])
+def test_fp8_matmul_bf16_at_deepseek_shapes(m: int, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(m + n)
+    weight, scale = quantize_weight(torch.randn(n, k, generator=g), (128, 128))
+    weight, scale = weight.cuda(), scale.cuda()
+    x = torch.randn(m, k, generator=g).cuda().bfloat16()
+    got = fp8_matmul(x, weight, scale, (128, 128), 128).float()
+    want = fp8_matmul_ref(x, weight, scale, (128, 128), 128).float()
+    # The reference's scale division on CUDA is a multiply by 1/448 (can differ in the last bit
+    # of a scale from the kernel's, flipping a rare fp8 code): compared by norm and max.
+    assert (got - want).norm() / want.norm() < 5e-3
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("m", [1, 33, 1000])
+def test_fp8_matmul_other_kinds_on_the_gpu(kind: str, m: int) -> None:
+    check(m, kind, torch.bfloat16, "cuda", seed=m, config=None, n=4096, k=7168)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,group", [(7168, 128), (7168, 7168), (18432, 18432), (2048, 2048)])
+def test_quantize_bit_for_bit_on_the_gpu(k: int, group: int) -> None:
+    """The hardware's cast and tl.div_rn against torch's CPU ops."""
+    x = activations(64, k, torch.Generator().manual_seed(k)).bfloat16()
+    q, scale = quantize_fp8_groups(x.cuda(), group)
+    want_q, want_scale = quantize_ref(x, group)
+    assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scale.cpu(), want_scale)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["block-w8a8", "channel-w8a8", "block-weight-only"])
+def test_fp8_matmul_is_captured_in_a_cuda_graph(kind: str) -> None:
+    g = torch.Generator().manual_seed(10)
+    k = 2048
+    block, act_group = kind_args(kind, k)
+    weight, scale = (t.cuda() for t in quantize_weight(torch.randn(1024, k, generator=g), block))
+    x = torch.randn(300, k, generator=g).cuda().bfloat16()
+    for m in (1, 300):
+        fp8_matmul(x[:m], weight, scale, block, act_group)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fp8_matmul(x[:m], weight, scale, block, act_group)
+        x.copy_(torch.randn(300, k, generator=g).cuda().bfloat16())
+        graph.replay()
+        assert torch.equal(out, fp8_matmul(x[:m], weight, scale, block, act_group))
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_batch_sizes_of_a_bucket_share_one_compiled_variant() -> None:
+    g = torch.Generator().manual_seed(11)
+    weight, scale = (
+        t.cuda() for t in quantize_weight(torch.randn(512, 1024, generator=g), (128, 128))
+    )
+    x = torch.randn(16, 1024, generator=g).cuda().bfloat16()
+
+    def variants() -> int:
+        kernels = (fp8_gemm._fp8_gemm_kernel, fp8_gemm._quantize_kernel)
+        return sum(len(entry[0]) for fn in kernels for entry in fn.device_caches.values())
+
+    fp8_matmul(x[:1], weight, scale, (128, 128), 128)
+    before = variants()
+    for m in range(2, 17):
+        fp8_matmul(x[:m], weight, scale, (128, 128), 128)
+    assert variants() == before
