@@ -90,9 +90,9 @@ KIMI_IGNORE = [
 # unquantized; here attention too, so only the experts are.
 QWEN3_MOE_IGNORE = ["lm_head", "re:.*self_attn.*", r"re:.*mlp\.gate$"]
 
-# Checkpoint tensors of modules that are no Linear in the models' code: the embedding and the
-# DeepSeek-V3 router. A model-free pass sees only names, so it is told (and so is the dequantizer,
-# for formats that keep the name `weight`); none of this goes into config.json.
+# Checkpoint tensors never quantized here: the embedding, no Linear in any model's code, and the
+# MoE router, none in DeepSeek-V3's. A model-free pass sees only names, so it is told (and so is
+# the dequantizer, for formats that keep the name `weight`); none of this goes into config.json.
 NOT_LINEAR = [r"re:.*embed_tokens$", r"re:.*mlp\.gate$"]
 # compressed-tensors' dequantizer asks every `weight` of a "Linear"-targeted float checkpoint for
 # its scale, the norms' too (it skips norms when it dequantizes, not when it gathers): told here.
