@@ -24,11 +24,14 @@ flops per byte where an H100 turns compute bound, so the weights' bytes set the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from ember.kernels.dispatch import dot_precision
+from ember.kernels.quant_ref import FP8_MAX, FP8_SCALE_EPS, per_word
 
 UNSORTED_MAX_TOKENS = 2
 """Up to this many tokens the pairs are not sorted: each pair is its own block of the grouped GEMM
@@ -130,6 +133,60 @@ def align_by_expert(
     return sorted_pairs, block_experts
 
 
+DENSE, PACKED_INT, FP8_BLOCK = 0, 1, 2
+"""The experts' weight kinds, a constexpr of the grouped GEMM: each compiles only its own loads."""
+
+_DENSE: tl.constexpr = tl.constexpr(DENSE)
+_PACKED_INT: tl.constexpr = tl.constexpr(PACKED_INT)
+_FP8_MAX: tl.constexpr = tl.constexpr(FP8_MAX)
+_FP8_SCALE_EPS: tl.constexpr = tl.constexpr(FP8_SCALE_EPS)
+
+
+@triton.jit
+def _int_tile(
+    w_ptrs,
+    w_ok,
+    s_ptrs,
+    z_ptrs,
+    s_ok,
+    BITS: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    OUT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # w_ptrs [BLOCK_N, SPT, WPG]: the tile's packed words, SPT scale groups of WPG words each;
+    # s_ptrs / z_ptrs [BLOCK_N, SPT]. Returns the real weights [BLOCK_N, BLOCK_K] in OUT.
+    words = tl.load(w_ptrs, mask=w_ok, other=0)
+    scale = tl.load(s_ptrs, mask=s_ok, other=0.0).to(tl.float32)
+    # Field f of a word is q + 2**(BITS - 1); the weight is (q - zero) * scale.
+    bias = 8388608.0 + (1 << (BITS - 1))
+    if HAS_ZERO:
+        bias = bias + tl.load(z_ptrs, mask=s_ok, other=0).to(tl.float32)
+    else:
+        bias = tl.zeros_like(scale) + bias
+    shifts = tl.arange(0, 32 // BITS) * BITS
+    fields = (words[:, :, :, None] >> shifts[None, None, None, :]) & ((1 << BITS) - 1)
+    # 2**23 + field, made a float by its bits (the field in the low mantissa): an OR where an
+    # int-to-float conversion would run at a quarter of the fp32 rate, short of HBM's pace.
+    # (2**23 + field) - (2**23 + 2**(BITS-1) + zero) is exact, so one rounding (the product's)
+    # remains, as in the reference.
+    f = (fields | 0x4B000000).to(tl.float32, bitcast=True)
+    w = (f - bias[:, :, None, None]) * scale[:, :, None, None]
+    return tl.reshape(w.to(OUT), (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _quantize_rows(a):
+    # The tile's rows are whole activation groups (BLOCK_K == the group): per-row amax, one
+    # float32 scale a row, values to e4m3 (as quant_ref.quantize_fp8_groups, with one reciprocal
+    # a row for the per-element division).
+    af = a.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(af), axis=1), _FP8_SCALE_EPS) / _FP8_MAX
+    q = tl.clamp(af * (1.0 / scale)[:, None], -_FP8_MAX, _FP8_MAX).to(tl.float8e4nv)
+    return q, scale
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _moe_gemm_kernel(
     a_ptr,
@@ -138,10 +195,14 @@ def _moe_gemm_kernel(
     weight_ptr,
     pairs_ptr,
     block_expert_ptr,
+    s_ptr,
+    z_ptr,
     num_pairs,
     num_experts,
     n_out,
     k_in,
+    k_words,
+    k_groups,
     a_sm,
     a_sk,
     b_se,
@@ -149,6 +210,12 @@ def _moe_gemm_kernel(
     b_sk,
     c_sm,
     c_sn,
+    s_se,
+    s_sn,
+    s_sk,
+    z_se,
+    z_sn,
+    z_sk,
     num_blocks,
     ROWS_PER_A: tl.constexpr,
     PAIR_BLOCKS: tl.constexpr,
@@ -156,11 +223,21 @@ def _moe_gemm_kernel(
     MUL_WEIGHT: tl.constexpr,
     K_MAJOR_OUT: tl.constexpr,
     PRECISION: tl.constexpr,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    SPT: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    BLOCK_SN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
+    # KIND picks how the weight tile is read (see _ExpertWeights); everything else is shared.
+    # PACKED_INT: b is int32 words [E, N, k_words], s/z [E, N, k_groups], GROUP elements of K a
+    # scale, SPT scale groups a K tile. FP8_BLOCK: b is e4m3 [E, N, K], s [E, N / BLOCK_SN,
+    # K / BLOCK_K]: BLOCK_K is the block's (and the activation group's) width.
     # Grouped launch order: GROUP_M row blocks (usually one expert's) sweep the column tiles
     # together, so an expert's weight tile is fetched from HBM once and served from L2 after.
     pid = tl.program_id(0)
@@ -191,16 +268,77 @@ def _moe_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if GATED:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if KIND == _PACKED_INT:
+        per_word: tl.constexpr = 32 // BITS
+        group_words: tl.constexpr = BLOCK_K // SPT // per_word
+        spt = tl.arange(0, SPT)
+        tile_words = spt[:, None] * group_words + tl.arange(0, group_words)[None, :]
+        w_rows = b_ptr + expert.to(tl.int64) * b_se + cols[:, None, None].to(tl.int64) * b_sn
+        s_rows = s_ptr + expert.to(tl.int64) * s_se + cols[:, None].to(tl.int64) * s_sn
+        z_rows = z_ptr + expert.to(tl.int64) * z_se + cols[:, None].to(tl.int64) * z_sn
+    elif KIND != _DENSE:
+        # A weight block's scale a column: the gate and up rows of a block never straddle.
+        s_cols = s_ptr + expert.to(tl.int64) * s_se + (cols // BLOCK_SN).to(tl.int64) * s_sn
+        s_cols_up = s_ptr + expert.to(tl.int64) * s_se + ((cols + n_out) // BLOCK_SN) * s_sn
     for k0 in range(0, k_in, BLOCK_K):
         ks = k0 + offs_k
         k_ok = ks < k_in
         a = tl.load(a_base + ks[None, :] * a_sk, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        b_mask = k_ok[:, None] & col_ok[None, :]
-        b = tl.load(b_base + ks[:, None] * b_sk, mask=b_mask, other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        if GATED:
-            b_up = tl.load(b_base + n_out * b_sn + ks[:, None] * b_sk, mask=b_mask, other=0.0)
-            acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
+        if KIND == _DENSE:
+            b_mask = k_ok[:, None] & col_ok[None, :]
+            b = tl.load(b_base + ks[:, None] * b_sk, mask=b_mask, other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if GATED:
+                b_up = tl.load(b_base + n_out * b_sn + ks[:, None] * b_sk, mask=b_mask, other=0.0)
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
+        elif KIND == _PACKED_INT:
+            words = k0 // per_word + tile_words
+            w_ok = col_ok[:, None, None] & (words < k_words)[None, :, :]
+            groups = (k0 + spt * (BLOCK_K // SPT)) // GROUP
+            s_ok = col_ok[:, None] & (groups < k_groups)[None, :]
+            w_ptrs = w_rows + words[None, :, :] * b_sk
+            s_off = groups[None, :] * s_sk
+            z_off = groups[None, :] * z_sk
+            b = _int_tile(
+                w_ptrs,
+                w_ok,
+                s_rows + s_off,
+                z_rows + z_off,
+                s_ok,
+                BITS,
+                HAS_ZERO,
+                a_ptr.dtype.element_ty,
+                BLOCK_N,
+                BLOCK_K,
+            )
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+            if GATED:
+                b_up = _int_tile(
+                    w_ptrs + n_out * b_sn,
+                    w_ok,
+                    s_rows + n_out * s_sn + s_off,
+                    z_rows + n_out * z_sn + z_off,
+                    s_ok,
+                    BITS,
+                    HAS_ZERO,
+                    a_ptr.dtype.element_ty,
+                    BLOCK_N,
+                    BLOCK_K,
+                )
+                acc_up = tl.dot(a, tl.trans(b_up), acc_up, input_precision=PRECISION)
+        else:
+            a_q, a_scale = _quantize_rows(a)
+            b_mask = k_ok[:, None] & col_ok[None, :]
+            b = tl.load(b_base + ks[:, None] * b_sk, mask=b_mask, other=0.0)
+            k_block = k0 // BLOCK_K
+            b_scale = tl.load(s_cols + k_block * s_sk, mask=col_ok, other=0.0)
+            # A fresh dot a K tile, scaled into the fp32 accumulator: each tile has its own
+            # scales, and sm_90's fp8 MMA accumulates in reduced precision within a dot.
+            acc += tl.dot(a_q, b) * (a_scale[:, None] * b_scale[None, :])
+            if GATED:
+                b_up = tl.load(b_base + n_out * b_sn + ks[:, None] * b_sk, mask=b_mask, other=0.0)
+                b_scale = tl.load(s_cols_up + k_block * s_sk, mask=col_ok, other=0.0)
+                acc_up += tl.dot(a_q, b_up) * (a_scale[:, None] * b_scale[None, :])
 
     if GATED:
         # As silu_and_mul: each projection rounded to the activations' dtype, silu(gate) rounded
@@ -258,9 +396,57 @@ def tile_config(num_pairs: int, num_experts: int) -> dict[str, int]:
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
 
 
+def tile_config_int(num_pairs: int, num_experts: int, bits: int) -> dict[str, int]:
+    """Tile sizes for packed INT experts (W4A16 / W8A16), by rows per expert. Tunables, not yet
+    swept on an H200. Few rows an expert: the packed bytes set the time, so narrow column tiles
+    (Moonlight at batch 1: 8 pairs x 2816 / 32 = 704 gate/up programs, enough to fill 132 SMs
+    a few CTAs each) and K tiles of 128 bytes a row keep loads in flight; the dequantization
+    (about five ALU ops a weight) is spread over BLOCK_M rows once rows are many."""
+    per_expert = num_pairs / num_experts
+    if per_expert < 12:
+        block_k = 256 if bits == 4 else 128
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 4}
+    if per_expert <= 64:
+        return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+
+
+def tile_config_fp8(num_pairs: int, num_experts: int, block: tuple[int, int]) -> dict[str, int]:
+    """Tile sizes for FP8 block experts, by rows per expert; BLOCK_K is the block's width (each
+    K tile one scale per row and column). Tunables, not yet swept on an H200: the starting points
+    are vLLM's tuned block-FP8 MoE configs for an H200 (16 x 128 x 128 tiles over 4 warps up to
+    ~8 rows an expert, 64 rows past that). Kimi K2 at batch 256 has ~6 rows an expert."""
+    per_expert = num_pairs / num_experts
+    block_k = block[1]
+    if per_expert < 12:
+        return {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 4}
+    if per_expert <= 64:
+        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 4}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": block_k, "num_warps": 8, "num_stages": 3}
+
+
+@dataclass(frozen=True, slots=True)
+class _ExpertWeights:
+    """One stacked expert projection [E, N, K] as the grouped GEMM reads it.
+
+    DENSE: `data` [E, N, K] in the activations' dtype. PACKED_INT: `data` int32 [E, N, K * bits /
+    32], `scale` [E, N, K / group], `zero` int8 like scale or None; `group` is K when channel-wise.
+    FP8_BLOCK: `data` e4m3 [E, N, K], `scale` float32 [E, N / block_n, K / group] (ceil), `group`
+    the block's width, which is also the activations' quantization group.
+    """
+
+    data: torch.Tensor
+    kind: int = DENSE
+    scale: torch.Tensor | None = None
+    zero: torch.Tensor | None = None
+    bits: int = 0
+    group: int = 0
+    block_n: int = 1
+
+
 def _gemm(
     a: torch.Tensor,
-    b: torch.Tensor,
+    b: _ExpertWeights,
     c: torch.Tensor,
     weights: torch.Tensor | None,
     sorted_pairs: torch.Tensor | None,
@@ -273,20 +459,30 @@ def _gemm(
     n_out = c.shape[1]
     num_blocks = block_experts.numel()
     tiles_n = triton.cdiv(n_out, config["BLOCK_N"])
+    k_in = a.shape[1]
+    scale = b.scale if b.scale is not None else c  # a placeholder the kernel never reads
+    zero = b.zero if b.zero is not None else scale
+    spt = max(config["BLOCK_K"] // b.group, 1) if b.kind == PACKED_INT else 1
     _moe_gemm_kernel[(num_blocks * tiles_n,)](
         a,
-        b,
+        b.data,
         c,
         weights if weights is not None else c,
         sorted_pairs if sorted_pairs is not None else block_experts,
         block_experts,
+        scale,
+        zero,
         c.shape[0],
-        b.shape[0],
+        b.data.shape[0],
         n_out,
-        a.shape[1],
+        k_in,
+        b.data.shape[2],
+        scale.shape[-1],
         *a.stride(),
-        *b.stride(),
+        *b.data.stride(),
         *c.stride(),
+        *(scale.stride() if b.scale is not None else (0, 0, 0)),
+        *(zero.stride() if b.zero is not None else (0, 0, 0)),
         num_blocks,
         ROWS_PER_A=rows_per_a,
         PAIR_BLOCKS=sorted_pairs is None,
@@ -294,9 +490,56 @@ def _gemm(
         MUL_WEIGHT=weights is not None,
         K_MAJOR_OUT=k_major_out,
         PRECISION=dot_precision(a.dtype),
-        GROUP_M=8,
-        **config,
+        KIND=b.kind,
+        BITS=b.bits,
+        GROUP=b.group,
+        SPT=spt,
+        HAS_ZERO=b.zero is not None,
+        BLOCK_SN=b.block_n,
+        **{"GROUP_M": 8, **config},
     )
+
+
+def _check_routing(
+    name: str, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+) -> None:
+    t = x.shape[0]
+    if weights.shape != experts.shape or experts.dim() != 2 or experts.shape[0] != t:
+        raise ValueError(
+            f"{name}: weights {tuple(weights.shape)} and experts {tuple(experts.shape)} "
+            f"must both be [{t}, k]"
+        )
+
+
+def _moe(
+    x: torch.Tensor,
+    w13: _ExpertWeights,
+    w2: _ExpertWeights,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    config: dict[str, int],
+) -> torch.Tensor:
+    """The two grouped GEMMs and the top-k sum, once the shapes are checked."""
+    t, hidden = x.shape
+    num_experts, two_i = w13.data.shape[:2]
+    inter = two_i // 2
+    top_k = experts.shape[1]
+    if t == 0 or top_k == 0:
+        return torch.zeros_like(x)
+    num_pairs = t * top_k
+    sorted_pairs: torch.Tensor | None
+    if t <= UNSORTED_MAX_TOKENS:
+        sorted_pairs, block_experts = None, experts.reshape(-1).to(torch.int32)
+        config = {**config, "BLOCK_M": 16}
+    else:
+        sorted_pairs, block_experts = align_by_expert(experts, num_experts, config["BLOCK_M"])
+    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    _gemm(x, w13, h, None, sorted_pairs, block_experts, top_k, True, config)
+    y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    # y comes out [k, T, H]: summing k contiguous slabs is a vectorized add, where the sum over
+    # the middle dim of [T, k, H] took 5.5 of Moonlight's 180 ms of an 8 x 2048 prefill.
+    _gemm(h, w2, y, weights.reshape(-1), sorted_pairs, block_experts, 1, False, config, top_k)
+    return sum_slabs(y.view(top_k, t, hidden))
 
 
 def fused_moe(
@@ -320,26 +563,158 @@ def fused_moe(
             f"fused_moe: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} "
             "do not fit [T, H], [E, 2I, H], [E, H, I]"
         )
-    if weights.shape != experts.shape or experts.dim() != 2 or experts.shape[0] != t:
+    _check_routing("fused_moe", x, weights, experts)
+    config = config or tile_config(t * experts.shape[1], num_experts)
+    return _moe(x, _ExpertWeights(w13), _ExpertWeights(w2), weights, experts, config)
+
+
+def _int_weights(
+    name: str,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    shape: tuple[int, int, int],
+    bits: int,
+    group_size: int,
+) -> _ExpertWeights:
+    """One packed INT projection of logical `shape` (E, N, K), its shapes checked."""
+    e, n, k = shape
+    group = group_size if group_size > 0 else k
+    want = (e, n, triton.cdiv(k, per_word(bits)))
+    if packed.dtype != torch.int32 or tuple(packed.shape) != want:
         raise ValueError(
-            f"fused_moe: weights {tuple(weights.shape)} and experts {tuple(experts.shape)} "
-            f"must both be [{t}, k]"
+            f"{name}_packed must be int32 {want}, got {packed.dtype} {tuple(packed.shape)}"
         )
-    top_k = experts.shape[1]
-    if t == 0 or top_k == 0:
-        return torch.zeros_like(x)
-    num_pairs = t * top_k
-    config = config or tile_config(num_pairs, num_experts)
-    sorted_pairs: torch.Tensor | None
-    if t <= UNSORTED_MAX_TOKENS:
-        sorted_pairs, block_experts = None, experts.reshape(-1).to(torch.int32)
-        config = {**config, "BLOCK_M": 16}
-    else:
-        sorted_pairs, block_experts = align_by_expert(experts, num_experts, config["BLOCK_M"])
-    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    _gemm(x, w13, h, None, sorted_pairs, block_experts, top_k, True, config)
-    y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    # y comes out [k, T, H]: summing k contiguous slabs is a vectorized add, where the sum over
-    # the middle dim of [T, k, H] took 5.5 of Moonlight's 180 ms of an 8 x 2048 prefill.
-    _gemm(h, w2, y, weights.reshape(-1), sorted_pairs, block_experts, 1, False, config, top_k)
-    return sum_slabs(y.view(top_k, t, hidden))
+    groups = (e, n, k // group)
+    if tuple(scale.shape) != groups:
+        raise ValueError(f"{name}_scale must be {groups}, got {tuple(scale.shape)}")
+    if zero is not None and tuple(zero.shape) != groups:
+        raise ValueError(f"{name}_zero must be {groups} like the scales, got {tuple(zero.shape)}")
+    return _ExpertWeights(packed, PACKED_INT, scale, zero, bits, group)
+
+
+def fused_moe_int(
+    x: torch.Tensor,
+    w13_packed: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w13_zero: torch.Tensor | None,
+    w2_packed: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w2_zero: torch.Tensor | None,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    bits: int,
+    group_size: int,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """fused_moe over packed INT experts (compressed-tensors pack-quantized, ember/kernels/
+    quant_ref.py), W4A16 / W8A16: each weight tile dequantized in registers to x's dtype, as
+    quant_ref.dequantize_int rounds it, and multiplied on the tensor cores.
+
+    x [T, H]; w13_packed int32 [E, 2I, H * bits / 32] (gate rows then up rows), w13_scale
+    [E, 2I, H / g], w13_zero int8 [E, 2I, H / g] or None (symmetric); w2_packed int32
+    [E, H, I * bits / 32], w2_scale [E, H, I / g], w2_zero or None; bits 4 or 8; group_size g a
+    power of two (32, 64, 128) dividing H and I, or <= 0 for channel-wise (scales [E, N, 1]).
+    weights, experts [T, k] as fused_moe. Returns [T, H] in x's dtype.
+    """
+    pack = per_word(bits)  # refuses bits other than 4 and 8
+    t, hidden = x.shape
+    num_experts, two_i = w13_packed.shape[:2]
+    inter = two_i // 2
+    if two_i % 2 or w2_packed.shape[:2] != (num_experts, hidden):
+        raise ValueError(
+            f"fused_moe_int: x {tuple(x.shape)}, w13_packed {tuple(w13_packed.shape)}, "
+            f"w2_packed {tuple(w2_packed.shape)} do not fit [T, H], [E, 2I, .], [E, H, .]"
+        )
+    if group_size > 0:
+        if group_size & (group_size - 1) or group_size < pack:
+            raise ValueError(
+                f"fused_moe_int: group_size {group_size} must be a power of two of at least "
+                f"{pack} (or <= 0 for channel-wise scales)"
+            )
+        for dim, size in (("H", hidden), ("I", inter)):
+            if size % group_size:
+                raise ValueError(
+                    f"fused_moe_int: {dim} = {size} is not a multiple of the group ({group_size})"
+                )
+    w13 = _int_weights(
+        "w13", w13_packed, w13_scale, w13_zero, (num_experts, two_i, hidden), bits, group_size
+    )
+    w2 = _int_weights(
+        "w2", w2_packed, w2_scale, w2_zero, (num_experts, hidden, inter), bits, group_size
+    )
+    _check_routing("fused_moe_int", x, weights, experts)
+    config = config or tile_config_int(t * experts.shape[1], num_experts, bits)
+    block_k = config["BLOCK_K"]
+    if block_k & (block_k - 1) or block_k < 16:
+        raise ValueError(f"fused_moe_int: BLOCK_K {block_k} must be a power of two >= 16")
+    return _moe(x, w13, w2, weights, experts, config)
+
+
+def fused_moe_fp8(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    block: tuple[int, int],
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """fused_moe over FP8 experts with one scale per `block` (rows, cols), W8A8 (DeepSeek-V3 /
+    Kimi K2: 128 x 128): each GEMM's input (x for gate/up, h for down) quantized to e4m3 in the
+    K loop, one scale per row and K tile (BLOCK_K == the block's cols == the group), as
+    quant_ref.quantize_fp8_groups; fp8 tl.dot, both scales applied to the fp32 accumulator.
+
+    Quantizing in the K loop, rather than in a launch of its own, saves that launch and a write
+    and read of the quantized activations: at decode the A tile is 16 rows beside a 128 x 128
+    weight tile, so the repeated per-tile amax is hidden under the weight loads.
+
+    x [T, H]; w13 float8_e4m3fn [E, 2I, H], w13_scale float32 [E, ceil(2I / bn), ceil(H / bk)];
+    w2 [E, H, I], w2_scale [E, ceil(H / bn), ceil(I / bk)]; I a multiple of bn (a block holds
+    gate or up rows, not both); bk a power of two >= 16. Returns [T, H] in x's dtype.
+    """
+    block_n, block_k = block
+    t, hidden = x.shape
+    num_experts, two_i, w13_hidden = w13.shape
+    inter = two_i // 2
+    if w13_hidden != hidden or two_i % 2 or w2.shape != (num_experts, hidden, inter):
+        raise ValueError(
+            f"fused_moe_fp8: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} "
+            "do not fit [T, H], [E, 2I, H], [E, H, I]"
+        )
+    if w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
+        raise ValueError(
+            f"fused_moe_fp8: w13 and w2 must be float8_e4m3fn, got {w13.dtype}, {w2.dtype}"
+        )
+    if block_n < 1 or block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(
+            f"fused_moe_fp8: block {tuple(block)} must be (rows >= 1, cols a power of two >= 16)"
+        )
+    if inter % block_n:
+        raise ValueError(
+            f"fused_moe_fp8: I = {inter} is not a multiple of the block rows ({block_n}), so a "
+            "scale block would hold both gate and up rows"
+        )
+    cdiv = triton.cdiv
+    for name, scale, (n, k) in (
+        ("w13_scale", w13_scale, (two_i, hidden)),
+        ("w2_scale", w2_scale, (hidden, inter)),
+    ):
+        want = (num_experts, cdiv(n, block_n), cdiv(k, block_k))
+        if tuple(scale.shape) != want:
+            raise ValueError(
+                f"fused_moe_fp8: {name} must be {want} for block {tuple(block)}, "
+                f"got {tuple(scale.shape)}"
+            )
+    _check_routing("fused_moe_fp8", x, weights, experts)
+    config = config or tile_config_fp8(t * experts.shape[1], num_experts, block)
+    if config["BLOCK_K"] != block_k:
+        raise ValueError(
+            f"fused_moe_fp8: BLOCK_K {config['BLOCK_K']} must be the block's cols ({block_k}): "
+            "a K tile is one activation group"
+        )
+    b13 = _ExpertWeights(w13, FP8_BLOCK, w13_scale, None, 8, block_k, block_n)
+    b2 = _ExpertWeights(w2, FP8_BLOCK, w2_scale, None, 8, block_k, block_n)
+    return _moe(x, b13, b2, weights, experts, config)

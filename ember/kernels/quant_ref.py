@@ -136,3 +136,28 @@ def fp8_matmul_ref(
     else:
         xf = x.float()
     return (xf @ dequantize_fp8(weight, scale, block, torch.float32).T).to(x.dtype)
+
+
+def routed_experts_fp8_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    block: tuple[int, int],
+) -> torch.Tensor:
+    """The per-expert loop of a MoE over FP8 block experts, W8A8 as fused_moe_fp8 computes it:
+    each projection's input quantized per token group of block[1] (fp8_matmul_ref), its result
+    rounded to x's dtype; silu(gate) * up in x's dtype. x [T, H]; w13 [E, 2I, H], w2 [E, H, I]
+    with their block scales; weights and experts [T, k]. Host syncs: eager only."""
+    weights = weights.to(x.dtype)
+    out = torch.zeros_like(x)
+    for e in experts.unique().tolist():
+        token_idx, slot = torch.where(experts == e)
+        gate, up = fp8_matmul_ref(x[token_idx], w13[e], w13_scale[e], block, block[1]).chunk(2, -1)
+        h = F.silu(gate) * up
+        y = fp8_matmul_ref(h, w2[e], w2_scale[e], block, block[1])
+        out.index_add_(0, token_idx, y * weights[token_idx, slot, None])
+    return out

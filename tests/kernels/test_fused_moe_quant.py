@@ -1,0 +1,377 @@
+"""The fused MoE grouped GEMM over quantized experts (ember/kernels/fused_moe.py) against the
+per-expert loop on fresh random inputs: packed INT4/INT8 experts (compressed-tensors' packing;
+groups 32, 64 and channel-wise; with and without zero points) against routed_experts_ref on the
+weights dequantized to x's dtype, and FP8 block experts (W8A8) against routed_experts_fp8_ref,
+which quantizes the activations as the kernel does. One and two tokens take the unsorted path;
+routes are random, all to one expert, or leave experts empty. fp32 in the interpreter, bf16 on
+a GPU at Moonlight's INT4 and a reduced Kimi K2's FP8 expert dims, CUDA graphs included."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+from ember.kernels.fused_moe import (
+    fused_moe_fp8,
+    fused_moe_int,
+    tile_config_fp8,
+    tile_config_int,
+)
+from ember.kernels.quant_ref import FP8_MAX, dequantize_int, routed_experts_fp8_ref
+from ember.models.layers.moe import routed_experts_ref
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# Small tiles so the interpreter's few rows still span several blocks and tiles per expert.
+SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1}
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp8_casts(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Triton 3.6's interpreter rounds float32 to e4m3 with the mantissa's carry ORed into the
+    exponent, so a value that rounds up into the next binade from an odd exponent comes out
+    halved (~2% of random values); the GPU's cvt.rn.satfinite rounds to nearest even. Here the
+    interpreter casts as torch does, so the kernel's quantization is checked, not the emulator."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        import triton.language as tl
+        from triton.runtime import interpreter
+
+        convert = interpreter._convert_float
+
+        def exact(data, src, dst, rounding):  # noqa: ANN001, ANN202 (the interpreter's signature)
+            if src == tl.float32 and dst == tl.float8e4nv:
+                values = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy())
+                return values.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+            return convert(data, src, dst, rounding)
+
+        monkeypatch.setattr(interpreter, "_convert_float", exact)
+    yield
+
+
+def _route(kind: str, tokens: int, experts: int, top_k: int, g: torch.Generator):
+    scores = torch.rand(tokens, experts, generator=g)
+    if kind == "one-expert":  # every token's best expert is expert 3
+        scores[:, 3] += 10
+    elif kind == "empty-experts":  # only experts 0..top_k can win; the rest get no token
+        scores[:, : top_k + 1] += 10
+    elif kind != "random":
+        raise AssertionError(kind)
+    return torch.rand(tokens, top_k, generator=g) + 0.1, scores.topk(top_k, dim=-1).indices
+
+
+def _int_experts(experts, n, k, bits, group, zero, dtype, g):
+    """Random packed INT weights [E, n, k] with scales (and zero points) per group of k."""
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    q = torch.randint(lo, hi + 1, (experts, n, k), generator=g, dtype=torch.int8)
+    groups = k // group
+    # Scales for weights of about 1 / sqrt(k), so every layer's output is about x's size.
+    scale = (torch.rand(experts, n, groups, generator=g) + 0.5) * (2.0 / (hi * k**0.5))
+    zeros = None
+    if zero:
+        zeros = torch.randint(lo // 2, hi // 2 + 1, (experts, n, groups), generator=g)
+        zeros = zeros.to(torch.int8)
+    return pack_to_int32(q, bits), scale.to(dtype), zeros
+
+
+def _check_int(shape, quant, kind, dtype, device, seed, config, tol):
+    """shape: (tokens, experts, top_k, hidden, inter); quant: (bits, group or 0, zero points)."""
+    tokens, experts, top_k, hidden, inter = shape
+    bits, group, zero = quant
+    g = torch.Generator().manual_seed(seed)
+    g13 = group or hidden  # channel-wise: one scale a row
+    g2 = group or inter
+    p13, s13, z13 = _int_experts(experts, 2 * inter, hidden, bits, g13, zero, dtype, g)
+    p2, s2, z2 = _int_experts(experts, hidden, inter, bits, g2, zero, dtype, g)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    weights, chosen = _route(kind, tokens, experts, top_k, g)
+    w13 = dequantize_int(p13, s13, z13, bits, g13, hidden, dtype)
+    w2 = dequantize_int(p2, s2, z2, bits, g2, inter, dtype)
+    want = routed_experts_ref(x.double(), w13.double(), w2.double(), weights.double(), chosen)
+    on = [t.to(device) if t is not None else None for t in (x, p13, s13, z13, p2, s2, z2)]
+    got = fused_moe_int(*on, weights.to(device), chosen.to(device), bits, group, config=config)
+    assert got.shape == x.shape and got.dtype == dtype
+    err = (got.double().cpu() - want).abs().max().item()
+    assert err <= tol * want.abs().max().item(), err
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 5, 40])
+@pytest.mark.parametrize("zero", [False, True], ids=["sym", "asym"])
+@pytest.mark.parametrize("group", [32, 64, 0], ids=["g32", "g64", "channel"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fused_moe_int_matches_the_per_expert_loop(
+    bits: int, group: int, zero: bool, tokens: int, device: str
+) -> None:
+    """K tiles of 32: a group a tile (g32), two tiles a group (g64), a row's K (channel)."""
+    config = {**SMALL, "BLOCK_N": 32, "BLOCK_K": 32}
+    shape, quant = (tokens, 8, 3, 64, 64), (bits, group, zero)
+    _check_int(shape, quant, "random", torch.float32, device, tokens, config, 1e-5)
+
+
+@pytest.mark.parametrize("kind", ["one-expert", "empty-experts"])
+@pytest.mark.parametrize("bits,group,zero", [(4, 32, True), (8, 0, False)])
+def test_fused_moe_int_imbalanced_routes(
+    bits: int, group: int, zero: bool, kind: str, device: str
+) -> None:
+    _check_int((40, 8, 2, 64, 32), (bits, group, zero), kind, torch.float32, device, 5, SMALL, 1e-5)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{**SMALL, "BLOCK_K": 64}, {**SMALL, "BLOCK_K": 128, "BLOCK_N": 32}, None],
+    ids=["two-groups-a-tile", "four-groups-a-tile", "default-tiles"],
+)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fused_moe_int_k_tiles_of_several_groups(bits: int, config, device: str) -> None:
+    """K tiles longer than a group (each tile reads several scales), the default tiles too
+    (BLOCK_K past H and I, masked)."""
+    _check_int(
+        (5, 4, 2, 128, 64), (bits, 32, True), "random", torch.float32, device, 7, config, 1e-5
+    )
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fused_moe_int_channelwise_dims_no_tile_divides(bits: int, device: str) -> None:
+    """Channel-wise scales with H 48 and I 36: K tiles and (for INT4's I) packed words part
+    past the row's end."""
+    _check_int((9, 6, 2, 48, 36), (bits, 0, True), "random", torch.float32, device, 8, SMALL, 1e-5)
+
+
+def _fp8_experts(experts, n, k, block, g):
+    """Random weights [E, n, k] quantized to e4m3 with one scale per block (edge blocks part)."""
+    bn, bk = block
+    w = torch.randn(experts, n, k, generator=g) / k**0.5
+    rows, cols = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(experts, rows * bn, cols * bk)
+    padded[:, :n, :k] = w
+    blocks = padded.view(experts, rows, bn, cols, bk)
+    scale = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-10) / FP8_MAX
+    q = blocks / scale[:, :, None, :, None]
+    return q.view(experts, rows * bn, cols * bk)[:, :n, :k].to(torch.float8_e4m3fn), scale
+
+
+def _check_fp8(
+    tokens, experts, top_k, hidden, inter, block, kind, dtype, device, seed, config, tol
+):
+    g = torch.Generator().manual_seed(seed)
+    w13, s13 = _fp8_experts(experts, 2 * inter, hidden, block, g)
+    w2, s2 = _fp8_experts(experts, hidden, inter, block, g)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    weights, chosen = _route(kind, tokens, experts, top_k, g)
+    args = [t.to(device) for t in (x, w13, s13, w2, s2, weights, chosen)]
+    want = routed_experts_fp8_ref(*args, block)
+    got = fused_moe_fp8(*args, block, config=config)
+    assert got.shape == x.shape and got.dtype == dtype
+    err = (got.double() - want.double()).abs().max().item()
+    assert err <= tol * want.abs().max().item(), err
+
+
+@pytest.mark.parametrize("kind", ["random", "one-expert", "empty-experts"])
+@pytest.mark.parametrize("tokens", [1, 2, 5, 40])
+def test_fused_moe_fp8_matches_the_per_expert_loop(tokens: int, kind: str, device: str) -> None:
+    _check_fp8(tokens, 8, 3, 64, 32, (16, 16), kind, torch.float32, device, tokens, SMALL, 1e-5)
+
+
+@pytest.mark.parametrize(
+    "hidden,inter,block,config",
+    [
+        (40, 32, (16, 16), SMALL),  # H no block divides: partial blocks and K tiles
+        (64, 48, (8, 32), {**SMALL, "BLOCK_K": 32}),  # blocks narrower than the N tiles
+        (256, 128, (128, 128), {**SMALL, "BLOCK_N": 32, "BLOCK_K": 128}),
+    ],
+    ids=["partial-blocks", "rect-blocks", "128x128"],
+)
+@pytest.mark.parametrize("tokens", [2, 5])
+def test_fused_moe_fp8_block_shapes(
+    hidden: int, inter: int, block: tuple[int, int], config, tokens: int, device: str
+) -> None:
+    _check_fp8(tokens, 4, 2, hidden, inter, block, "random", torch.float32, device, 9, config, 1e-5)
+
+
+def test_fused_moe_fp8_default_tiles(device: str) -> None:
+    """The tiles fused_moe_fp8 picks itself (BLOCK_N past 2I and H, masked)."""
+    _check_fp8(5, 4, 2, 48, 32, (16, 16), "random", torch.float32, device, 10, None, 1e-5)
+
+
+def _int_args(hidden=64, inter=32, group=32, bits=4, experts=4):
+    def packed(n, k):
+        return torch.zeros(experts, n, -(-k * bits // 32), dtype=torch.int32)
+
+    def scale(n, k):
+        return torch.ones(experts, n, k // (group if group > 0 else k))
+
+    return {
+        "x": torch.zeros(3, hidden),
+        "w13_packed": packed(2 * inter, hidden),
+        "w13_scale": scale(2 * inter, hidden),
+        "w13_zero": None,
+        "w2_packed": packed(hidden, inter),
+        "w2_scale": scale(hidden, inter),
+        "w2_zero": None,
+        "weights": torch.zeros(3, 2),
+        "experts": torch.zeros(3, 2, dtype=torch.long),
+        "bits": bits,
+        "group_size": group,
+    }
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"hidden": 48}, "H = 48 is not a multiple of the group"),
+        ({"inter": 40}, "I = 40 is not a multiple of the group"),
+        ({"group": 48, "hidden": 96, "inter": 48}, "power of two"),
+        ({"bits": 3}, "3 bits"),
+    ],
+)
+def test_fused_moe_int_refuses_shapes_that_do_not_fit(change: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        fused_moe_int(**_int_args(**change))
+
+
+def test_fused_moe_int_refuses_mismatched_tensors() -> None:
+    args = _int_args()
+    with pytest.raises(ValueError, match="w13_scale must be"):
+        fused_moe_int(**{**args, "w13_scale": torch.ones(4, 64, 3)})
+    with pytest.raises(ValueError, match="w2_zero must be"):
+        fused_moe_int(**{**args, "w2_zero": torch.zeros(4, 64, 2, dtype=torch.int8)})
+    with pytest.raises(ValueError, match="w2_packed must be int32"):
+        fused_moe_int(**{**args, "w2_packed": args["w2_packed"].float()})
+    with pytest.raises(ValueError, match="w2_packed"):
+        fused_moe_int(**{**args, "w2_packed": torch.zeros(4, 32, 4, dtype=torch.int32)})
+    with pytest.raises(ValueError, match="must both be"):
+        fused_moe_int(**{**args, "experts": torch.zeros(2, 2, dtype=torch.long)})
+    with pytest.raises(ValueError, match="BLOCK_K"):
+        fused_moe_int(**args, config={**SMALL, "BLOCK_K": 24})
+
+
+def _fp8_args(hidden=64, inter=32, block=(16, 16), experts=4):
+    bn, bk = block
+
+    def scale(n, k):
+        return torch.ones(experts, -(-n // bn), -(-k // bk))
+
+    return {
+        "x": torch.zeros(3, hidden),
+        "w13": torch.zeros(experts, 2 * inter, hidden, dtype=torch.float8_e4m3fn),
+        "w13_scale": scale(2 * inter, hidden),
+        "w2": torch.zeros(experts, hidden, inter, dtype=torch.float8_e4m3fn),
+        "w2_scale": scale(hidden, inter),
+        "weights": torch.zeros(3, 2),
+        "experts": torch.zeros(3, 2, dtype=torch.long),
+        "block": block,
+    }
+
+
+def test_fused_moe_fp8_refuses_shapes_that_do_not_fit() -> None:
+    with pytest.raises(ValueError, match="I = 24 is not a multiple of the block rows"):
+        fused_moe_fp8(**_fp8_args(inter=24))
+    with pytest.raises(ValueError, match="power of two"):
+        fused_moe_fp8(**_fp8_args(block=(16, 24)))
+    args = _fp8_args()
+    with pytest.raises(ValueError, match="w2_scale must be"):
+        fused_moe_fp8(**{**args, "w2_scale": torch.ones(4, 4, 1)})
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fused_moe_fp8(**{**args, "w13": args["w13"].float()})
+    with pytest.raises(ValueError, match="do not fit"):
+        fused_moe_fp8(**{**args, "x": torch.zeros(3, 48)})
+    with pytest.raises(ValueError, match="BLOCK_K 32 must be the block's cols"):
+        fused_moe_fp8(**args, config={**SMALL, "BLOCK_K": 32})
+
+
+def test_quantized_tile_configs() -> None:
+    assert tile_config_int(8, 64, 4)["BLOCK_M"] == 16
+    assert tile_config_int(8192 * 8, 128, 4)["BLOCK_M"] == 128
+    for pairs in (9, 256 * 9, 8192 * 9):
+        assert tile_config_fp8(pairs, 385, (128, 128))["BLOCK_K"] == 128
+
+
+# Moonlight's routed experts (H 2048, I 1408, 64 experts top 6) plus its 2 shared ones.
+MOONLIGHT = {"experts": 66, "hidden": 2048, "inter": 1408}
+
+
+def _with_shared(chosen: torch.Tensor, weights: torch.Tensor, first_shared: int, shared: int):
+    """Shared experts as always-chosen experts of weight 1 appended to every token's route."""
+    t = chosen.shape[0]
+    ids = torch.arange(first_shared, first_shared + shared).expand(t, shared)
+    return torch.cat([chosen, ids], 1), torch.cat([weights, torch.ones(t, shared)], 1)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 256])
+def test_fused_moe_int4_bf16_at_moonlights_dims(tokens: int) -> None:
+    """W4A16, group 32 (Kimi K2.5's routed experts' format) at Moonlight's expert dims."""
+    g = torch.Generator().manual_seed(11)
+    dtype, hidden, inter, bits = torch.bfloat16, MOONLIGHT["hidden"], MOONLIGHT["inter"], 4
+    p13, s13, _ = _int_experts(66, 2 * inter, hidden, bits, 32, False, dtype, g)
+    p2, s2, _ = _int_experts(66, hidden, inter, bits, 32, False, dtype, g)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    weights, chosen = _route("random", tokens, 64, 6, g)
+    chosen, weights = _with_shared(chosen, weights, 64, 2)
+    w13 = dequantize_int(p13, s13, None, bits, 32, hidden, dtype).cuda()
+    w2 = dequantize_int(p2, s2, None, bits, 32, inter, dtype).cuda()
+    want = routed_experts_ref(x.cuda(), w13, w2, weights.cuda(), chosen.cuda())
+    on = [t.cuda() for t in (x, p13, s13)] + [None] + [t.cuda() for t in (p2, s2)] + [None]
+    got = fused_moe_int(*on, weights.cuda(), chosen.cuda(), bits, 32)
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= 2e-2 * want.float().abs().max().item(), err
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 256])
+def test_fused_moe_fp8_bf16_at_kimi_k2s_dims(tokens: int) -> None:
+    """W8A8 with 128 x 128 blocks at Kimi K2's expert dims (H 7168, I 2048, top 8 + 1 shared),
+    16 routed experts rather than 384 to keep the reference's loop short."""
+    g = torch.Generator().manual_seed(12)
+    block, hidden, inter = (128, 128), 7168, 2048
+    w13, s13 = _fp8_experts(17, 2 * inter, hidden, block, g)
+    w2, s2 = _fp8_experts(17, hidden, inter, block, g)
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    weights, chosen = _route("random", tokens, 16, 8, g)
+    chosen, weights = _with_shared(chosen, weights, 16, 1)
+    args = [t.cuda() for t in (x, w13, s13, w2, s2, weights, chosen)]
+    want = routed_experts_fp8_ref(*args, block)
+    got = fused_moe_fp8(*args, block)
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= 2e-2 * want.float().abs().max().item(), err
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["int4", "fp8"])
+def test_fused_moe_quant_is_captured_in_a_cuda_graph(kind: str) -> None:
+    g = torch.Generator().manual_seed(13)
+    experts, hidden, inter = 16, 256, 128
+    if kind == "int4":
+        p13, s13, z13 = _int_experts(experts, 2 * inter, hidden, 4, 32, True, torch.bfloat16, g)
+        p2, s2, z2 = _int_experts(experts, hidden, inter, 4, 32, True, torch.bfloat16, g)
+        tensors = [t.cuda() for t in (p13, s13, z13, p2, s2, z2)]
+
+        def run(x, weights, chosen):
+            return fused_moe_int(x, *tensors, weights, chosen, 4, 32)
+    else:
+        w13, s13 = _fp8_experts(experts, 2 * inter, hidden, (128, 128), g)
+        w2, s2 = _fp8_experts(experts, hidden, inter, (128, 128), g)
+        tensors = [t.cuda() for t in (w13, s13, w2, s2)]
+
+        def run(x, weights, chosen):
+            return fused_moe_fp8(x, *tensors, weights, chosen, (128, 128))
+
+    x = torch.randn(32, hidden, generator=g).cuda().bfloat16()
+    weights = torch.rand(32, 2, generator=g).cuda()
+    chosen = torch.randint(0, experts, (32, 2), generator=g).cuda()
+    for t in (1, 32):  # unsorted (a block a pair) and sorted by expert
+        run(x[:t], weights[:t], chosen[:t])  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run(x[:t], weights[:t], chosen[:t])
+        chosen.copy_(torch.randint(0, experts, (32, 2), generator=g).cuda())
+        x.copy_(torch.randn(32, hidden, generator=g).cuda().bfloat16())
+        graph.replay()
+        torch.testing.assert_close(out, run(x[:t], weights[:t], chosen[:t]))
