@@ -29,6 +29,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 # Small tiles so the interpreter's few rows still span several blocks and tiles per expert.
 SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1}
+FP8_SMALL = {**SMALL, "BLOCK_K": 32}  # an fp8 tl.dot's least K on NVIDIA GPUs
 
 
 @pytest.fixture(autouse=True)
@@ -173,14 +174,14 @@ def _check_fp8(
 @pytest.mark.parametrize("kind", ["random", "one-expert", "empty-experts"])
 @pytest.mark.parametrize("tokens", [1, 2, 5, 40])
 def test_fused_moe_fp8_matches_the_per_expert_loop(tokens: int, kind: str, device: str) -> None:
-    _check_fp8(tokens, 8, 3, 64, 32, (16, 16), kind, torch.float32, device, tokens, SMALL, 1e-5)
+    _check_fp8(tokens, 8, 3, 64, 32, (16, 32), kind, torch.float32, device, tokens, FP8_SMALL, 1e-5)
 
 
 @pytest.mark.parametrize(
     "hidden,inter,block,config",
     [
-        (40, 32, (16, 16), SMALL),  # H no block divides: partial blocks and K tiles
-        (64, 48, (8, 32), {**SMALL, "BLOCK_K": 32}),  # blocks narrower than the N tiles
+        (40, 32, (16, 32), FP8_SMALL),  # H no block divides: partial blocks and K tiles
+        (64, 48, (8, 32), FP8_SMALL),  # blocks narrower than the N tiles
         (256, 128, (128, 128), {**SMALL, "BLOCK_N": 32, "BLOCK_K": 128}),
     ],
     ids=["partial-blocks", "rect-blocks", "128x128"],
@@ -194,7 +195,7 @@ def test_fused_moe_fp8_block_shapes(
 
 def test_fused_moe_fp8_default_tiles(device: str) -> None:
     """The tiles fused_moe_fp8 picks itself (BLOCK_N past 2I and H, masked)."""
-    _check_fp8(5, 4, 2, 48, 32, (16, 16), "random", torch.float32, device, 10, None, 1e-5)
+    _check_fp8(5, 4, 2, 48, 32, (16, 32), "random", torch.float32, device, 10, None, 1e-5)
 
 
 def _int_args(hidden=64, inter=32, group=32, bits=4, experts=4):
@@ -249,7 +250,7 @@ def test_fused_moe_int_refuses_mismatched_tensors() -> None:
         fused_moe_int(**args, config={**SMALL, "BLOCK_K": 24})
 
 
-def _fp8_args(hidden=64, inter=32, block=(16, 16), experts=4):
+def _fp8_args(hidden=64, inter=32, block=(16, 32), experts=4):
     bn, bk = block
 
     def scale(n, k):
@@ -270,17 +271,18 @@ def _fp8_args(hidden=64, inter=32, block=(16, 16), experts=4):
 def test_fused_moe_fp8_refuses_shapes_that_do_not_fit() -> None:
     with pytest.raises(ValueError, match="I = 24 is not a multiple of the block rows"):
         fused_moe_fp8(**_fp8_args(inter=24))
-    with pytest.raises(ValueError, match="power of two"):
-        fused_moe_fp8(**_fp8_args(block=(16, 24)))
+    for block in ((16, 24), (16, 16)):
+        with pytest.raises(ValueError, match="a power of two >= 32"):
+            fused_moe_fp8(**_fp8_args(block=block))
     args = _fp8_args()
     with pytest.raises(ValueError, match="w2_scale must be"):
-        fused_moe_fp8(**{**args, "w2_scale": torch.ones(4, 4, 1)})
+        fused_moe_fp8(**{**args, "w2_scale": torch.ones(4, 4, 2)})
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         fused_moe_fp8(**{**args, "w13": args["w13"].float()})
     with pytest.raises(ValueError, match="do not fit"):
         fused_moe_fp8(**{**args, "x": torch.zeros(3, 48)})
-    with pytest.raises(ValueError, match="BLOCK_K 32 must be the block's cols"):
-        fused_moe_fp8(**args, config={**SMALL, "BLOCK_K": 32})
+    with pytest.raises(ValueError, match="BLOCK_K 64 must be the block's cols"):
+        fused_moe_fp8(**args, config={**SMALL, "BLOCK_K": 64})
 
 
 def test_quantized_tile_configs() -> None:
