@@ -25,19 +25,19 @@ weight is never written out dequantized.
   fixed order (deterministic, graph-safe; one more launch, only for N below ~8K).
 - **GEMM, more rows** (`_int_gemm_kernel`): BLOCK_M x BLOCK_N tiles launched in grouped order
   (GROUP_M row tiles sweep the column tiles together, so a weight tile is read from HBM once and
-  from L2 after), with the same split-K for grids smaller than the SMs.
+  from L2 after); up to 64 rows, K split in two where the column tiles do not fill the SMs.
 
 M never specializes (`do_not_specialize`): the GEMV has one variant per weight shape, the GEMM
 one per `gemm_config` bucket (two), so start-up compiles them all and no request does.
 
 Speed: not yet measured on a GPU. What sm_90 SASS of the main loop says (Triton 3.6, the
 default tiles, bf16 x and scales), in instructions a weight per thread: int4 channel-wise 5.8,
-groups of 128 6.6, of 32 7.9 (10.9 with zero points); int8 6.1-7.9. An SM issues 128 thread
-instructions a clock, so a 4-bit stream is issue-bound: ~22 weights a clock an SM at 5.8 is
-~2.9 TB/s on an H200 at 1.98 GHz (~70% of the 4.1 TB/s copy rate, 60% of 4.8), ~2.6 TB/s for
-groups of 128; 8-bit weights should be memory-bound. The next lever for int4 is dequantizing
-two weights an instruction (bf16x2 magic numbers and HFMA2, through inline PTX); splitting x
-per plane and the per-step wgmma fences are most of the rest (~1.5 a weight at BLOCK_K 256).
+groups of 128 6.6, of 32 7.9 (10.9 with zero points); int8 6.1-7.9. At 128 thread instructions
+a clock an SM, a 4-bit stream is bound by instruction issue: 5.8 is ~22 weights a clock an SM,
+~2.9 TB/s on an H200 at 1.98 GHz (~70% of the 4.1 TB/s copy rate, 60% of 4.8), groups of 128
+~2.6 TB/s; 8-bit weights should be bound by memory. The next lever for int4 is dequantizing two
+weights an instruction (bf16x2 magic numbers and HFMA2, through inline PTX); splitting x per
+plane and the per-step wgmma fences are most of the rest (~1.5 a weight at BLOCK_K 256).
 What to sweep on an H200, for the N x K of Llama-8B (4096 x 4096, 6144 x 4096, 28672 x 4096,
 4096 x 14336, 128256 x 4096) and Moonlight's experts (2816 x 2048, 2048 x 1408): GEMV BLOCK_N
 {64, 128 with 8 warps}, BLOCK_K {128, 256, 512} * 4 / bits, num_stages {2, 3, 4, 5}, SPLIT_K's
@@ -196,7 +196,8 @@ def _mainloop(
             )
         elif GROUP_SIZE > 0:  # a few groups a step: each one's row terms, picked word by word
             # (Loading the terms word by word instead, [BLOCK_N, BLOCK_KW], stops Triton from
-            # dequantizing in the operand layout: ~10 instructions a weight against ~7.6.)
+            # dequantizing in the operand layout: 10.7 instructions a weight against 7.9, int4
+            # in groups of 32.)
             word_group = (tl.arange(0, BLOCK_KW) // (GROUP_SIZE // PER_WORD))[None, :]
             g = k0 // GROUP_SIZE
             mul, sub = _group_terms(
@@ -371,7 +372,9 @@ def gemv_config(n: int, k: int, bits: int, sms: int = DEFAULT_SMS) -> dict[str, 
       shared memory, ~125 registers): more than HBM's latency-bandwidth product asks of an SM
       (~25 KB).
     - SPLIT_K: ~two programs an SM where the column tiles are fewer than the SMs (N < 8,448:
-      Llama-8B's o and down projections, Moonlight's experts).
+      Llama-8B's o and down projections, Moonlight's experts). The fp32 partial sums add
+      8 * splits * M / K of the weights' bytes (1% at one row, 16% at 16, K = 4096, 5 splits)
+      and a ~1 us launch.
     """
     block_n, block_k = 64, 1024 // bits
     split = _split_k(triton.cdiv(n, block_n), k, block_k, sms)
@@ -379,17 +382,25 @@ def gemv_config(n: int, k: int, bits: int, sms: int = DEFAULT_SMS) -> dict[str, 
 
 
 def gemm_config(m: int, n: int, k: int, bits: int, sms: int = DEFAULT_SMS) -> dict[str, int]:
-    """The GEMM's tiles (tunables), in two buckets of M so that two variants serve every batch:
-    up to 64 rows (batched decode, still bound by the weights' bytes) the GEMV's tiles with 64
-    rows, and split-K where they do not fill the SMs; more rows 128 x 128 tiles over 8 warps,
-    each dequantized weight serving 128 rows (sm_90 SASS: ~9 instructions a weight, whose issue
-    about matches the 128-row wgmma's time; 256-row tiles spilled)."""
+    """The GEMM's tiles (tunables), in two buckets of M; within a bucket nothing depends on M,
+    so one variant serves it (the split too: it is chosen from N and K).
+
+    - Up to 64 rows (batched decode, still bound by the weights' bytes): 64 x 64 tiles, 128
+      fields a step (sm_90 SASS: 9.1 instructions a weight, 80 KB of shared memory, against
+      10.6 and 118 KB at 256: x's planes weigh four times the GEMV's), and K split in two where
+      the column tiles do not fill the SMs (the fp32 partial sums cost 8 * splits * M / K of
+      the weights' bytes: a quarter at 64 rows and K = 4096).
+    - More rows: 128 x 128 tiles over 8 warps, each dequantized weight serving 128 rows (sm_90
+      SASS: ~9 instructions a weight, whose issue about matches the 128-row wgmma's time;
+      256-row tiles spilled), never split.
+    """
     if m <= 64:
-        config = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=1024 // bits, num_warps=4, num_stages=3)
+        config = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=512 // bits, num_warps=4, num_stages=4)
+        split = min(2, _split_k(triton.cdiv(n, 64), k, config["BLOCK_K"], sms))
     else:
         config = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=512 // bits, num_warps=8, num_stages=3)
-    tiles = triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
-    return {**config, "GROUP_M": 8, "SPLIT_K": _split_k(tiles, k, config["BLOCK_K"], sms)}
+        split = 1
+    return {**config, "GROUP_M": 8, "SPLIT_K": split}
 
 
 def _power_of_two(v: int) -> bool:
@@ -442,9 +453,14 @@ def _check(
 
 
 def _check_config(config: dict[str, int], bits: int, gemv: bool) -> None:
-    """The tiles' constraints: powers of two, at least 16 (tl.dot), and BLOCK_K at least 16
-    fields of every word (each plane is a dot over BLOCK_K / per_word)."""
+    """The tiles' keys (the GEMV's or the GEMM's, as M picks) and constraints: powers of two of at
+    least 16 (tl.dot), BLOCK_K at least 16 fields of every word (each plane's dot spans
+    BLOCK_K / per_word)."""
     sizes = ("BLOCK_N", "BLOCK_K") if gemv else ("BLOCK_M", "BLOCK_N", "BLOCK_K")
+    keys = {*sizes, "num_warps", "num_stages", *(() if gemv else ("GROUP_M",))}
+    if set(config) - {"SPLIT_K"} != keys:
+        kernel = "GEMV" if gemv else "GEMM"
+        raise ValueError(f"tiles {config}: the {kernel}'s are {sorted(keys)} and SPLIT_K")
     if not all(_power_of_two(config[s]) and config[s] >= 16 for s in sizes) or (
         config["BLOCK_K"] < 16 * per_word(bits)
     ):
@@ -470,8 +486,8 @@ def int_matmul(
     M <= GEMV_MAX_ROWS takes the GEMV kernel, larger M the GEMM kernel.
 
     bits: 4 or 8. group_size: K (channel-wise), or a power of two of at least 32 that divides K
-    (32, 64, 128 ...). `config` overrides the tiles of `gemv_config` / `gemm_config` (tests,
-    sweeps). Anything else raises ValueError.
+    (32, 64, 128 ...). `config` overrides the tiles of `gemv_config` or `gemm_config`, the ones
+    of the kernel M picks (tests, sweeps). Anything else raises ValueError.
     """
     _check(x, packed, scale, zero_point, bits, group_size)
     m, k = x.shape

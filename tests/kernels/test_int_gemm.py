@@ -203,6 +203,8 @@ def test_shapes_that_do_not_fit_raise() -> None:
         int_matmul(x, packed, scale, zp, 4, 32, config=_small(4, True, BLOCK_K=64))
     with pytest.raises(ValueError, match="powers of two"):
         int_matmul(x, packed, scale, zp, 4, 32, config=_small(4, True, BLOCK_N=24))
+    with pytest.raises(ValueError, match="the GEMV's are"):
+        int_matmul(x, packed, scale, zp, 4, 32, config=_small(4, False))  # 2 rows: the GEMV
     with pytest.raises(ValueError, match=r"scale must be .* \(8, 2\)"):
         int_matmul(x, packed, scale[:, :1], zp, 4, 32)
     with pytest.raises(ValueError, match="scale must be"):
@@ -243,8 +245,8 @@ def test_bf16_real_shapes(m: int, n: int, k: int, bits: int, group: int | str, a
     assert got.dtype == torch.bfloat16 and not got.isnan().any()
     _close(got, int_matmul_ref(*on, bits, group_size), 1e-2)
     # The same bf16 weights multiplied in fp64: what both approximate.
-    w = dequantize_int(packed, scale, zero_point, bits, group_size, k, torch.bfloat16)
-    _close(got, x.double() @ w.double().T, 1e-2)
+    w = dequantize_int(*on[1:], bits, group_size, k, torch.bfloat16)
+    _close(got, on[0].double() @ w.double().T, 1e-2)
 
 
 @pytest.mark.gpu
