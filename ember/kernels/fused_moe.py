@@ -16,6 +16,13 @@ Everything, routing included (ember/kernels/moe_routing.py), is fixed-shape kern
 sync, so the whole MoE layer is captured in CUDA graphs. The reference is FusedMoE's per-expert loop
 (ember/models/layers/moe.py).
 
+Quantized experts take the same kernel, the weight kind a constexpr (`fused_moe_int`,
+`fused_moe_fp8`): packed INT4/INT8 with group scales (compressed-tensors pack-quantized, Kimi
+K2.5's routed experts) are dequantized tile by tile in registers to the activations' dtype
+(W4A16); FP8 experts with 128 x 128 block scales (DeepSeek-V3, Kimi K2) multiply fp8 weights by
+activations quantized to fp8 per token group of 128 in the K loop (W8A8), both scales applied to
+the fp32 accumulator. The formats and their reference math are in ember/kernels/quant_ref.py.
+
 The two numbers, per layer and step: bytes ~= (experts hit) * 3 * H * I * itemsize of weights plus
 the activations; flops = 6 * T * k * H * I. At decode batch 1 only k experts are read (memory
 bound); at batch 256 of a 128-expert model every expert is hit by ~16 rows, still under the ~300
@@ -31,6 +38,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.dispatch import dot_precision
+from ember.kernels.fp8_gemm import _fp8_bits, quantize_fp8_groups, supports_fp8
 from ember.kernels.quant_ref import FP8_MAX, FP8_SCALE_EPS, per_word
 
 UNSORTED_MAX_TOKENS = 2
@@ -192,14 +200,15 @@ def _int_tile(
 
 
 @triton.jit
-def _quantize_rows(a):
+def _quantize_rows(a, HW_CAST: tl.constexpr):
     # The tile's rows are whole activation groups (BLOCK_K == the group): per-row amax, one
-    # float32 scale a row, values to e4m3 (as quant_ref.quantize_fp8_groups, with one reciprocal
-    # a row for the per-element division).
+    # float32 scale a row, values to e4m3 with quant_ref.quantize_fp8_groups' fp32 ops (correctly
+    # rounded divisions, as fp8_gemm's quantizer), so its bits.
     af = a.to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(af), axis=1), _FP8_SCALE_EPS) / _FP8_MAX
-    q = tl.clamp(af * (1.0 / scale)[:, None], -_FP8_MAX, _FP8_MAX).to(tl.float8e4nv)
-    return q, scale
+    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(af), axis=1), _FP8_SCALE_EPS), _FP8_MAX)
+    v = tl.div_rn(af, tl.broadcast_to(scale[:, None], af.shape))
+    v = tl.minimum(tl.maximum(v, -_FP8_MAX), _FP8_MAX)
+    return _fp8_bits(v, HW_CAST).to(tl.float8e4nv, bitcast=True), scale
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
@@ -212,6 +221,7 @@ def _moe_gemm_kernel(
     block_expert_ptr,
     s_ptr,
     z_ptr,
+    as_ptr,
     num_pairs,
     num_experts,
     n_out,
@@ -220,6 +230,7 @@ def _moe_gemm_kernel(
     k_groups,
     a_sm,
     a_sk,
+    as_sm,
     b_se,
     b_sn,
     b_sk,
@@ -244,6 +255,8 @@ def _moe_gemm_kernel(
     SPT: tl.constexpr,
     HAS_ZERO: tl.constexpr,
     BLOCK_SN: tl.constexpr,
+    HW_CAST: tl.constexpr,
+    A_FP8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -252,7 +265,8 @@ def _moe_gemm_kernel(
     # KIND picks how the weight tile is read (see _ExpertWeights); everything else is shared.
     # PACKED_INT: b is int32 words [E, N, k_words], s/z [E, N, k_groups], GROUP elements of K a
     # scale, SPT scale groups a K tile. FP8_BLOCK: b is e4m3 [E, N, K], s [E, N / BLOCK_SN,
-    # K / BLOCK_K]: BLOCK_K is the block's (and the activation group's) width.
+    # K / BLOCK_K]: BLOCK_K is the block's (and the activation group's) width. A_FP8: a is
+    # already e4m3, its scales at as_ptr [rows, K / BLOCK_K]; otherwise a is quantized here.
     # Grouped launch order: GROUP_M row blocks (usually one expert's) sweep the column tiles
     # together, so an expert's weight tile is fetched from HBM once and served from L2 after.
     pid = tl.program_id(0)
@@ -343,7 +357,11 @@ def _moe_gemm_kernel(
                 )
                 acc_up = tl.dot(a, tl.trans(b_up), acc_up, input_precision=PRECISION)
         else:
-            a_q, a_scale = _quantize_rows(a)
+            if A_FP8:  # quantized by fp8_gemm.quantize_fp8_groups, scales [rows, K / BLOCK_K]
+                a_q = a
+                a_scale = tl.load(as_ptr + a_rows * as_sm + k0 // BLOCK_K, mask=valid, other=0.0)
+            else:
+                a_q, a_scale = _quantize_rows(a, HW_CAST)
             b_mask = k_ok[:, None] & col_ok[None, :]
             b = tl.load(b_base + ks[:, None] * b_sk, mask=b_mask, other=0.0)
             k_block = k0 // BLOCK_K
@@ -414,31 +432,38 @@ def tile_config(num_pairs: int, num_experts: int) -> dict[str, int]:
 
 def tile_config_int(num_pairs: int, num_experts: int, bits: int) -> dict[str, int]:
     """Tile sizes for packed INT experts (W4A16 / W8A16), by rows per expert. Tunables, not yet
-    swept on an H200. Few rows an expert: the packed bytes set the time, so narrow column tiles
-    (Moonlight at batch 1: 8 pairs x 2816 / 32 = 704 gate/up programs, enough to fill 132 SMs
-    a few CTAs each) and K tiles of 128 bytes a row keep loads in flight; the dequantization
-    (about five ALU ops a weight) is spread over BLOCK_M rows once rows are many."""
+    swept on an H200 (checked only by offline sm_90 builds: no spills, <= 188 registers).
+
+    Few rows an expert: the packed bytes set the time, so narrow column tiles (Moonlight at batch
+    1: 8 pairs x 1408 / 32 = 352 gate/up programs, 512 down, a few CTAs an SM) and K tiles of
+    128 bytes a row keep loads in flight; dequantizing (~7 instructions a weight) is the other
+    limit there. Many rows: the tensor cores' tiles, the dequantization spread over the rows.
+    """
     per_expert = num_pairs / num_experts
     if per_expert < 12:
         block_k = 256 if bits == 4 else 128
         return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 4}
     if per_expert <= 64:
-        return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+        block_k = 128 if bits == 4 else 64  # int8 at 128 spills
+        return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
 
 
 def tile_config_fp8(num_pairs: int, num_experts: int, block: tuple[int, int]) -> dict[str, int]:
     """Tile sizes for FP8 block experts, by rows per expert; BLOCK_K is the block's width (each
-    K tile one scale per row and column). Tunables, not yet swept on an H200: the starting points
-    are vLLM's tuned block-FP8 MoE configs for an H200 (16 x 128 x 128 tiles over 4 warps up to
-    ~8 rows an expert, 64 rows past that). Kimi K2 at batch 256 has ~6 rows an expert."""
+    K tile one scale per row and column). Tunables, not yet swept on an H200: the decode tiles
+    are vLLM's tuned block-FP8 MoE tiles for an H200 up to ~8 rows an expert (16 x 128 x 128,
+    4 warps); Kimi K2 at batch 256 has ~6. Below 64 rows Triton runs fp8 dots as fp16 MMAs
+    (mma.sync, each fp8 operand unpacked in registers: exact); 64 and up it uses fp8 wgmma.
+    The larger tiles are the ones an offline sm_90 build compiles without spills (two fp32
+    accumulators for gate and up: 128 x 128 over 8 warps spills, 128 x 64 does not)."""
     per_expert = num_pairs / num_experts
     block_k = block[1]
     if per_expert < 12:
         return {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 4}
     if per_expert <= 64:
-        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 4}
-    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": block_k, "num_warps": 8, "num_stages": 3}
+        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": block_k, "num_warps": 8, "num_stages": 4}
+    return {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": block_k, "num_warps": 8, "num_stages": 4}
 
 
 @dataclass(frozen=True, slots=True)
@@ -471,6 +496,7 @@ def _gemm(
     gated: bool,
     config: dict[str, int],
     k_major_out: int = 0,
+    a_scale: torch.Tensor | None = None,
 ) -> None:
     n_out = c.shape[1]
     num_blocks = block_experts.numel()
@@ -488,6 +514,7 @@ def _gemm(
         block_experts,
         scale,
         zero,
+        a_scale if a_scale is not None else scale,
         c.shape[0],
         b.data.shape[0],
         n_out,
@@ -495,6 +522,7 @@ def _gemm(
         b.data.shape[2],
         scale.shape[-1],
         *a.stride(),
+        a_scale.stride(0) if a_scale is not None else 0,
         *b.data.stride(),
         *c.stride(),
         *(scale.stride() if b.scale is not None else (0, 0, 0)),
@@ -512,6 +540,9 @@ def _gemm(
         SPT=spt,
         HAS_ZERO=b.zero is not None,
         BLOCK_SN=b.block_n,
+        # The e4m3 cast in integer ops where the hardware's is missing (Triton's interpreter).
+        HW_CAST=b.kind == FP8_BLOCK and a.is_cuda,
+        A_FP8=a_scale is not None,
         **{"GROUP_M": 8, **config},
     )
 
@@ -534,8 +565,10 @@ def _moe(
     weights: torch.Tensor,
     experts: torch.Tensor,
     config: dict[str, int],
+    act_group: int = 0,
 ) -> torch.Tensor:
-    """The two grouped GEMMs and the top-k sum, once the shapes are checked."""
+    """The two grouped GEMMs and the top-k sum, once the shapes are checked. act_group > 0: each
+    GEMM's input is quantized to e4m3 first, per token group of act_group (one launch each)."""
     t, hidden = x.shape
     num_experts, two_i = w13.data.shape[:2]
     inter = two_i // 2
@@ -549,12 +582,15 @@ def _moe(
         config = {**config, "BLOCK_M": 16}
     else:
         sorted_pairs, block_experts = align_by_expert(experts, num_experts, config["BLOCK_M"])
+    a, a_scale = quantize_fp8_groups(x, act_group) if act_group else (x, None)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    _gemm(x, w13, h, None, sorted_pairs, block_experts, top_k, True, config)
+    _gemm(a, w13, h, None, sorted_pairs, block_experts, top_k, True, config, 0, a_scale)
+    a, a_scale = quantize_fp8_groups(h, act_group) if act_group else (h, None)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     # y comes out [k, T, H]: summing k contiguous slabs is a vectorized add, where the sum over
     # the middle dim of [T, k, H] took 5.5 of Moonlight's 180 ms of an 8 x 2048 prefill.
-    _gemm(h, w2, y, weights.reshape(-1), sorted_pairs, block_experts, 1, False, config, top_k)
+    w = weights.reshape(-1)
+    _gemm(a, w2, y, w, sorted_pairs, block_experts, 1, False, config, top_k, a_scale)
     return sum_slabs(y.view(top_k, t, hidden))
 
 
@@ -679,13 +715,17 @@ def fused_moe_fp8(
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """fused_moe over FP8 experts with one scale per `block` (rows, cols), W8A8 (DeepSeek-V3 /
-    Kimi K2: 128 x 128): each GEMM's input (x for gate/up, h for down) quantized to e4m3 in the
-    K loop, one scale per row and K tile (BLOCK_K == the block's cols == the group), as
-    quant_ref.quantize_fp8_groups; fp8 tl.dot, both scales applied to the fp32 accumulator.
+    Kimi K2: 128 x 128): each GEMM's input (x for gate/up, h for down) quantized to e4m3 per
+    token group of the block's cols, bit for bit as quant_ref.quantize_fp8_groups; fp8 tl.dot a
+    K tile (BLOCK_K == the group), both scales applied to the fp32 accumulator.
 
-    Quantizing in the K loop, rather than in a launch of its own, saves that launch and a write
-    and read of the quantized activations: at decode the A tile is 16 rows beside a 128 x 128
-    weight tile, so the repeated per-tile amax is hidden under the weight loads.
+    Where: config["QUANT_A"] 1 quantizes in the K loop (each tile's rows are whole groups), 0 in
+    a launch of its own before each GEMM (fp8_gemm.quantize_fp8_groups); by default 1 below
+    BLOCK_M 64. In the loop saves two launches and a write and read of the quantized
+    activations, and at decode its cost (~20 instructions an element of a 16-row A tile, the
+    division correctly rounded, beside a 128 x 128 weight tile) hides under the weight loads;
+    but every column tile repeats it, so at 64+ rows a tile (prefill, wgmma) it would outweigh
+    the tensor cores' work, and one pass over the activations is cheaper.
 
     x [T, H]; w13 float8_e4m3fn [E, 2I, H], w13_scale float32 [E, ceil(2I / bn), ceil(H / bk)];
     w2 [E, H, I], w2_scale [E, ceil(H / bn), ceil(I / bk)]; I a multiple of bn (a block holds
@@ -700,6 +740,10 @@ def fused_moe_fp8(
         raise ValueError(
             f"fused_moe_fp8: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} "
             "do not fit [T, H], [E, 2I, H], [E, H, I]"
+        )
+    if not supports_fp8(x):
+        raise ValueError(
+            f"fused_moe_fp8: fp8 tensor cores need compute capability 8.9+ ({x.device})"
         )
     if w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
         raise ValueError(
@@ -726,7 +770,8 @@ def fused_moe_fp8(
                 f"got {tuple(scale.shape)}"
             )
     _check_routing("fused_moe_fp8", x, weights, experts)
-    config = config or tile_config_fp8(t * experts.shape[1], num_experts, block)
+    config = dict(config or tile_config_fp8(t * experts.shape[1], num_experts, block))
+    quant_in_loop = config.pop("QUANT_A", int(config["BLOCK_M"] < 64))
     if config["BLOCK_K"] != block_k:
         raise ValueError(
             f"fused_moe_fp8: BLOCK_K {config['BLOCK_K']} must be the block's cols ({block_k}): "
@@ -734,4 +779,4 @@ def fused_moe_fp8(
         )
     b13 = _ExpertWeights(w13, FP8_BLOCK, w13_scale, None, 8, block_k, block_n)
     b2 = _ExpertWeights(w2, FP8_BLOCK, w2_scale, None, 8, block_k, block_n)
-    return _moe(x, b13, b2, weights, experts, config)
+    return _moe(x, b13, b2, weights, experts, config, 0 if quant_in_loop else block_k)

@@ -8,10 +8,6 @@ a GPU at Moonlight's INT4 and a reduced Kimi K2's FP8 expert dims, CUDA graphs i
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-
-import numpy as np
 import pytest
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
@@ -30,28 +26,6 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 # Small tiles so the interpreter's few rows still span several blocks and tiles per expert.
 SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1}
 FP8_SMALL = {**SMALL, "BLOCK_K": 32}  # an fp8 tl.dot's least K on NVIDIA GPUs
-
-
-@pytest.fixture(autouse=True)
-def _exact_fp8_casts(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Triton 3.6's interpreter rounds float32 to e4m3 with the mantissa's carry ORed into the
-    exponent, so a value that rounds up into the next binade from an odd exponent comes out
-    halved (~2% of random values); the GPU's cvt.rn.satfinite rounds to nearest even. Here the
-    interpreter casts as torch does, so the kernel's quantization is checked, not the emulator."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        import triton.language as tl
-        from triton.runtime import interpreter
-
-        convert = interpreter._convert_float
-
-        def exact(data, src, dst, rounding):  # noqa: ANN001, ANN202 (the interpreter's signature)
-            if src == tl.float32 and dst == tl.float8e4nv:
-                values = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy())
-                return values.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-            return convert(data, src, dst, rounding)
-
-        monkeypatch.setattr(interpreter, "_convert_float", exact)
-    yield
 
 
 def _route(kind: str, tokens: int, experts: int, top_k: int, g: torch.Generator):
@@ -191,6 +165,20 @@ def test_fused_moe_fp8_block_shapes(
     hidden: int, inter: int, block: tuple[int, int], config, tokens: int, device: str
 ) -> None:
     _check_fp8(tokens, 4, 2, hidden, inter, block, "random", torch.float32, device, 9, config, 1e-5)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{**FP8_SMALL, "QUANT_A": 0}, {**FP8_SMALL, "BLOCK_M": 64}],
+    ids=["16-rows", "64-rows-by-default"],
+)
+@pytest.mark.parametrize("tokens", [2, 40])
+def test_fused_moe_fp8_activations_quantized_before_the_gemms(
+    config: dict, tokens: int, device: str
+) -> None:
+    """QUANT_A 0 (the default from BLOCK_M 64): x and h quantized by fp8_gemm's launch, the
+    GEMMs read e4m3 activations and their scales."""
+    _check_fp8(tokens, 8, 3, 64, 32, (16, 32), "random", torch.float32, device, 11, config, 1e-5)
 
 
 def test_fused_moe_fp8_default_tiles(device: str) -> None:
@@ -346,7 +334,7 @@ def test_fused_moe_fp8_bf16_at_kimi_k2s_dims(tokens: int) -> None:
 
 @needs_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["int4", "fp8"])
+@pytest.mark.parametrize("kind", ["int4", "fp8", "fp8-quantized-first"])
 def test_fused_moe_quant_is_captured_in_a_cuda_graph(kind: str) -> None:
     g = torch.Generator().manual_seed(13)
     experts, hidden, inter = 16, 256, 128
@@ -361,9 +349,12 @@ def test_fused_moe_quant_is_captured_in_a_cuda_graph(kind: str) -> None:
         w13, s13 = _fp8_experts(experts, 2 * inter, hidden, (128, 128), g)
         w2, s2 = _fp8_experts(experts, hidden, inter, (128, 128), g)
         tensors = [t.cuda() for t in (w13, s13, w2, s2)]
+        config = None
+        if kind == "fp8-quantized-first":  # activations quantized by a launch of their own
+            config = {**tile_config_fp8(32, experts, (128, 128)), "QUANT_A": 0}
 
         def run(x, weights, chosen):
-            return fused_moe_fp8(x, *tensors, weights, chosen, (128, 128))
+            return fused_moe_fp8(x, *tensors, weights, chosen, (128, 128), config=config)
 
     x = torch.randn(32, hidden, generator=g).cuda().bfloat16()
     weights = torch.rand(32, 2, generator=g).cuda()
