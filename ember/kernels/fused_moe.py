@@ -629,9 +629,11 @@ def _int_weights(
     bits: int,
     group_size: int,
 ) -> _ExpertWeights:
-    """One packed INT projection of logical `shape` (E, N, K), its shapes checked."""
+    """One packed INT projection of logical `shape` (E, N, K), its shapes checked. A group of
+    K or more (or <= 0) is one scale a row: what a channel-wise layer passes as its group is
+    its first projection's K, past the second's."""
     e, n, k = shape
-    group = group_size if group_size > 0 else k
+    group = min(group_size, k) if group_size > 0 else k
     want = (e, n, triton.cdiv(k, per_word(bits)))
     if packed.dtype != torch.int32 or tuple(packed.shape) != want:
         raise ValueError(
@@ -666,8 +668,9 @@ def fused_moe_int(
     x [T, H]; w13_packed int32 [E, 2I, H * bits / 32] (gate rows then up rows), w13_scale
     [E, 2I, H / g], w13_zero int8 [E, 2I, H / g] or None (symmetric); w2_packed int32
     [E, H, I * bits / 32], w2_scale [E, H, I / g], w2_zero or None; bits 4 or 8; group_size g a
-    power of two (32, 64, 128) dividing H and I, or <= 0 for channel-wise (scales [E, N, 1]).
-    weights, experts [T, k] as fused_moe. Returns [T, H] in x's dtype.
+    power of two (32, 64, 128) dividing H and I; <= 0, or not less than a projection's K, is
+    channel-wise for it (scales [E, N, 1]). weights, experts [T, k] as fused_moe. Returns
+    [T, H] in x's dtype.
     """
     pack = per_word(bits)  # refuses bits other than 4 and 8
     t, hidden = x.shape
@@ -678,13 +681,13 @@ def fused_moe_int(
             f"fused_moe_int: x {tuple(x.shape)}, w13_packed {tuple(w13_packed.shape)}, "
             f"w2_packed {tuple(w2_packed.shape)} do not fit [T, H], [E, 2I, .], [E, H, .]"
         )
-    if group_size > 0:
-        if group_size & (group_size - 1) or group_size < pack:
-            raise ValueError(
-                f"fused_moe_int: group_size {group_size} must be a power of two of at least "
-                f"{pack} (or <= 0 for channel-wise scales)"
-            )
-        for dim, size in (("H", hidden), ("I", inter)):
+    for dim, size in (("H", hidden), ("I", inter)):
+        if 0 < group_size < size:  # groups along this projection's K, not one a row
+            if group_size & (group_size - 1) or group_size < pack:
+                raise ValueError(
+                    f"fused_moe_int: group_size {group_size} must be a power of two of at least "
+                    f"{pack} (or <= 0 for channel-wise scales)"
+                )
             if size % group_size:
                 raise ValueError(
                     f"fused_moe_int: {dim} = {size} is not a multiple of the group ({group_size})"
@@ -729,7 +732,7 @@ def fused_moe_fp8(
 
     x [T, H]; w13 float8_e4m3fn [E, 2I, H], w13_scale float32 [E, ceil(2I / bn), ceil(H / bk)];
     w2 [E, H, I], w2_scale [E, ceil(H / bn), ceil(I / bk)]; I a multiple of bn (a block holds
-    gate or up rows, not both); bk a power of two >= 32 (an fp8 tl.dot's least K on NVIDIA
+    gate or up rows, not both), or else w13_scale [E, 2I, ceil(H / bk)] (each row its block's); bk a power of two >= 32 (an fp8 tl.dot's least K on NVIDIA
     GPUs). Returns [T, H] in x's dtype.
     """
     block_n, block_k = block
@@ -753,17 +756,20 @@ def fused_moe_fp8(
         raise ValueError(
             f"fused_moe_fp8: block {tuple(block)} must be (rows >= 1, cols a power of two >= 32)"
         )
-    if inter % block_n:
+    cdiv = triton.cdiv
+    # w13's scales may also come one a row (each row its block's): how a layer stacks gate and
+    # up when I is not a multiple of the block rows.
+    rows13 = 1 if w13_scale.dim() == 3 and w13_scale.shape[1] == two_i else block_n
+    if inter % rows13:
         raise ValueError(
             f"fused_moe_fp8: I = {inter} is not a multiple of the block rows ({block_n}), so a "
-            "scale block would hold both gate and up rows"
+            "scale block would hold both gate and up rows (give w13's scales one a row)"
         )
-    cdiv = triton.cdiv
-    for name, scale, (n, k) in (
-        ("w13_scale", w13_scale, (two_i, hidden)),
-        ("w2_scale", w2_scale, (hidden, inter)),
+    for name, scale, (n, k), bn in (
+        ("w13_scale", w13_scale, (two_i, hidden), rows13),
+        ("w2_scale", w2_scale, (hidden, inter), block_n),
     ):
-        want = (num_experts, cdiv(n, block_n), cdiv(k, block_k))
+        want = (num_experts, cdiv(n, bn), cdiv(k, block_k))
         if tuple(scale.shape) != want:
             raise ValueError(
                 f"fused_moe_fp8: {name} must be {want} for block {tuple(block)}, "
@@ -777,6 +783,6 @@ def fused_moe_fp8(
             f"fused_moe_fp8: BLOCK_K {config['BLOCK_K']} must be the block's cols ({block_k}): "
             "a K tile is one activation group"
         )
-    b13 = _ExpertWeights(w13, FP8_BLOCK, w13_scale, None, 8, block_k, block_n)
+    b13 = _ExpertWeights(w13, FP8_BLOCK, w13_scale, None, 8, block_k, rows13)
     b2 = _ExpertWeights(w2, FP8_BLOCK, w2_scale, None, 8, block_k, block_n)
     return _moe(x, b13, b2, weights, experts, config, 0 if quant_in_loop else block_k)

@@ -58,8 +58,8 @@ def _check_int(shape, quant, kind, dtype, device, seed, config, tol):
     tokens, experts, top_k, hidden, inter = shape
     bits, group, zero = quant
     g = torch.Generator().manual_seed(seed)
-    g13 = group or hidden  # channel-wise: one scale a row
-    g2 = group or inter
+    g13 = min(group, hidden) if group > 0 else hidden  # channel-wise: one scale a row
+    g2 = min(group, inter) if group > 0 else inter
     p13, s13, z13 = _int_experts(experts, 2 * inter, hidden, bits, g13, zero, dtype, g)
     p2, s2, z2 = _int_experts(experts, hidden, inter, bits, g2, zero, dtype, g)
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
@@ -107,6 +107,14 @@ def test_fused_moe_int_k_tiles_of_several_groups(bits: int, config, device: str)
     _check_int(
         (5, 4, 2, 128, 64), (bits, 32, True), "random", torch.float32, device, 7, config, 1e-5
     )
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fused_moe_int_channelwise_as_a_layer_passes_it(bits: int, device: str) -> None:
+    """group_size = H (a channel-wise layer's group for its gate/up): one scale a row for both
+    projections, though I < H."""
+    shape = (5, 4, 2, 64, 32)
+    _check_int(shape, (bits, 64, False), "random", torch.float32, device, 12, SMALL, 1e-5)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -179,6 +187,31 @@ def test_fused_moe_fp8_activations_quantized_before_the_gemms(
     """QUANT_A 0 (the default from BLOCK_M 64): x and h quantized by fp8_gemm's launch, the
     GEMMs read e4m3 activations and their scales."""
     _check_fp8(tokens, 8, 3, 64, 32, (16, 32), "random", torch.float32, device, 11, config, 1e-5)
+
+
+def test_fused_moe_fp8_gate_up_scales_one_a_row(device: str) -> None:
+    """I (24) not a multiple of the block rows (16): gate and up quantized apart, in their own
+    blocks, and w13's scales given one a row (each row its block's)."""
+    g = torch.Generator().manual_seed(13)
+    experts, hidden, inter, block, tokens = 4, 64, 24, (16, 32), 5
+    gate, s_gate = _fp8_experts(experts, inter, hidden, block, g)
+    up, s_up = _fp8_experts(experts, inter, hidden, block, g)
+    w2, s2 = _fp8_experts(experts, hidden, inter, block, g)
+
+    def per_row(scale: torch.Tensor, rows: int) -> torch.Tensor:
+        return scale.repeat_interleave(block[0], 1)[:, :rows]
+
+    w13 = torch.cat([gate, up], 1)
+    s13 = torch.cat([per_row(s_gate, inter), per_row(s_up, inter)], 1)
+    x = torch.randn(tokens, hidden, generator=g)
+    weights, chosen = _route("random", tokens, experts, 2, g)
+    # The reference reads every scale one a row (block (1, 32)): the same weights.
+    want = routed_experts_fp8_ref(
+        x, w13, s13, w2, per_row(s2, hidden), weights, chosen, (1, block[1])
+    )
+    args = [t.to(device) for t in (x, w13, s13, w2, s2, weights, chosen)]
+    got = fused_moe_fp8(*args, block, config=FP8_SMALL).cpu()
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
 def test_fused_moe_fp8_default_tiles(device: str) -> None:
