@@ -81,8 +81,10 @@ def check(
     assert got.shape == (m, n) and got.dtype == dtype
     got, want = got.float().cpu(), want.float()
     # fp32: equal up to the order of the fp32 sums (1e-5 of the row's scale). bf16 / fp16: both
-    # round fp32 sums that differ so to x's dtype: one unit in the last place apart (2**-7 of it).
-    rel = 1e-5 if dtype == torch.float32 else 2.0**-7
+    # round fp32 sums that differ so to x's dtype: one unit in the last place apart, which is
+    # 2**-7 of a value at the bottom of its binade and 2**-6 of one rounded up across it (the
+    # H200 met 16256 against 16384).
+    rel = 1e-5 if dtype == torch.float32 else 2.0**-6
     err = (got - want).abs()
     bound = rel * want.abs() + 1e-5 * want.abs().amax(1, keepdim=True)
     assert (err <= bound).all(), f"max error {err.max().item():.3e}"
@@ -234,14 +236,13 @@ GPU_SHAPES = [(7168, 2048), (2048, 7168), (4096, 7168)]
 def test_fp8_matmul_bf16_at_deepseek_shapes(m: int, n: int, k: int) -> None:
     g = torch.Generator().manual_seed(m + n)
     weight, scale = quantize_weight(torch.randn(n, k, generator=g), (128, 128))
-    weight, scale = weight.cuda(), scale.cuda()
-    x = torch.randn(m, k, generator=g).cuda().bfloat16()
-    got = fp8_matmul(x, weight, scale, (128, 128), 128).float()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    got = fp8_matmul(x.cuda(), weight.cuda(), scale.cuda(), (128, 128), 128).float().cpu()
+    # The reference on the CPU: torch on CUDA divides by 448 as a multiply by 1/448, which can
+    # move a scale's last bit and flip a rare fp8 code of the activations.
     want = fp8_matmul_ref(x, weight, scale, (128, 128), 128).float()
-    # The reference's scale division on CUDA is a multiply by 1/448 (can differ in the last bit
-    # of a scale from the kernel's, flipping a rare fp8 code): compared by norm and max.
-    assert (got - want).norm() / want.norm() < 5e-3
-    assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+    assert (got - want).norm() / want.norm() < 2e-3
+    assert (got - want).abs().max() <= 2.0**-6 * want.abs().max()
 
 
 @needs_cuda
