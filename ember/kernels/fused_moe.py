@@ -167,7 +167,8 @@ def _int_tile(
     # w_ptrs [BLOCK_N, BLOCK_K * BITS / 32]: the tile's packed words; s_ptrs / z_ptrs
     # [BLOCK_N, SPT]: its SPT scale groups. Returns the real weights [BLOCK_N, BLOCK_K] in OUT.
     words = tl.load(w_ptrs, mask=w_ok, other=0)
-    scale = tl.load(s_ptrs, mask=s_ok, other=0.0).to(tl.float32)
+    scale_in = tl.load(s_ptrs, mask=s_ok, other=0.0)
+    scale = scale_in.to(tl.float32)
     if HAS_ZERO:  # noqa: SIM108 (a constexpr branch: the symmetric build loads no zeros)
         zero = tl.load(z_ptrs, mask=s_ok, other=0).to(tl.float32)
     else:
@@ -196,7 +197,8 @@ def _int_tile(
     step = (1 << (j * BITS)).to(tl.float32)[None, None, None, :]
     bias = 8388608.0 + ((1 << (BITS - 1)) + zero)[:, :, None, None] * step
     w = (f - bias) * (scale[:, :, None, None] * (1.0 / step))
-    return tl.reshape(w.to(OUT), (BLOCK_N, BLOCK_K))
+    # Rounded to the scale's dtype, then to x's, as the reference (one cast when they agree).
+    return tl.reshape(w.to(scale_in.dtype).to(OUT), (BLOCK_N, BLOCK_K))
 
 
 @triton.jit

@@ -53,15 +53,17 @@ def _int_experts(experts, n, k, bits, group, zero, dtype, g):
     return pack_to_int32(q, bits), scale.to(dtype), zeros
 
 
-def _check_int(shape, quant, kind, dtype, device, seed, config, tol):
-    """shape: (tokens, experts, top_k, hidden, inter); quant: (bits, group or 0, zero points)."""
+def _check_int(shape, quant, kind, dtype, device, seed, config, tol, scale_dtype=None):
+    """shape: (tokens, experts, top_k, hidden, inter); quant: (bits, group or 0, zero points);
+    the scales in scale_dtype (x's dtype when None)."""
+    scale_dtype = scale_dtype or dtype
     tokens, experts, top_k, hidden, inter = shape
     bits, group, zero = quant
     g = torch.Generator().manual_seed(seed)
     g13 = min(group, hidden) if group > 0 else hidden  # channel-wise: one scale a row
     g2 = min(group, inter) if group > 0 else inter
-    p13, s13, z13 = _int_experts(experts, 2 * inter, hidden, bits, g13, zero, dtype, g)
-    p2, s2, z2 = _int_experts(experts, hidden, inter, bits, g2, zero, dtype, g)
+    p13, s13, z13 = _int_experts(experts, 2 * inter, hidden, bits, g13, zero, scale_dtype, g)
+    p2, s2, z2 = _int_experts(experts, hidden, inter, bits, g2, zero, scale_dtype, g)
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
     weights, chosen = _route(kind, tokens, experts, top_k, g)
     w13 = dequantize_int(p13, s13, z13, bits, g13, hidden, dtype)
@@ -107,6 +109,17 @@ def test_fused_moe_int_k_tiles_of_several_groups(bits: int, config, device: str)
     _check_int(
         (5, 4, 2, 128, 64), (bits, 32, True), "random", torch.float32, device, 7, config, 1e-5
     )
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fused_moe_int_bf16_scales_round_the_weights(bits: int) -> None:
+    """fp32 x with bf16 scales: each weight rounded to bf16 (the scales' dtype) first, as
+    compressed-tensors dequantizes, then to x's dtype. (GPU only: Triton 3.6's interpreter
+    truncates fp32 to bf16 rather than rounding to nearest.)"""
+    shape, quant = (5, 4, 2, 64, 32), (bits, 32, True)
+    _check_int(shape, quant, "random", torch.float32, "cuda", 14, SMALL, 1e-5, torch.bfloat16)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
