@@ -233,8 +233,16 @@ class QuantFusedMoE(FusedMoE):
                 )
             from ember.kernels.fused_moe import fused_moe_fp8
 
+            # The checkpoint's block: w13's scales one a row (`block13`) are recognised by shape.
             return fused_moe_fp8(
-                x, self.w13, self.w13_scale, self.w2, self.w2_scale, weights, experts, self.block13
+                x,
+                self.w13,
+                self.w13_scale,
+                self.w2,
+                self.w2_scale,
+                weights,
+                experts,
+                q.block_for(self.hidden_size),
             )
         return self._reference(x, weights, experts)
 
