@@ -22,6 +22,8 @@ K2.5's routed experts) are dequantized tile by tile in registers to the activati
 (W4A16); FP8 experts with 128 x 128 block scales (DeepSeek-V3, Kimi K2) multiply fp8 weights by
 activations quantized to fp8 per token group of 128 in the K loop (W8A8), both scales applied to
 the fp32 accumulator. The formats and their reference math are in ember/kernels/quant_ref.py.
+Packed INT experts at up to UNSORTED_MAX_TOKENS tokens take a CUDA-core GEMV a pair instead
+(ember/kernels/fused_moe_decode.py).
 
 The two numbers, per layer and step: bytes ~= (experts hit) * 3 * H * I * itemsize of weights plus
 the activations; flops = 6 * T * k * H * I. At decode batch 1 only k experts are read (memory
@@ -32,6 +34,7 @@ flops per byte where an H100 turns compute bound, so the weights' bytes set the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -39,6 +42,7 @@ import triton.language as tl
 
 from ember.kernels.dispatch import dot_precision
 from ember.kernels.fp8_gemm import _fp8_bits, quantize_fp8_groups, supports_fp8
+from ember.kernels.fused_moe_decode import moe_int_decode
 from ember.kernels.quant_ref import FP8_MAX, FP8_SCALE_EPS, per_word
 
 UNSORTED_MAX_TOKENS = 2
@@ -46,7 +50,8 @@ UNSORTED_MAX_TOKENS = 2
 (its expert read from the routing), which saves the alignment's five launches (~6 us of a
 Moonlight layer's ~130 at batch 1 on an H200). A token's k experts are distinct, so at batch 1
 every weight is read once either way; at two tokens an expert both chose is read twice (from L2
-when the two blocks run together). Past that, sorting pays: the rows of an expert share its tiles."""
+when the two blocks run together). Past that, sorting pays: the rows of an expert share its tiles.
+Packed INT experts take ember/kernels/fused_moe_decode.py's GEMVs up to this many tokens."""
 
 
 # Sizes that change from batch to batch (and pointers into sliced tensors) do not specialize:
@@ -661,11 +666,14 @@ def fused_moe_int(
     experts: torch.Tensor,
     bits: int,
     group_size: int,
-    config: dict[str, int] | None = None,
+    config: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """fused_moe over packed INT experts (compressed-tensors pack-quantized, ember/kernels/
     quant_ref.py), W4A16 / W8A16: each weight tile dequantized in registers to x's dtype, as
-    quant_ref.dequantize_int rounds it, and multiplied on the tensor cores.
+    quant_ref.dequantize_int rounds it, and multiplied on the tensor cores. Up to
+    UNSORTED_MAX_TOKENS tokens, a GEMV a (token, expert) pair on the CUDA cores instead
+    (ember/kernels/fused_moe_decode.py, tiles fused_moe_decode.decode_config_int's), which
+    rounds no weight; a config with BLOCK_M keeps those tokens on the tensor cores.
 
     x [T, H]; w13_packed int32 [E, 2I, H * bits / 32] (gate rows then up rows), w13_scale
     [E, 2I, H / g], w13_zero int8 [E, 2I, H / g] or None (symmetric); w2_packed int32
@@ -701,6 +709,10 @@ def fused_moe_int(
         "w2", w2_packed, w2_scale, w2_zero, (num_experts, hidden, inter), bits, group_size
     )
     _check_routing("fused_moe_int", x, weights, experts)
+    if t <= UNSORTED_MAX_TOKENS and (config is None or "BLOCK_M" not in config):
+        # One live row a tile left the tensor cores bound by dequantizing: INT4 experts took
+        # longer than bf16 ones at batch 1.
+        return moe_int_decode(x, w13, w2, weights, experts, config)
     config = config or tile_config_int(t * experts.shape[1], num_experts, bits)
     block_k = config["BLOCK_K"]
     if block_k & (block_k - 1) or block_k < 16:

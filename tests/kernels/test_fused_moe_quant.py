@@ -2,9 +2,15 @@
 per-expert loop on fresh random inputs: packed INT4/INT8 experts (compressed-tensors' packing;
 groups 32, 64 and channel-wise; with and without zero points) against routed_experts_ref on the
 weights dequantized to x's dtype, and FP8 block experts (W8A8) against routed_experts_fp8_ref,
-which quantizes the activations as the kernel does. One and two tokens take the unsorted path;
-routes are random, all to one expert, or leave experts empty. fp32 in the interpreter, bf16 on
-a GPU at Moonlight's INT4 and a reduced Kimi K2's FP8 expert dims, CUDA graphs included."""
+which quantizes the activations as the kernel does. Routes are random, all to one expert, or
+leave experts empty. fp32 in the interpreter, bf16 on a GPU at Moonlight's INT4 and a reduced Kimi
+K2's FP8 expert dims, CUDA graphs included.
+
+INT experts at one and two tokens take the CUDA-core path (ember/kernels/fused_moe_decode.py),
+which rounds no weight: besides the reference's 1e-5 in fp32, its distance to the float64 MLP
+(weights dequantized in float64, no rounding anywhere) must be at most the reference's, in the
+relative norm over the output (tolerance 1.0x), in fp16 and with bf16 scales; a tensor-core
+config (one with BLOCK_M) still runs the grouped GEMM's unsorted blocks there."""
 
 from __future__ import annotations
 
@@ -12,12 +18,14 @@ import pytest
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
+from ember.kernels import fused_moe as fused_moe_module
 from ember.kernels.fused_moe import (
     fused_moe_fp8,
     fused_moe_int,
     tile_config_fp8,
     tile_config_int,
 )
+from ember.kernels.fused_moe_decode import decode_config_int
 from ember.kernels.quant_ref import FP8_MAX, dequantize_int, routed_experts_fp8_ref
 from ember.models.layers.moe import routed_experts_ref
 
@@ -135,6 +143,158 @@ def test_fused_moe_int_channelwise_dims_no_tile_divides(bits: int, device: str) 
     """Channel-wise scales with H 48 and I 36: K tiles and (for INT4's I) packed words part
     past the row's end."""
     _check_int((9, 6, 2, 48, 36), (bits, 0, True), "random", torch.float32, device, 8, SMALL, 1e-5)
+
+
+# The CUDA-core path's small tiles: 16 gate/up columns, K steps of 128 (and 128 rows for down),
+# so the shapes below leave partial steps, partial row tiles and K past the last group.
+DECODE = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "down": {"BLOCK_N": 128}}
+
+
+def _int_case(shape, quant, kind, dtype, seed, scale_dtype=None, device="cpu"):
+    """Random packed experts and a batch on `device`: (fused_moe_int's arguments, the reference,
+    the float64 MLP)."""
+    tokens, experts, top_k, hidden, inter = shape
+    bits, group, zero = quant
+    g = torch.Generator().manual_seed(seed)
+    g13 = min(group, hidden) if group > 0 else hidden
+    g2 = min(group, inter) if group > 0 else inter
+    sdt = scale_dtype or dtype
+    made = _int_experts(experts, 2 * inter, hidden, bits, g13, zero, sdt, g)
+    made += _int_experts(experts, hidden, inter, bits, g2, zero, sdt, g)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    made += (x, *_route(kind, tokens, experts, top_k, g))
+    p13, s13, z13, p2, s2, z2, x, weights, chosen = (
+        t.to(device) if t is not None else None for t in made
+    )
+
+    def mlp(dt: torch.dtype, exact: bool) -> torch.Tensor:
+        # exact: scales in float64 too, so no weight is rounded (quant_ref multiplies in the
+        # scales' dtype).
+        cast = (lambda s: s.double()) if exact else (lambda s: s)
+        w13 = dequantize_int(p13, cast(s13), z13, bits, g13, hidden, dt)
+        w2 = dequantize_int(p2, cast(s2), z2, bits, g2, inter, dt)
+        return routed_experts_ref(x.to(dt), w13, w2, weights.to(dt), chosen)
+
+    args = (x, p13, s13, z13, p2, s2, z2, weights, chosen, bits, group)
+    return args, mlp(dtype, False), mlp(torch.float64, True)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("tokens", [1, 2])
+@pytest.mark.parametrize("zero", [False, True], ids=["sym", "asym"])
+@pytest.mark.parametrize("group", [32, 64, 0], ids=["g32", "g64", "channel"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int_decode_matches_the_per_expert_loop(
+    bits: int, group: int, zero: bool, tokens: int, device: str
+) -> None:
+    """H 192 (a partial K step for gate/up, a partial row tile for down), I 64 (down's K short of
+    a step): fp32, within 1e-5 of the reference."""
+    shape, quant = (tokens, 8, 3, 192, 64), (bits, group, zero)
+    args, want, _ = _int_case(shape, quant, "random", torch.float32, 20 + tokens, device=device)
+    got = fused_moe_int(*args, DECODE)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize(
+    "quant,kind",
+    [((4, 0, True), "one-expert"), ((8, 0, False), "empty-experts"), ((4, 32, True), "random")],
+)
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_int_decode_dims_no_tile_divides(quant, kind: str, tokens: int, device: str) -> None:
+    """H 48, I 36 channel-wise (INT4's I ends mid-word; gate/up's columns end mid-tile), and
+    H 96, I 32 in groups of 32; routes all to one expert or to few."""
+    shape = (tokens, 6, 2, 48, 36) if quant[1] == 0 else (tokens, 6, 2, 96, 32)
+    args, want, _ = _int_case(shape, quant, kind, torch.float32, 30 + tokens, device=device)
+    got = fused_moe_int(*args, {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 2})
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("target", [0, 1, 1000], ids=["whole-k", "split", "a-split-a-step"])
+@pytest.mark.parametrize("bits,zero", [(4, False), (8, True)])
+def test_int_decode_splits_k(bits: int, zero: bool, target: int, device: str) -> None:
+    """SPLIT_TARGET (warps an SM, against 132 SMs in the interpreter) splits K: not at all, in 3
+    (16 programs, 8 steps), a step a split; gate/up then adds its splits in a launch of its own."""
+    shape, quant = (2, 4, 2, 256, 128), (bits, 32, zero)
+    args, want, _ = _int_case(shape, quant, "random", torch.float32, 40, device=device)
+    config = {"BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "SPLIT_TARGET": target}
+    got = fused_moe_int(*args, config)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize(
+    "bits,group,zero", [(4, 32, False), (4, 0, True), (8, 64, True)], ids=["g32", "ch-asym", "i8"]
+)
+def test_int_decode_fp16_is_as_close_to_float64_as_the_reference(
+    bits: int, group: int, zero: bool, device: str
+) -> None:
+    """fp16 x and scales (x read as int64 words of four): the reference rounds every weight to
+    fp16; the kernel rounds none, so its output is no further from the float64 MLP."""
+    shape, quant = (2, 8, 4, 256, 128), (bits, group, zero)
+    args, want, exact = _int_case(shape, quant, "random", torch.float16, 50, device=device)
+    got = fused_moe_int(*args, DECODE)
+    assert got.dtype == torch.float16
+    assert _rel(got, exact) <= _rel(want, exact)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int_decode_bf16_scales_with_fp32_x_round_no_weight(bits: int, device: str) -> None:
+    """fp32 x, bf16 scales: the reference's weights are rounded to bf16 (as compressed-tensors
+    dequantizes), the kernel's are not: it is within fp32 rounding of the float64 MLP, and the
+    reference no nearer."""
+    shape, quant = (2, 8, 3, 192, 64), (bits, 32, True)
+    args, want, exact = _int_case(shape, quant, "random", torch.float32, 60, torch.bfloat16, device)
+    got = fused_moe_int(*args, DECODE)
+    assert _rel(got, exact) <= min(1e-5, _rel(want, exact))
+
+
+def test_int_decode_reads_bf16_x_as_words(device: str) -> None:
+    """bf16 x and scales: x read as int64 words of four bf16 values. Within 5e-2 of the
+    reference: the interpreter truncates to bf16 where a GPU rounds, ~3% off over the MLP's seven
+    roundings here (the GPU tests hold bf16 to the float64 MLP); a misread x is ~100% off."""
+    shape, quant = (2, 8, 3, 192, 64), (4, 32, False)
+    args, want, _ = _int_case(shape, quant, "random", torch.bfloat16, 70, device=device)
+    got = fused_moe_int(*args, DECODE)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - want.float()).abs().max() <= 5e-2 * want.float().abs().max()
+
+
+@pytest.mark.parametrize("tokens,decode", [(1, True), (2, True), (3, False)])
+def test_int_decode_takes_up_to_two_tokens(
+    tokens: int, decode: bool, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default tiles: one and two tokens take the CUDA-core path, three the sorted grouped
+    GEMM; a tensor-core config (BLOCK_M) keeps one token on the grouped GEMM."""
+    calls = []
+    decode_fn = fused_moe_module.moe_int_decode
+    monkeypatch.setattr(
+        fused_moe_module, "moe_int_decode", lambda *a, **k: calls.append(1) or decode_fn(*a, **k)
+    )
+    shape, quant = (tokens, 8, 3, 64, 64), (4, 32, False)
+    args, want, _ = _int_case(shape, quant, "random", torch.float32, 80, device=device)
+    got = fused_moe_int(*args)
+    assert len(calls) == int(decode)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    if tokens == 1:
+        fused_moe_int(*args, SMALL)
+        assert len(calls) == 1
+
+
+def test_int_decode_refuses_bad_tiles() -> None:
+    args = _int_args()
+    one = {
+        **args,
+        "x": args["x"][:1],
+        "weights": args["weights"][:1],
+        "experts": args["experts"][:1],
+    }
+    for config in ({**DECODE, "BLOCK_K": 48}, {**DECODE, "BLOCK_K": 16}, {**DECODE, "BLOCK_N": 24}):
+        with pytest.raises(ValueError, match="BLOCK_K"):
+            fused_moe_int(**one, config=config)
+    assert decode_config_int(4)["BLOCK_K"] == 512 and "BLOCK_M" not in decode_config_int(8)
 
 
 def _fp8_experts(experts, n, k, block, g):
@@ -414,3 +574,45 @@ def test_fused_moe_quant_is_captured_in_a_cuda_graph(kind: str) -> None:
         x.copy_(torch.randn(32, hidden, generator=g).cuda().bfloat16())
         graph.replay()
         torch.testing.assert_close(out, run(x[:t], weights[:t], chosen[:t]))
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_int_decode_bf16_at_moonlights_dims(tokens: int) -> None:
+    """INT4 in groups of 32, bf16, Moonlight's expert dims (16 experts, top 6), the default
+    tiles: within 2e-2 of the reference, and no further from the float64 MLP than it."""
+    shape, quant = (tokens, 16, 6, MOONLIGHT["hidden"], MOONLIGHT["inter"]), (4, 32, False)
+    args, want, exact = _int_case(shape, quant, "random", torch.bfloat16, 90, device="cuda")
+    got = fused_moe_int(*args)
+    assert (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
+    assert _rel(got, exact) <= _rel(want, exact)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, {**DECODE, "SPLIT_TARGET": 64}], ids=["default", "split"])
+def test_int_decode_is_captured_in_a_cuda_graph(config) -> None:
+    """One and two tokens replayed from CUDA graphs on new routes and activations: the same bits
+    as eager calls (with K split too: gate/up's sum launch, down's splits)."""
+    g = torch.Generator().manual_seed(15)
+    experts, hidden, inter = 16, 512, 384
+    made = _int_experts(experts, 2 * inter, hidden, 4, 32, True, torch.bfloat16, g)
+    made += _int_experts(experts, hidden, inter, 4, 32, True, torch.bfloat16, g)
+    tensors = [t.cuda() for t in made]
+
+    def run(x, weights, chosen):
+        return fused_moe_int(x, *tensors, weights, chosen, 4, 32, config=config)
+
+    x = torch.randn(2, hidden, generator=g).cuda().bfloat16()
+    weights = torch.rand(2, 6, generator=g).cuda()
+    chosen = torch.stack([torch.randperm(experts, generator=g)[:6] for _ in range(2)]).cuda()
+    for t in (1, 2):
+        run(x[:t], weights[:t], chosen[:t])  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run(x[:t], weights[:t], chosen[:t])
+        chosen.copy_(torch.stack([torch.randperm(experts, generator=g)[:6] for _ in range(2)]))
+        x.copy_(torch.randn(2, hidden, generator=g).bfloat16())
+        graph.replay()
+        torch.testing.assert_close(out, run(x[:t], weights[:t], chosen[:t]), rtol=0, atol=0)
