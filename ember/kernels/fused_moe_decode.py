@@ -42,7 +42,7 @@ threads and cost a pass through shared memory a step: correct, slower.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import triton
@@ -50,8 +50,10 @@ import triton.language as tl
 
 from ember.kernels.dispatch import num_sms
 
-if TYPE_CHECKING:
-    from ember.kernels.fused_moe import _ExpertWeights
+# fused_moe.py's `ExpertWeights` (one stacked projection: data, scale, zero, bits, group),
+# which calls into this module: typed by its fields' use here, not imported, so the two files
+# do not import each other.
+ExpertWeights = Any
 
 DEFAULT_SMS = 132
 """An H200's streaming multiprocessors: the split-K choice where no GPU can be asked."""
@@ -329,7 +331,7 @@ def _packed_rows(a: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def _gemv(
     a: torch.Tensor,
-    w: _ExpertWeights,
+    w: ExpertWeights,
     experts: torch.Tensor,
     gated: bool,
     config: dict[str, Any],
@@ -395,8 +397,8 @@ def _gemv(
 
 def moe_int_decode(
     x: torch.Tensor,
-    w13: _ExpertWeights,
-    w2: _ExpertWeights,
+    w13: ExpertWeights,
+    w2: ExpertWeights,
     weights: torch.Tensor,
     experts: torch.Tensor,
     config: dict[str, Any] | None = None,
