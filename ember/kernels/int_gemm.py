@@ -713,14 +713,18 @@ def core_gemv_config(n: int, k: int, bits: int, sms: int = DEFAULT_SMS) -> dict[
     - num_warps 2, BLOCK_KW 256 (the layout's one chunk a thread: 128 * num_warps words): 2,048
       int4 fields a step, so Llama's K (4096, 14336) takes no masks, and programs of 64 threads
       (six an SM at 168 registers: 12 warps).
-    - num_stages 2: the next step's words and x load (cp.async) while this one's are multiplied;
-      one more barrier and a shared-memory load a chunk.
-    - SPLIT_K: where the column tiles are fewer than the SMs (N < 1,056), ~two programs an SM.
+    - num_stages and SPLIT_K: as swept (below).
     """
     block_n, warps = 8, 2
     block_kw = CHUNK.value * 32 * warps
-    split = _split_k(triton.cdiv(n, block_n), triton.cdiv(k, per_word(bits)), block_kw, sms)
-    return dict(BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=split, num_warps=warps, num_stages=2)
+    # Swept on an H200 (benchmarks/probes/int_gemv_sweep.py, 14 cases at Llama-8B's and
+    # Moonlight's shapes, 1, 2 and 4 rows): one stage, no split and at most 128 registers a
+    # thread came within 3% of each one-row case's best (geometric mean) and 8% of the
+    # multi-row cases'; the reasoned defaults above with two stages and the split were 1.8-2.5x
+    # slower at one row (qkv 19.4 against 8.2 us).
+    return dict(
+        BLOCK_N=block_n, BLOCK_KW=block_kw, SPLIT_K=1, num_warps=warps, num_stages=1, maxnreg=128
+    )
 
 
 def gemv_config(n: int, k: int, bits: int, sms: int = DEFAULT_SMS) -> dict[str, int]:
