@@ -531,9 +531,12 @@ def test_fused_moe_fp8_bf16_at_kimi_k2s_dims(tokens: int) -> None:
     x = torch.randn(tokens, hidden, generator=g).bfloat16()
     weights, chosen = _route("random", tokens, 16, 8, g)
     chosen, weights = _with_shared(chosen, weights, 16, 1)
-    args = [t.cuda() for t in (x, w13, s13, w2, s2, weights, chosen)]
-    want = routed_experts_fp8_ref(*args, block)
-    got = fused_moe_fp8(*args, block)
+    cpu = [x, w13, s13, w2, s2, weights, chosen]
+    # The reference on the CPU: torch on CUDA divides by 448 as a multiply by 1/448, which can
+    # move an activation scale's last bit and flip a rare fp8 code (the H200 measured 2.1% of
+    # the largest output against a GPU reference; fp8_gemm's tests met the same).
+    want = routed_experts_fp8_ref(*cpu, block)
+    got = fused_moe_fp8(*[t.cuda() for t in cpu], block).cpu()
     err = (got.float() - want.float()).abs().max().item()
     assert err <= 2e-2 * want.float().abs().max().item(), err
 
