@@ -61,6 +61,14 @@ class WeightQuant:
             return 0
         return self.act_group or in_features
 
+    def tensor_names(self) -> tuple[str, ...]:
+        """The checkpoint tensors of one layer stored under this scheme (its own name for the
+        scale: DeepSeek's `weight_scale_inv` reaches the layers as `weight_scale`)."""
+        if self.kind == "fp8":
+            return ("weight", "weight_scale")
+        zero = () if self.symmetric else ("weight_zero_point",)
+        return ("weight_packed", "weight_scale", "weight_shape", *zero)
+
     def describe(self) -> str:
         if self.kind == "int":
             group = f"group {self.group_size}" if self.group_size else "per channel"

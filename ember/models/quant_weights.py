@@ -82,22 +82,15 @@ def quantized_tensors(
     if pending:
         module, parts = sorted(pending.items())[0]
         scheme = quant.scheme_for(module) if quant else None
-        missing = sorted(_needed(scheme) - parts.keys()) if scheme else []
+        missing = sorted(set(scheme.tensor_names()) - parts.keys()) if scheme else []
         raise ValueError(
             f"quantized weight {module!r} lacks {', '.join(missing)} in the checkpoint "
             f"({len(pending)} layer(s) incomplete)"
         )
 
 
-def _needed(scheme: WeightQuant) -> set[str]:
-    if scheme.kind == "fp8":
-        return {"weight", "weight_scale"}
-    needed = {"weight_packed", "weight_scale", "weight_shape"}
-    return needed if scheme.symmetric else needed | {"weight_zero_point"}
-
-
 def _complete(parts: dict[str, torch.Tensor], scheme: WeightQuant) -> bool:
-    return _needed(scheme) <= parts.keys()
+    return set(scheme.tensor_names()) <= parts.keys()
 
 
 def dequantize_layer(

@@ -26,8 +26,35 @@ INT_DUMMY_SCALE = 0.02 / 4.6
 weights come out near the 0.02 of ember's dense dummy weights."""
 
 
-def _param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+def quant_param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+    """An empty parameter of a quantized layer (integer and FP8 ones take no gradient)."""
     return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+
+def init_dummy_quantized(
+    quant: WeightQuant,
+    values: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    gen: torch.Generator,
+) -> None:
+    """Random quantized weights of ember's dummy magnitude: `values` the packed words or FP8
+    values ([N, K'], or stacked experts [E, N, K'], whose FP8 values are drawn one expert at a
+    time so that no float copy of all of them is made), `scale` and `zero` their scales and
+    zero points."""
+    dev = gen.device
+    with torch.no_grad():
+        if quant.kind == "int":
+            values.copy_(
+                torch.randint(-(2**31), 2**31 - 1, values.shape, generator=gen, device=dev)
+            )
+            scale.fill_(INT_DUMMY_SCALE)
+        else:
+            for v in values if values.dim() == 3 else [values]:
+                v.copy_(torch.randn(v.shape, generator=gen, device=dev).to(v.dtype))
+            scale.fill_(0.02)
+        if zero is not None:
+            zero.zero_()
 
 
 class QuantLinear(nn.Module):
@@ -60,10 +87,10 @@ class QuantLinear(nn.Module):
             self.group_size = group = quant.group_for(k)
             if k % group:
                 raise ValueError(f"{name}: group size {group} does not divide its {k} inputs")
-            self.weight_packed = _param((n, -(-k // (32 // quant.bits))), torch.int32)
-            self.weight_scale = _param((n, k // group), dtype)
+            self.weight_packed = quant_param((n, -(-k // (32 // quant.bits))), torch.int32)
+            self.weight_scale = quant_param((n, k // group), dtype)
             if not quant.symmetric:
-                self.weight_zero_point = _param((n, k // group), torch.int8)
+                self.weight_zero_point = quant_param((n, k // group), torch.int8)
         else:
             self.ckpt_block = rows, cols = quant.block_for(k)
             if any(size % rows for size in list(shard_sizes.values())[:-1]):
@@ -72,15 +99,9 @@ class QuantLinear(nn.Module):
                 rows = 1
             self.block = (rows, cols)
             self.act_group = quant.act_group_for(k)
-            self.weight = _param((n, k), torch.float8_e4m3fn)
-            self.weight_scale = _param((-(-n // rows), -(-k // cols)), torch.float32)
-        self.bias = _param((n,), dtype) if bias else None
-
-    def _attrs(self) -> tuple[str, ...]:
-        if self.quant.kind == "fp8":
-            return ("weight", "weight_scale")
-        zero = () if self.quant.symmetric else ("weight_zero_point",)
-        return ("weight_packed", "weight_scale", "weight_shape", *zero)
+            self.weight = quant_param((n, k), torch.float8_e4m3fn)
+            self.weight_scale = quant_param((-(-n // rows), -(-k // cols)), torch.float32)
+        self.bias = quant_param((n,), dtype) if bias else None
 
     def load(self, attr: str, loaded: torch.Tensor, shard: str, source: str) -> str | None:
         """Place checkpoint tensor `source` (this layer's `attr`, of part `shard`); returns
@@ -91,10 +112,10 @@ class QuantLinear(nn.Module):
             self._rows(self.bias, loaded, shard, source)
             self.received.add(("bias", shard))
             return "bias"
-        if attr not in self._attrs():
+        if attr not in self.quant.tensor_names():
             raise ValueError(
                 f"checkpoint tensor {source!r}: {self.name} is quantized ({self.quant.describe()}) "
-                f"and holds {', '.join(self._attrs())}, not {attr!r}"
+                f"and holds {', '.join(self.quant.tensor_names())}, not {attr!r}"
             )
         self.received.add((attr, shard))
         size, k = self.shard_sizes[shard], self.in_features
@@ -159,19 +180,9 @@ class QuantLinear(nn.Module):
         return "weight_scale"
 
     def missing_shards(self, attr: str) -> list[str]:
-        if attr == "weight_scale" or attr in self._attrs() or attr == "bias":
+        if attr == "weight_scale" or attr in self.quant.tensor_names() or attr == "bias":
             return [s for s in self.shard_sizes if (attr, s) not in self.received]
         return []
-
-    def missing_parts(self) -> list[str]:
-        """Checkpoint tensors of this layer no load has brought (`weight_shape` included)."""
-        attrs = (*self._attrs(), *(("bias",) if self.bias is not None else ()))
-        return [
-            f"{s or self.name}.{a}"
-            for a in attrs
-            for s in self.shard_sizes
-            if (a, s) not in self.received
-        ]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -208,20 +219,10 @@ class QuantLinear(nn.Module):
 
     def init_dummy(self, gen: torch.Generator) -> None:
         """Random weights of ember's dummy magnitude (`--load-format dummy`)."""
-        dev = gen.device
-        with torch.no_grad():
-            if self.quant.kind == "int":
-                p = self.weight_packed
-                p.copy_(torch.randint(-(2**31), 2**31 - 1, p.shape, generator=gen, device=dev))
-                self.weight_scale.fill_(INT_DUMMY_SCALE)
-                if not self.quant.symmetric:
-                    self.weight_zero_point.zero_()
-            else:
-                w = torch.randn(self.weight.shape, generator=gen, device=dev)
-                self.weight.copy_(w.to(torch.float8_e4m3fn))
-                self.weight_scale.fill_(0.02)
-            if self.bias is not None:
+        values = self.weight_packed if self.quant.kind == "int" else self.weight
+        init_dummy_quantized(
+            self.quant, values, self.weight_scale, getattr(self, "weight_zero_point", None), gen
+        )
+        if self.bias is not None:
+            with torch.no_grad():
                 self.bias.zero_()
-
-    def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters())

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ember.kernels.dispatch import use_triton
 from ember.kernels.quant_ref import (
@@ -24,7 +23,7 @@ from ember.kernels.quant_ref import (
     unpack_int_rows,
 )
 from ember.models.layers.moe import FusedMoE
-from ember.models.layers.quant_linear import INT_DUMMY_SCALE
+from ember.models.layers.quant_linear import init_dummy_quantized, quant_param
 from ember.models.quant_config import WeightQuant
 from ember.models.quant_weights import weight_shape
 
@@ -34,10 +33,6 @@ _SUFFIX = {
     "weight_scale": "_scale",
     "weight_zero_point": "_zero_point",
 }
-
-
-def _param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
 
 class QuantFusedMoE(FusedMoE):
@@ -72,20 +67,26 @@ class QuantFusedMoE(FusedMoE):
                         f"{self.name}: group size {group} does not divide the experts' {k} inputs"
                     )
                 setattr(
-                    self, f"{w}_packed", _param((total, rows, -(-k // (32 // q.bits))), torch.int32)
+                    self,
+                    f"{w}_packed",
+                    quant_param((total, rows, -(-k // (32 // q.bits))), torch.int32),
                 )
-                setattr(self, f"{w}_scale", _param((total, rows, k // group), dtype))
+                setattr(self, f"{w}_scale", quant_param((total, rows, k // group), dtype))
                 if not q.symmetric:
-                    setattr(self, f"{w}_zero_point", _param((total, rows, k // group), torch.int8))
+                    setattr(
+                        self, f"{w}_zero_point", quant_param((total, rows, k // group), torch.int8)
+                    )
             else:
                 bn, bk = q.block_for(k)
                 if w == "w13" and inter % bn:
                     # Gate rows that end inside a block row: the gate's and up's scales cannot
                     # be stacked, so every row gets its own copy of its block's scales.
                     bn = 1
-                setattr(self, w, _param((total, rows, k), torch.float8_e4m3fn))
+                setattr(self, w, quant_param((total, rows, k), torch.float8_e4m3fn))
                 setattr(
-                    self, f"{w}_scale", _param((total, -(-rows // bn), -(-k // bk)), torch.float32)
+                    self,
+                    f"{w}_scale",
+                    quant_param((total, -(-rows // bn), -(-k // bk)), torch.float32),
                 )
         self.group_size = q.group_for(hidden) if q.kind == "int" else 0
         self.down_group = q.group_for(inter) if q.kind == "int" else 0
@@ -94,12 +95,6 @@ class QuantFusedMoE(FusedMoE):
             if inter % self.block13[0]:
                 self.block13 = (1, self.block13[1])
             self.act13, self.act2 = q.act_group_for(hidden), q.act_group_for(inter)
-
-    def _attrs(self) -> tuple[str, ...]:
-        if self.quant.kind == "fp8":
-            return ("weight", "weight_scale")
-        zero = () if self.quant.symmetric else ("weight_zero_point",)
-        return ("weight_packed", "weight_scale", *zero)
 
     def load(self, attr: str, loaded: torch.Tensor, shard: str, source: str) -> str | None:
         """Place checkpoint tensor `source`: `attr` of part `shard` ('E.gate' | 'E.up' |
@@ -116,10 +111,10 @@ class QuantFusedMoE(FusedMoE):
                     f"{source} says {weight_shape(source, loaded)}; the model's is {(rows, k)}"
                 )
             return None
-        if attr not in self._attrs():
+        if attr not in self.quant.tensor_names():
             raise ValueError(
                 f"checkpoint tensor {source!r}: {self.name} is quantized "
-                f"({self.quant.describe()}) and holds {', '.join(self._attrs())}, not {attr!r}"
+                f"({self.quant.describe()}) and holds {', '.join(self.quant.tensor_names())}, not {attr!r}"
             )
         self.received.add(f"{shard}:{attr}")
         loaded = self._checked(attr, loaded, rows, k, source, part)
@@ -286,20 +281,10 @@ class QuantFusedMoE(FusedMoE):
 
     def init_dummy(self, gen: torch.Generator) -> None:
         """Random experts of ember's dummy magnitude (`--load-format dummy`)."""
-        dev = gen.device
-        with torch.no_grad():
-            for w in ("w13", "w2"):
-                if self.quant.kind == "int":
-                    p = getattr(self, f"{w}_packed")
-                    p.copy_(torch.randint(-(2**31), 2**31 - 1, p.shape, generator=gen, device=dev))
-                    getattr(self, f"{w}_scale").fill_(INT_DUMMY_SCALE)
-                    if not self.quant.symmetric:
-                        getattr(self, f"{w}_zero_point").zero_()
-                else:
-                    p = getattr(self, w)
-                    for e in range(p.shape[0]):  # one expert at a time: no full fp32 copy
-                        p[e].copy_(torch.randn(p.shape[1:], generator=gen, device=dev).to(p.dtype))
-                    getattr(self, f"{w}_scale").fill_(0.02)
+        for w in ("w13", "w2"):
+            values = getattr(self, f"{w}_packed" if self.quant.kind == "int" else w)
+            zero = getattr(self, f"{w}_zero_point", None)
+            init_dummy_quantized(self.quant, values, getattr(self, f"{w}_scale"), zero, gen)
 
 
 def make_fused_moe(
