@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from result_names import result_path  # noqa: E402
 
+from benchmarks.probes.int_gemv_sweep import copy_bandwidth, graph_us  # noqa: E402
 from ember.kernels import fused_moe_decode  # noqa: E402
 from ember.kernels.fused_moe import fused_moe, fused_moe_int, tile_config_int  # noqa: E402
 from ember.kernels.fused_moe_decode import decode_config_int  # noqa: E402
@@ -105,40 +104,6 @@ def label(config: dict[str, Any]) -> str:
     down = config.get("down")
     up = {k: v for k, v in config.items() if k != "down"}
     return one(up) + (f" | down {one({**up, **down})}" if down else "")
-
-
-def graph_us(calls: list[Callable[[], object]], replays: int = 20) -> float:
-    """Median microseconds a call: one CUDA graph holding `calls` back to back, replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times) / len(calls) * 1e3
-
-
-def copy_bandwidth() -> float:
-    """Bytes a second of a 1 GiB device-to-device copy (read + write), from a CUDA graph."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    us = graph_us([lambda: dst.copy_(src)], replays=10)
-    return 2 * src.numel() / (us * 1e-6)
 
 
 class Case:
