@@ -8,6 +8,8 @@
   higher of the two is used);
 - sweep: the mixed requests at Poisson rates (4, 8, 16 req/s): TTFT and TPOT p50/p90, done req/s,
   on the last start only (the warm one when both run);
+- batches (not by default): 64 and then 256 requests of 128 in, 256 out, all sent at once:
+  TPOT p50 (decode at about that batch);
 - agent: an agent's conversation of C tokens (8k, 16k, 32k), then three next turns each adding
   1,024 tokens (a prefix-cache hit on the C): seconds to answer a turn with one token, the
   median next turn's (`/v1/completions` with token ids, one request at a time);
@@ -16,6 +18,10 @@ each on a fresh start (empty compile caches: ember's Triton cache; vLLM's torch.
 and Triton caches) and again on a warm one (the same caches, the server restarted). A start's
 seconds to ready are timed, and the first start's mixed requests are compared one by one with the
 same requests on the warm start ("first minute": no request more than 5% slower, the goal).
+
+`--quant` serves the shape in a scheme of benchmarks/quant_schemes.py (Kimi K2.5's INT4 experts,
+W4A16, DeepSeek's FP8 blocks; `kimi_k2` is Kimi K2's dims, `--layers` as many as fit): both servers
+make dummy weights in that format, so the same config.json is the same checkpoint.
 
 The model is a shape of benchmarks/engine_gpu.py with dummy weights (`--weights files`: random
 weights written as a checkpoint's safetensors, so that each start reads ~16 GB of files as a
@@ -27,6 +33,7 @@ this script.
 
     python benchmarks/served_gpu.py [--shape llama] [--engines ember,vllm] [--loads mixed,b1,sweep,agent]
         [--starts fresh,warm] [--weights dummy|files [--cold-weights]] [--cold-libs]
+        [--quant k25-int4|w4a16-g128|fp8-blocks] [--layers N]
 
 An engine named twice in `--engines` runs twice (the second as `ENGINE#2`, with caches of its own).
 
@@ -52,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_gpu import SHAPES, kv_bytes_per_token, weight_bytes_read  # noqa: E402
+from quant_schemes import KIMI_K2, SCHEMES  # noqa: E402
 from result_names import result_path  # noqa: E402
 
 from ember.cluster import stop_processes  # noqa: E402
@@ -66,6 +74,8 @@ class Loads:
     vocab: str
     agent: tuple[tuple[int, ...], int, int] = ((8192, 16384, 32768), 1024, 3)
     """(conversation lengths, tokens a next turn adds, next turns)."""
+    batches: tuple[tuple[int, ...], int, int] = ((64, 256), 128, 256)
+    """(batch sizes, input, output): B requests sent at once, their TPOT p50 (decode at ~B)."""
 
 
 def b1_bytes(cfg: dict, loads: Loads) -> float:
@@ -87,7 +97,7 @@ def roofline_fracs(report: dict) -> None:
 
 
 GPU_LOADS = Loads((256, 1024, 256), (3, 128, 512), "4,8,16", "10:120000")
-CPU_LOADS = Loads((8, 48, 8), (2, 16, 8), "4,8", "10:300", ((64, 160), 32, 2))
+CPU_LOADS = Loads((8, 48, 8), (2, 16, 8), "4,8", "10:300", ((64, 160), 32, 2), ((4,), 16, 8))
 
 
 def word_tokenizer(model_dir: Path, vocab: int) -> None:
@@ -107,9 +117,28 @@ def word_tokenizer(model_dir: Path, vocab: int) -> None:
     (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def model_dir(shape: str) -> Path:
+ALL_SHAPES = {
+    **SHAPES,
+    "kimi_k2": {k: v for k, v in KIMI_K2.items() if k != "quantization_config"},
+}
+"""engine_gpu's shapes and Kimi K2's (its dims in bf16; `--quant fp8-blocks` as published)."""
+
+
+def shape_config(shape: str, quant: str | None, layers: int | None) -> dict:
+    """config.json of `shape`, in the `quant` scheme of benchmarks/quant_schemes.py (a
+    `quantization_config` both servers read; their dummy weights are then packed INT4 or FP8
+    tensors), with `layers` decoder layers if given."""
+    cfg = dict(ALL_SHAPES[shape])
+    if quant is not None:
+        cfg["quantization_config"] = SCHEMES[quant]
+    if layers is not None:
+        cfg["num_hidden_layers"] = layers
+    return cfg
+
+
+def model_dir(shape: str, cfg: dict) -> Path:
     d = Path(tempfile.mkdtemp(prefix=f"served-{shape}-"))
-    cfg = dict(SHAPES[shape])
+    cfg = dict(cfg)
     cfg.setdefault("bos_token_id", 1)
     cfg.setdefault("eos_token_id", 2)
     (d / "config.json").write_text(json.dumps(cfg))
@@ -327,6 +356,11 @@ def run_loads(url: str, out: Path, tag: str, wanted: list[str], loads: Loads, ag
             doc = bench(url, out, f"{tag}-b1-{i}", (1, *loads.b1[1:]), loads.vocab)
             tpots.append(doc["summary"]["tpot_ms"]["p50"])
         result["b1_tpot_ms"] = sorted(tpots)[len(tpots) // 2]
+    if "batches" in wanted:
+        sizes, inp, outp = loads.batches
+        for b in sizes:
+            doc = bench(url, out, f"{tag}-b{b}", (b, inp, outp), loads.vocab, seed=200 + b)
+            result[f"b{b}_tpot_ms"] = doc["summary"]["tpot_ms"]["p50"]
     if "sweep" in wanted:
         doc = bench(url, out, f"{tag}-sweep", loads.mixed, loads.vocab, loads.sweep_rates, seed=100)
         result["sweep"] = [{"rate": s["rate"], **s["summary"]} for s in doc["sweep"] or []]
@@ -366,7 +400,13 @@ def first_minute(fresh: dict[str, float], warm: dict[str, float]) -> dict[str, f
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", default="llama", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default="llama", choices=sorted(ALL_SHAPES))
+    ap.add_argument(
+        "--quant",
+        choices=sorted(SCHEMES),
+        help="the shape's weights in this scheme (dummy weights only; no roofline column)",
+    )
+    ap.add_argument("--layers", type=int, help="decoder layers (default: the shape's)")
     ap.add_argument("--engines", default="ember,vllm")
     ap.add_argument("--loads", default="mixed,b1,sweep,agent")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -400,13 +440,18 @@ def main() -> None:
     else:
         import torch
 
-        model, loads, gpu = str(model_dir(args.shape)), GPU_LOADS, torch.cuda.get_device_name()
+        cfg = shape_config(args.shape, args.quant, args.layers)
+        model, loads, gpu = str(model_dir(args.shape, cfg)), GPU_LOADS, torch.cuda.get_device_name()
         if args.weights == "files":
+            if args.quant:
+                raise SystemExit("--quant: dummy weights only")
             t = time.perf_counter()
-            size = write_weights(Path(model), SHAPES[args.shape], "cuda")
+            size = write_weights(Path(model), cfg, "cuda")
             print(f"wrote {size / 1e9:.1f} GB of weights in {time.perf_counter() - t:.0f} s")
     work = Path(tempfile.mkdtemp(prefix="served-gpu-"))
     shape = "tiny-qwen3" if args.device == "cpu" else args.shape
+    if args.device == "cuda" and (args.quant or args.layers):
+        shape += f"-{args.quant or 'bf16'}" + (f"-{args.layers}L" if args.layers else "")
     report: dict = {
         "gpu": gpu,
         "shape": shape,
@@ -416,11 +461,12 @@ def main() -> None:
     }
     out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
     out = result_path("served_gpu", gpu, out_dir=out_dir)
-    ceiling = args.device == "cuda" and "b1" in wanted
+    # The roofline counts bf16 bytes: a quantized shape's is benchmarks/quantized_gpu.py's.
+    ceiling = args.device == "cuda" and "b1" in wanted and not args.quant
     if ceiling:
         from engine_gpu import copy_bandwidth
 
-        report["b1_bytes"] = b1_bytes(SHAPES[args.shape], loads)
+        report["b1_bytes"] = b1_bytes(cfg, loads)
         report["copy_bytes_per_s"] = [copy_bandwidth()]
         torch.cuda.empty_cache()
     if args.cold_weights and (args.weights != "files" or args.device != "cuda"):
@@ -505,6 +551,8 @@ def print_table(report: dict) -> None:
     row("mixed, output tok/s", lambda r: f"{r['mixed']['output_throughput']:.0f}")
     row("b1, TPOT p50", lambda r: f"{r['b1_tpot_ms']:.2f} ms")
     row("b1, of the copy roofline", lambda r: f"{r['b1_roofline_frac']:.3f}")
+    for b in report["loads"]["batches"][0]:
+        row(f"b{b} at once, TPOT p50", lambda r, b=b: f"{r[f'b{b}_tpot_ms']:.2f} ms")
     for c in report["loads"]["agent"][0]:
         row(
             f"agent, {c} tokens: first / next turn",

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# On a device machine: the quantized weights' GPU tests, their kernels' sweeps and
-# benchmarks/quantized_gpu.py, each log and results file under $OUT.
-# Usage: bash scripts/quant_gpu.sh [tests,probes,bench] [quantized_gpu.py args...]
+# On a device machine: the quantized weights' GPU tests, their kernels' sweeps,
+# benchmarks/quantized_gpu.py, and ember beside vLLM on the same quantized config.json
+# (served-moonlight: Moonlight in Kimi K2.5's INT4 scheme; served-kimi: Kimi K2's dims in FP8
+# blocks, 5 layers; both need vLLM unpacked: scripts/vllm_device_env.sh), each log and results
+# file under $OUT.
+# Usage: bash scripts/quant_gpu.sh [tests,probes,bench,served-moonlight,served-kimi] [quantized_gpu.py args...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/device_env.sh
@@ -27,5 +30,19 @@ if [[ $what == *bench* ]]; then
   timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/quantized_gpu.py "$@" > "$OUT/quantized_gpu.log" 2>&1
   status=$(( status || $? ))
   grep -a -A40 "^GPU:" "$OUT/quantized_gpu.log"
+fi
+if [[ $what == *served-moonlight* ]]; then
+  timeout "${SERVED_TIMEOUT:-560}" python3 benchmarks/served_gpu.py --shape moonlight \
+    --quant k25-int4 --engines ember,vllm --loads mixed,b1 --starts fresh \
+    > "$OUT/served_moonlight_int4.log" 2>&1
+  status=$(( status || $? ))
+  grep -a -A30 "^## " "$OUT/served_moonlight_int4.log" || tail -30 "$OUT/served_moonlight_int4.log"
+fi
+if [[ $what == *served-kimi* ]]; then
+  timeout "${SERVED_TIMEOUT:-560}" python3 benchmarks/served_gpu.py --shape kimi_k2 \
+    --quant fp8-blocks --layers "${KIMI_LAYERS:-5}" --engines ember,vllm --loads b1,batches \
+    --starts fresh > "$OUT/served_kimi_fp8.log" 2>&1
+  status=$(( status || $? ))
+  grep -a -A30 "^## " "$OUT/served_kimi_fp8.log" || tail -30 "$OUT/served_kimi_fp8.log"
 fi
 exit $status
