@@ -76,6 +76,12 @@ class EngineConfig:
     """Memory this engine lends the shared store, GiB."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding (ember/spec_decode): None is off."""
+    tensor_parallel_size: int = 1
+    """Devices (one process each) that split every layer: heads, MLP widths, vocabulary
+    (ember/distributed, ember/engine/workers.py)."""
+    enable_expert_parallel: bool = False
+    """With tensor_parallel_size > 1: MoE layers split whole experts across the devices rather
+    than each expert's width."""
     cluster_secret: str = field(default="", repr=False)
     """Sent on a decode engine's lease releases (/kv/release is internal); kept out of logs."""
 
@@ -88,6 +94,10 @@ class EngineConfig:
             raise ValueError(f"max_piecewise_tokens must be >= 0, got {self.max_piecewise_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if not 1 <= self.tensor_parallel_size <= 64:
+            raise ValueError(
+                f"tensor_parallel_size must be in [1, 64], got {self.tensor_parallel_size}"
+            )
         if not 0.05 <= self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in [0.05, 1], got {self.gpu_memory_utilization}"
@@ -119,7 +129,7 @@ class EngineConfig:
         budget = self.max_num_batched_tokens or default_token_budget(self.device, max_len)
         if budget < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {budget}")
-        planes, heads, dim = model_config.kv_cache_dims
+        planes, heads, dim = model_config.rank_kv_cache_dims(self.tensor_parallel_size)
         block_bytes = (
             model_config.num_hidden_layers
             * planes

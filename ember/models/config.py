@@ -64,11 +64,20 @@ def parse_dtype(value: str | torch.dtype | None, default: torch.dtype | None = N
 
 
 def kv_cache_shape(
-    cfg: ModelConfig, num_blocks: int, block_size: int, layers: int | None = None
+    cfg: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    layers: int | None = None,
+    tp_size: int | None = None,
 ) -> tuple[int, ...]:
-    """[num_blocks, layers, planes, block_size, heads, dim]: block-major (`cfg.kv_cache_dims`);
-    `layers`: all of the model's by default."""
-    planes, heads, dim = cfg.kv_cache_dims
+    """[num_blocks, layers, planes, block_size, heads, dim]: block-major
+    (`cfg.rank_kv_cache_dims`), one rank's of a tensor-parallel engine of `tp_size` (None: this
+    process's, ember.distributed.state); `layers`: all of the model's by default."""
+    if tp_size is None:
+        from ember.distributed.state import current  # (the engine's side: torch is in)
+
+        tp_size = current().size
+    planes, heads, dim = cfg.rank_kv_cache_dims(tp_size)
     layers = cfg.num_hidden_layers if layers is None else layers
     return (num_blocks, layers, planes, block_size, heads, dim)
 
@@ -137,6 +146,15 @@ class ModelConfig:
         if self.uses_mla:
             return 1, 1, self.kv_lora_rank + self.qk_rope_head_dim
         return 2, self.num_key_value_heads, self.head_dim
+
+    def rank_kv_cache_dims(self, tp_size: int) -> tuple[int, int, int]:
+        """`kv_cache_dims` of one rank of `tp_size`: its share of the KV heads (one, replicated,
+        where the ranks outnumber them: ember.distributed.shard.shard_heads). MLA's latent vector
+        has no heads to split: every rank keeps it whole."""
+        planes, heads, dim = self.kv_cache_dims
+        if self.uses_mla or tp_size == 1:
+            return planes, heads, dim
+        return planes, max(1, heads // tp_size), dim
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
