@@ -17,6 +17,7 @@ import torch
 from ember.attention.context import ForwardContext
 from ember.attention.metadata import AttentionMetadata
 from ember.engine.startup_clock import StartupClock
+from ember.engine.step_plan import GraphInputs
 from ember.engine.warmup import one_layer_of_each_kind
 from ember.kernels.precompile import precompile
 
@@ -168,6 +169,8 @@ class DecodeGraphs:
         self._capture_stream: torch.cuda.Stream | None = None
         self._prepared: tuple[int, int, int, int] = (0, 0, 0, 0)
         self.compiled_at_capture = 0
+        self._width = 1
+        """Block-table columns the staged step uses."""
         """Triton variants the start-up compile left to the capture (none, where it ran dry)."""
 
     def size_for(self, n: int, verifying: bool = False) -> int | None:
@@ -321,17 +324,11 @@ class DecodeGraphs:
             max_decode_group=self.max_group if grouped else 1,
         )
 
-    def replay(
-        self,
-        so: SchedulerOutput,
-        order: list[int],
-        size: int,
-        prev_rows: dict[str, int],
-        verifying: bool = False,
-    ) -> torch.Tensor:
-        """Run the decode batch `order` of `so` (its verifications as one row per position)
-        padded to `size` on a decode graph (on a verify graph if `verifying`); returns the graph's
-        logits, one row per position."""
+    def stage(
+        self, so: SchedulerOutput, order: list[int], size: int, prev_rows: dict[str, int]
+    ) -> int:
+        """Write the decode batch `order` of `so` (its verifications as one row per position),
+        padded to `size`, into the pinned staging buffers `launch` copies from; returns its rows."""
         # The pinned staging buffers are reused every step: wait until their last copy is done
         # (normally long done: it was queued before the previous step's graph).
         self._staged.synchronize()
@@ -346,6 +343,33 @@ class DecodeGraphs:
         rows[4, n:size] = -1
         rows[5, n:size] = 1
         tables[n:size, 0] = 0
+        self._width = max([1, *(len(b) for b in so.block_ids)])
+        return n
+
+    def staged(self, size: int, verifying: bool, with_buffers: bool) -> GraphInputs:
+        """The staged step as a plan's graph part; `with_buffers`: its staging buffers' used
+        part too (for the other ranks of a tensor-parallel engine, `stage_from`)."""
+        if not with_buffers:
+            return GraphInputs(size, verifying, b"", b"", 0)
+        w = self._width
+        return GraphInputs(
+            size,
+            verifying,
+            self._h_rows.numpy()[:, :size].tobytes(),
+            self._h_tables.numpy()[:size, :w].tobytes(),
+            w,
+        )
+
+    def stage_from(self, g: GraphInputs) -> None:
+        """Another rank's staged step (`staged`) into this rank's staging buffers."""
+        self._staged.synchronize()
+        self._h_rows.numpy()[:, : g.size] = np.frombuffer(g.rows, np.int64).reshape(6, g.size)
+        tables = np.frombuffer(g.tables, np.int32).reshape(g.size, g.width)
+        self._h_tables.numpy()[: g.size, : g.width] = tables
+
+    def launch(self, size: int, verifying: bool = False) -> torch.Tensor:
+        """Replay the graph of `size` (a verify graph if `verifying`) on the staged rows; returns
+        the graph's logits, one row per position."""
         self._rows.copy_(self._h_rows, non_blocking=True)
         self._tables[:size].copy_(self._h_tables[:size], non_blocking=True)
         self._staged.record()

@@ -22,12 +22,14 @@ import torch
 from ember.attention.backend import AttentionBackend
 from ember.attention.context import ForwardContext
 from ember.attention.metadata import AttentionMetadata
+from ember.distributed import comm
 from ember.engine.cuda_graphs import DecodeGraphs, feed_input_ids, feed_row
 from ember.engine.eagle3_step import draft_after_step
 from ember.engine.piecewise_graphs import PiecewiseGraphs
 from ember.engine.prompt_logprobs import PromptScoring, plan_prompt_scoring
 from ember.engine.sampler import Sampler, SamplerOutput, score_tokens
 from ember.engine.sampling_rows import sample_rows
+from ember.engine.step_plan import EagerInputs, StepPlan
 from ember.engine.warmup import blocks_of, dummy_inputs, layers_of_each_kind, profile_runs
 from ember.models.config import kv_cache_shape
 from ember.spec_decode.verify import last_rows, num_accepted, verify_rows
@@ -69,6 +71,20 @@ class ModelRunnerOutput:
     decoding), which come before `sampled`; empty for most."""
     drafts: list[list[int]] = field(default_factory=list)
     """With a draft head (EAGLE-3): the drafts for each request's next step."""
+
+
+@dataclass(slots=True)
+class DriverStep:
+    """Rank 0's view of a planned step: the batch and the requests behind its sampling rows."""
+
+    so: SchedulerOutput
+    order: list[int]
+    ends: list[int]
+    index: list[int]
+    """Batch position of each sampling request."""
+    reqs: list[Request]
+    drafts: list[list[int]]
+    prompt: PromptScoring | None
 
 
 @dataclass(slots=True)
@@ -139,6 +155,8 @@ class ModelRunner:
         """EAGLE-3: drafts from the target's hidden states after each step (ember/spec_decode/eagle3)."""
         self.num_draft_tokens = 0
         """K: the drafts the head chains per request and step."""
+        self.send_plan: Callable[[StepPlan], None] | None = None
+        """On a tensor-parallel engine's rank 0: hands each step's plan to the other ranks."""
 
     def allocate_kv_cache(self, num_blocks: int, allocate: Allocator | None = None) -> None:
         """`allocate(shape, dtype, device)`: where the cache's memory comes from (a KV
@@ -159,6 +177,10 @@ class ModelRunner:
         self, so: SchedulerOutput, order: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flat inputs for the requests in `order` (decodes first, as the attention backend wants)."""
+        return self.tensors(self.eager_inputs(so, order))
+
+    def eager_inputs(self, so: SchedulerOutput, order: list[int]) -> EagerInputs:
+        """The host's part of `prepare`: the step's flat inputs and metadata as lists."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -187,26 +209,41 @@ class ModelRunner:
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
             tables.append(blocks)
-        width = max(len(b) for b in tables)
-        flat = [b + [0] * (width - len(b)) for b in tables]
-        md = AttentionMetadata(
-            query_start_loc=self._tensor(qsl, torch.int32),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            block_tables=self._tensor(flat, torch.int32),
-            slot_mapping=self._tensor(slots, torch.int64),
+        return EagerInputs(
+            input_ids=input_ids,
+            positions=positions,
+            slots=slots,
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_tables=tables,
             max_query_len=max(so.num_scheduled_tokens),
-            max_seq_len=max(seq_lens),
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
             num_decodes=sum(so.num_scheduled_tokens[i] == 1 for i in order),
+            fed=fed,
+            fed_from=fed_from,
         )
-        ids = self._tensor(input_ids, torch.int64)
-        if fed:
-            src = [-1] * len(input_ids)
-            for dst, row in zip(fed, fed_from, strict=True):
+
+    def tensors(self, e: EagerInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The device's part of `prepare`: input ids, positions and attention metadata."""
+        width = max(len(b) for b in e.block_tables)
+        flat = [b + [0] * (width - len(b)) for b in e.block_tables]
+        md = AttentionMetadata(
+            query_start_loc=self._tensor(e.query_start_loc, torch.int32),
+            seq_lens=self._tensor(e.seq_lens, torch.int32),
+            block_tables=self._tensor(flat, torch.int32),
+            slot_mapping=self._tensor(e.slots, torch.int64),
+            max_query_len=e.max_query_len,
+            max_seq_len=max(e.seq_lens),
+            query_start_loc_cpu=e.query_start_loc,
+            seq_lens_cpu=e.seq_lens,
+            num_decodes=e.num_decodes,
+        )
+        ids = self._tensor(e.input_ids, torch.int64)
+        if e.fed:
+            src = [-1] * len(e.input_ids)
+            for dst, row in zip(e.fed, e.fed_from, strict=True):
                 src[dst] = row
             ids = feed_input_ids(ids, self._tensor(src, torch.int64), self.prev_tokens)
-        return ids, self._tensor(positions, torch.int64), md
+        return ids, self._tensor(e.positions, torch.int64), md
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -216,8 +253,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, so: SchedulerOutput) -> PendingStep:
-        """Queue one step's forward pass and sampling on the device; returns without waiting."""
+        """Queue one step's forward pass and sampling on the device; returns without waiting.
+        On a tensor-parallel engine the step's plan goes to the other ranks first
+        (`send_plan`), which run it beside this one."""
         launched_at = time.perf_counter()
+        plan, driver = self.plan(so)
+        if self.send_plan is not None:
+            self.send_plan(plan)
+        return self.run(plan, driver, launched_at)
+
+    def plan(self, so: SchedulerOutput) -> tuple[StepPlan, DriverStep]:
+        """Decide a step on the host: the rows, the graph or the eager inputs, what samples and
+        what is scored (the plan every rank runs), and the requests behind them (this rank's)."""
         n = len(so.requests)
         # Decode rows first: the attention backend runs them through the decode kernel.
         order = sorted(range(n), key=lambda i: so.num_scheduled_tokens[i] != 1)
@@ -233,9 +280,6 @@ class ModelRunner:
         graph_bs = (
             self.graphs.size_for(num_rows, verifying) if all_decode and self.graphs.graphs else None
         )
-        timing = self._timing_events() if self.gpu_timing else None
-        if timing is not None:
-            timing[0].record()
         # Where each request's tokens end in the step's flat layout (a graph's rows are that
         # layout too), and the positions whose logits sample: a sampling request's last one, or
         # with k drafts its last k + 1 (every verified position samples).
@@ -245,54 +289,99 @@ class ModelRunner:
             drafts = []
         sample_ends = [ends[j] for j in rows]
         sample_at = verify_rows(sample_ends, drafts) if drafts else [e - 1 for e in sample_ends]
-        scores = None
+        plan = StepPlan(n, sample_at, num_sampling=len(rows))
         if graph_bs is not None:
-            logits = self.graphs.replay(so, order, graph_bs, self._prev_rows, verifying)
-            if len(sample_at) == num_rows:  # every row samples: a slice, no index to copy over
-                logits = logits[:num_rows]
-            else:  # a one-token prompt chunk that does not end its prompt samples nothing
-                logits = logits[self._tensor(sample_at, torch.int64)]
+            self.graphs.stage(so, order, graph_bs, self._prev_rows)
+            plan.graph = self.graphs.staged(graph_bs, verifying, self.send_plan is not None)
+            plan.num_rows = num_rows
         else:
-            ids, positions, md = self.prepare(so, order)
+            plan.eager = self.eager_inputs(so, order)
+        if prompt is not None:
+            plan.score_rows, plan.score_targets = prompt.rows, prompt.targets
+            plan.score_want = max(span[3] for span in prompt.spans)
+        if drafts:
+            plan.last_rows = last_rows(drafts)
+        reqs = [so.requests[order[j]] for j in rows]
+        # The next step feeds each request's token from the row this step samples it in.
+        self._prev_rows = {r.request_id: j for j, r in enumerate(reqs)}
+        driver = DriverStep(so, order, ends, [order[j] for j in rows], reqs, drafts, prompt)
+        return plan, driver
+
+    @torch.inference_mode()
+    def run(
+        self, plan: StepPlan, driver: DriverStep | None, launched_at: float = 0.0
+    ) -> PendingStep:
+        """Queue a planned step on this rank's device. `driver`: rank 0's view of the step (its
+        requests, which sample); None on the other ranks, which run the same forward pass and
+        collectives and take rank 0's sampled tokens."""
+        timing = self._timing_events() if self.gpu_timing else None
+        if timing is not None:
+            timing[0].record()
+        scores = None
+        if plan.graph is not None:
+            if driver is None:
+                self.graphs.stage_from(plan.graph)
+            logits = self.graphs.launch(plan.graph.size, plan.graph.verifying)
+            if len(plan.sample_at) == plan.num_rows:  # every row samples: a slice, no index
+                logits = logits[: plan.num_rows]
+            else:  # a one-token prompt chunk that does not end its prompt samples nothing
+                logits = logits[self._tensor(plan.sample_at, torch.int64)]
+        else:
+            assert plan.eager is not None
+            ids, positions, md = self.tensors(plan.eager)
             size = self.piecewise.size_for(ids.shape[0])
             if size is not None:
                 hidden = self.piecewise.run(ids, positions, md, size)
             else:
                 ctx = ForwardContext(md, self.kv_cache, self.backend)
                 hidden = self.model(ids, positions, ctx)
-            scores = None if prompt is None else self._score_prompt(hidden, prompt)
-            if not rows:
-                self._prev_rows = {}
-                step = PendingStep(n, [], [], None, prompt=prompt, prompt_scores=scores)
+            if plan.score_rows:
+                scores = self._score_prompt(
+                    hidden, plan.score_rows, plan.score_targets, plan.score_want
+                )
+            if not plan.sample_at:
+                prompt = driver.prompt if driver is not None else None
+                step = PendingStep(plan.num_requests, [], [], None, prompt=prompt)
+                step.prompt_scores = scores if driver is not None else None
                 step.launched_at = launched_at
-                self._keep_aux(step, so, order, ends)
+                if driver is not None:
+                    self._keep_aux(step, driver.so, driver.order, driver.ends)
                 return self._queued(step)
-            logits = self.model.compute_logits(hidden[self._tensor(sample_at, torch.int64)])
+            logits = self.model.compute_logits(hidden[self._tensor(plan.sample_at, torch.int64)])
         if timing is not None:
             timing[1].record()
-        reqs = [so.requests[order[j]] for j in rows]
-        out = self._sample(logits, reqs, drafts)
-        if drafts:  # the next step may feed each request's last row (the others wait for theirs)
-            out_last = out.sampled[self._tensor(last_rows(drafts), torch.int64)]
-            self.prev_tokens[: len(reqs)].copy_(out_last)
+        out = None
+        if driver is not None:
+            out = self._sample(logits, driver.reqs, driver.drafts)
+            sampled = out.sampled
         else:
-            self.prev_tokens[: len(reqs)].copy_(out.sampled)
-        self._prev_rows = {r.request_id: j for j, r in enumerate(reqs)}
+            sampled = torch.empty(len(plan.sample_at), dtype=torch.int64, device=self.device)
+        # Every rank feeds the next step the tokens rank 0 sampled (its sampler alone sees the
+        # requests' parameters, grammars and generators).
+        comm.broadcast(sampled, src=0)
+        if plan.last_rows:  # the next step may feed each request's last row
+            self.prev_tokens[: plan.num_sampling].copy_(
+                sampled[self._tensor(plan.last_rows, torch.int64)]
+            )
+        else:
+            self.prev_tokens[: plan.num_sampling].copy_(sampled)
+        if driver is None or out is None:
+            return PendingStep(plan.num_requests, [], [], None)
         step = PendingStep(
-            n,
-            [order[j] for j in rows],
-            [r.sampling_params.logprobs for r in reqs],
+            plan.num_requests,
+            driver.index,
+            [r.sampling_params.logprobs for r in driver.reqs],
             self._to_host(out.sampled),
             self._to_host(out.logprobs),
             self._to_host(out.logprob_token_ids),
             self._to_host(out.sampled_ranks),
-            prompt=prompt,
+            prompt=driver.prompt,
             prompt_scores=scores,
             timing=timing,
             launched_at=launched_at,
-            drafts=drafts,
+            drafts=driver.drafts,
         )
-        self._keep_aux(step, so, order, ends)
+        self._keep_aux(step, driver.so, driver.order, driver.ends)
         return self._queued(step)
 
     def _keep_aux(
@@ -378,14 +467,15 @@ class ModelRunner:
         )
 
     def _score_prompt(
-        self, hidden: torch.Tensor, scoring: PromptScoring
+        self, hidden: torch.Tensor, rows: list[int], targets: list[int], want: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Only the asking requests' rows pay for logits and a float32 log-softmax."""
-        rows = self._tensor(scoring.rows, torch.int64)
-        targets = self._tensor(scoring.targets, torch.int64)
-        want = max(span[3] for span in scoring.spans)
         scores = score_tokens(
-            hidden[rows], targets, want, self.model.compute_logits, self.config.vocab_size
+            hidden[self._tensor(rows, torch.int64)],
+            self._tensor(targets, torch.int64),
+            want,
+            self.model.compute_logits,
+            self.config.vocab_size,
         )
         lp, ids, ranks = (self._copy_to_host(t) for t in scores)
         return lp, ids, ranks

@@ -707,7 +707,15 @@ def test_graph_rows_are_matched_to_their_requests(llama: Path) -> None:
         def size_for(self, n: int, verifying: bool = False) -> int:
             return 8
 
-        def replay(self, so, order, size, prev_rows, verifying=False):  # type: ignore[no-untyped-def]
+        def stage(self, so, order, size, prev_rows):  # type: ignore[no-untyped-def]
+            return 5
+
+        def staged(self, size, verifying, with_buffers):  # type: ignore[no-untyped-def]
+            from ember.engine.step_plan import GraphInputs
+
+            return GraphInputs(size, verifying, b"", b"", 0)
+
+        def launch(self, size, verifying=False):  # type: ignore[no-untyped-def]
             assert verifying  # a verification is in the batch: the verify graphs replay
             return torch.nn.functional.one_hot(torch.arange(size) + 100, vocab).float()
 

@@ -1,0 +1,78 @@
+"""A step as the devices of a tensor-parallel engine run it: everything the model runner decides
+on the host (the flat inputs, the attention metadata's lists, which graph, which rows sample,
+which prompt positions are scored), so that the other ranks run the same forward pass without
+the scheduler's view of the requests (ember/engine/workers.py).
+
+Rank 0 plans each step once (`ModelRunner.plan`), sends the plan, and every rank runs it
+(`ModelRunner.run`). Lists of ints and the decode graph's staging buffers as raw bytes, in
+msgpack (msgspec): no tensor is pickled on the way."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class EagerInputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A step outside the decode graphs: its flat inputs and attention metadata (the lists
+    `ModelRunner.tensors` turns into device tensors)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    max_query_len: int
+    num_decodes: int
+    fed: list[int] = []
+    """Flat positions whose token the previous step sampled on the device (async scheduling)."""
+    fed_from: list[int] = []
+    """For each of `fed`: its row in the previous step's sampled tokens."""
+
+
+class GraphInputs(msgspec.Struct, array_like=True):
+    """A step replayed on a decode graph: the graph and its staging buffers' used part."""
+
+    size: int
+    verifying: bool
+    rows: bytes
+    """int64 [6, size] (ember/engine/cuda_graphs.fill_rows)."""
+    tables: bytes
+    """int32 [size, width]: the block tables' used columns."""
+    width: int
+
+
+class StepPlan(msgspec.Struct, tag="step", array_like=True, omit_defaults=True):
+    num_requests: int
+    sample_at: list[int]
+    """Flat rows whose logits sample, in sampling order (every verified position of a request
+    with drafts)."""
+    graph: GraphInputs | None = None
+    eager: EagerInputs | None = None
+    num_rows: int = 0
+    """A graph step's rows (its logits' used part)."""
+    num_sampling: int = 0
+    """Requests that sample: the first rows of the next step's `prev_tokens`."""
+    last_rows: list[int] = []
+    """With drafts: each sampling request's last sampled row (the token the next step feeds);
+    empty: the sampled rows themselves."""
+    score_rows: list[int] = []
+    """Prompt logprobs: the flat rows scored, their target tokens and the alternatives wanted."""
+    score_targets: list[int] = []
+    score_want: int = 0
+
+
+class StopWorkers(msgspec.Struct, tag="stop", array_like=True):
+    """The engine is closing: the workers leave their loop."""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(StepPlan | StopWorkers)
+
+
+def encode(msg: StepPlan | StopWorkers) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> StepPlan | StopWorkers:
+    return _decoder.decode(data)
