@@ -29,6 +29,13 @@ The two numbers, per layer and step: bytes ~= (experts hit) * 3 * H * I * itemsi
 the activations; flops = 6 * T * k * H * I. At decode batch 1 only k experts are read (memory
 bound); at batch 256 of a 128-expert model every expert is hit by ~16 rows, still under the ~300
 flops per byte where an H100 turns compute bound, so the weights' bytes set the floor there too.
+
+Expert parallel (`foreign=True`): a rank holds E of the model's experts, and its layer maps each
+route to local ids, E for an expert another rank holds. Such a pair is skipped and adds nothing:
+the unsorted path's block and the sorted path's run of id E stop at the GEMM's
+`expert >= num_experts` test before any weight is read, the down projection's rows start at zero,
+and the INT decode path's GEMVs return at once and its sum leaves the pair out. Without `foreign`
+the kernels compile and run as before.
 """
 
 from __future__ import annotations
@@ -573,9 +580,11 @@ def _moe(
     experts: torch.Tensor,
     config: dict[str, int],
     act_group: int = 0,
+    foreign: bool = False,
 ) -> torch.Tensor:
     """The two grouped GEMMs and the top-k sum, once the shapes are checked. act_group > 0: each
-    GEMM's input is quantized to e4m3 first, per token group of act_group (one launch each)."""
+    GEMM's input is quantized to e4m3 first, per token group of act_group (one launch each).
+    foreign: `experts` may hold E, a pair whose expert another rank holds."""
     t, hidden = x.shape
     num_experts, two_i = w13.data.shape[:2]
     inter = two_i // 2
@@ -588,12 +597,16 @@ def _moe(
         sorted_pairs, block_experts = None, experts.reshape(-1).to(torch.int32)
         config = {**config, "BLOCK_M": 16}
     else:
-        sorted_pairs, block_experts = align_by_expert(experts, num_experts, config["BLOCK_M"])
+        # The foreign pairs sort into one run more (id E), whose blocks the GEMM skips.
+        sorted_pairs, block_experts = align_by_expert(
+            experts, num_experts + foreign, config["BLOCK_M"]
+        )
     a, a_scale = quantize_fp8_groups(x, act_group) if act_group else (x, None)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     _gemm(a, w13, h, None, sorted_pairs, block_experts, top_k, True, config, 0, a_scale)
     a, a_scale = quantize_fp8_groups(h, act_group) if act_group else (h, None)
-    y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    # A skipped pair's row is never written: zeros, so that the top-k sum adds nothing for it.
+    y = (torch.zeros if foreign else torch.empty)(num_pairs, hidden, dtype=x.dtype, device=x.device)
     # y comes out [k, T, H]: summing k contiguous slabs is a vectorized add, where the sum over
     # the middle dim of [T, k, H] took 5.5 of Moonlight's 180 ms of an 8 x 2048 prefill.
     w = weights.reshape(-1)
@@ -608,11 +621,13 @@ def fused_moe(
     weights: torch.Tensor,
     experts: torch.Tensor,
     config: dict[str, int] | None = None,
+    foreign: bool = False,
 ) -> torch.Tensor:
     """sum_j weights[t, j] * w2[e] @ silu_and_mul(w13[e] @ x[t]) with e = experts[t, j].
 
     x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; weights [T, k] (any float
-    dtype, applied in x's dtype's precision); experts [T, k] ints in [0, E). Returns [T, H].
+    dtype, applied in x's dtype's precision); experts [T, k] ints in [0, E), or [0, E] with
+    `foreign` (the module's docstring). Returns [T, H].
     """
     t, hidden = x.shape
     num_experts, two_i, w13_hidden = w13.shape
@@ -624,7 +639,7 @@ def fused_moe(
         )
     _check_routing("fused_moe", x, weights, experts)
     config = config or tile_config(t * experts.shape[1], num_experts)
-    return _moe(x, _ExpertWeights(w13), _ExpertWeights(w2), weights, experts, config)
+    return _moe(x, _ExpertWeights(w13), _ExpertWeights(w2), weights, experts, config, 0, foreign)
 
 
 def _int_weights(
@@ -667,6 +682,7 @@ def fused_moe_int(
     bits: int,
     group_size: int,
     config: dict[str, Any] | None = None,
+    foreign: bool = False,
 ) -> torch.Tensor:
     """fused_moe over packed INT experts (compressed-tensors pack-quantized, ember/kernels/
     quant_ref.py), W4A16 / W8A16: each weight tile dequantized in registers to x's dtype, as
@@ -679,8 +695,8 @@ def fused_moe_int(
     [E, 2I, H / g], w13_zero int8 [E, 2I, H / g] or None (symmetric); w2_packed int32
     [E, H, I * bits / 32], w2_scale [E, H, I / g], w2_zero or None; bits 4 or 8; group_size g a
     power of two (32, 64, 128) dividing H and I; <= 0, or not less than a projection's K, is
-    channel-wise for it (scales [E, N, 1]). weights, experts [T, k] as fused_moe. Returns
-    [T, H] in x's dtype.
+    channel-wise for it (scales [E, N, 1]). weights, experts [T, k] and `foreign` as fused_moe.
+    Returns [T, H] in x's dtype.
     """
     pack = per_word(bits)  # refuses bits other than 4 and 8
     t, hidden = x.shape
@@ -712,12 +728,12 @@ def fused_moe_int(
     if t <= UNSORTED_MAX_TOKENS and (config is None or "BLOCK_M" not in config):
         # One live row a tile left the tensor cores bound by dequantizing: INT4 experts took
         # longer than bf16 ones at batch 1.
-        return moe_int_decode(x, w13, w2, weights, experts, config)
+        return moe_int_decode(x, w13, w2, weights, experts, config, foreign)
     config = config or tile_config_int(t * experts.shape[1], num_experts, bits)
     block_k = config["BLOCK_K"]
     if block_k & (block_k - 1) or block_k < 16:
         raise ValueError(f"fused_moe_int: BLOCK_K {block_k} must be a power of two >= 16")
-    return _moe(x, w13, w2, weights, experts, config)
+    return _moe(x, w13, w2, weights, experts, config, 0, foreign)
 
 
 def fused_moe_fp8(
@@ -730,6 +746,7 @@ def fused_moe_fp8(
     experts: torch.Tensor,
     block: tuple[int, int],
     config: dict[str, int] | None = None,
+    foreign: bool = False,
 ) -> torch.Tensor:
     """fused_moe over FP8 experts with one scale per `block` (rows, cols), W8A8 (DeepSeek-V3 /
     Kimi K2: 128 x 128): each GEMM's input (x for gate/up, h for down) quantized to e4m3 per
@@ -747,7 +764,7 @@ def fused_moe_fp8(
     x [T, H]; w13 float8_e4m3fn [E, 2I, H], w13_scale float32 [E, ceil(2I / bn), ceil(H / bk)];
     w2 [E, H, I], w2_scale [E, ceil(H / bn), ceil(I / bk)]; I a multiple of bn (a block holds
     gate or up rows, not both), or else w13_scale [E, 2I, ceil(H / bk)] (each row its block's); bk a power of two >= 32 (an fp8 tl.dot's least K on NVIDIA
-    GPUs). Returns [T, H] in x's dtype.
+    GPUs). weights, experts [T, k] and `foreign` as fused_moe. Returns [T, H] in x's dtype.
     """
     block_n, block_k = block
     t, hidden = x.shape
@@ -799,4 +816,4 @@ def fused_moe_fp8(
         )
     b13 = _ExpertWeights(w13, FP8_BLOCK, w13_scale, None, 8, block_k, rows13)
     b2 = _ExpertWeights(w2, FP8_BLOCK, w2_scale, None, 8, block_k, block_n)
-    return _moe(x, b13, b2, weights, experts, config, 0 if quant_in_loop else block_k)
+    return _moe(x, b13, b2, weights, experts, config, 0 if quant_in_loop else block_k, foreign)

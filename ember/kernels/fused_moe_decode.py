@@ -115,6 +115,7 @@ def _moe_gemv_int_kernel(
     out_ptr,
     num_pairs,
     top_k,
+    num_experts,
     n_out,
     k_in,
     k_words,
@@ -138,6 +139,7 @@ def _moe_gemv_int_kernel(
     X_PACKED: tl.constexpr,
     GATED: tl.constexpr,
     PARTIAL: tl.constexpr,
+    FOREIGN: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_ZERO: tl.constexpr,
@@ -150,7 +152,8 @@ def _moe_gemv_int_kernel(
     # at row t; w holds 2 * n_out rows (gate, then up). Else a is h [P, K], read at row p.
     # X_PACKED: a is int64 words of four values (a_sm in words). w int32 [E, N, k_words]; s / z
     # [E, N, k_groups], GROUP elements of K a scale (0: one a row). PARTIAL: fp32 sums
-    # out[split, pair, weight row]; else h[pair, col] (GATED only).
+    # out[split, pair, weight row]; else h[pair, col] (GATED only). FOREIGN: experts may hold
+    # num_experts, another rank's (fused_moe.py's docstring), whose pairs are skipped.
     PER_WORD: tl.constexpr = 32 // BITS
     R: tl.constexpr = 16 // BITS  # fields a 16-bit half
     BLOCK_KW: tl.constexpr = BLOCK_K // PER_WORD
@@ -166,6 +169,9 @@ def _moe_gemv_int_kernel(
     split = tl.program_id(1)
     token = pair // top_k
     expert = tl.load(experts_ptr + token * e_st + (pair % top_k) * e_sk).to(tl.int64)
+    if FOREIGN:  # noqa: SIM102 (a constexpr branch: the one-device build has no test)
+        if expert >= num_experts:  # another rank's expert: nothing to read or write
+            return
     r = tl.arange(0, BLOCK_N)
     # Rows past the end read the last one (their sums are never stored): no row mask a step.
     if GATED:  # tile row 2i is gate row c + i, row 2i + 1 up row n_out + c + i
@@ -264,20 +270,26 @@ def _gate_up_sum_kernel(part_ptr, h_ptr, n_out, splits, p_ss, p_sm, h_sm, BLOCK:
 def _down_sum_kernel(
     part_ptr,
     weight_ptr,
+    experts_ptr,
     out_ptr,
     n_out,
     splits,
+    num_experts,
     p_ss,
     p_sm,
     w_st,
     w_sk,
+    e_st,
+    e_sk,
     o_sm,
     TOP_K: tl.constexpr,
+    FOREIGN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # out[t, c] = sum_j round(round(sum_s part[s, t k + j, c]) * round(weight[t, j])): the
     # rounding of fused_moe's down epilogue (a pair's row stored in x's dtype, its weight rounded
     # to it, the product stored) and of sum_slabs (the k rows added in fp32, in order).
+    # FOREIGN: a pair of another rank's expert is left out (its sums were never written).
     t = tl.program_id(1)
     c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = c < n_out
@@ -289,7 +301,10 @@ def _down_sum_kernel(
         for s in range(splits):
             y += tl.load(src + s * p_ss, mask=ok, other=0.0)
         w = tl.load(weight_ptr + t * w_st + j * w_sk).to(DT).to(tl.float32)
-        out += (y.to(DT).to(tl.float32) * w).to(DT).to(tl.float32)
+        term = (y.to(DT).to(tl.float32) * w).to(DT).to(tl.float32)
+        if FOREIGN:
+            term = tl.where(tl.load(experts_ptr + t * e_st + j * e_sk) < num_experts, term, 0.0)
+        out += term
     tl.store(out_ptr + t * o_sm + c, out.to(DT), mask=ok)
 
 
@@ -336,6 +351,7 @@ def _gemv(
     gated: bool,
     config: dict[str, Any],
     sms: int,
+    foreign: bool = False,
 ) -> tuple[torch.Tensor, int]:
     """One projection of every pair: h [P, I] (gated, K whole) or fp32 sums [splits, P, N]."""
     num_pairs = experts.numel()
@@ -367,6 +383,7 @@ def _gemv(
         out,
         num_pairs,
         experts.shape[1],
+        w.data.shape[0],
         n_out,
         k_in,
         w.data.shape[2],
@@ -383,6 +400,7 @@ def _gemv(
         X_PACKED=x_packed,
         GATED=gated,
         PARTIAL=partial,
+        FOREIGN=foreign,
         BITS=w.bits,
         GROUP=0 if w.group >= k_in else w.group,
         HAS_ZERO=w.zero is not None,
@@ -402,9 +420,11 @@ def moe_int_decode(
     weights: torch.Tensor,
     experts: torch.Tensor,
     config: dict[str, Any] | None = None,
+    foreign: bool = False,
 ) -> torch.Tensor:
     """fused_moe_int's path at up to UNSORTED_MAX_TOKENS tokens (its checks done): x [T, H];
-    w13, w2 the packed projections; weights, experts [T, k]; config as decode_config_int's.
+    w13, w2 the packed projections; weights, experts [T, k] and `foreign` as fused_moe's;
+    config as decode_config_int's.
     Two or three launches, or four where gate/up's K is split; fixed shapes, no host sync."""
     t, hidden = x.shape
     top_k = experts.shape[1]
@@ -415,7 +435,7 @@ def moe_int_decode(
     up_config = {k: v for k, v in config.items() if k != "down"}
     down_config = {**up_config, **config.get("down", {})}
     sms = num_sms(x) if x.is_cuda else DEFAULT_SMS
-    h, splits = _gemv(x, w13, experts, True, up_config, sms)
+    h, splits = _gemv(x, w13, experts, True, up_config, sms, foreign)
     if h.dim() == 3:  # K split: the splits' gate and up sums added, then silu(gate) * up
         part = h
         h = torch.empty(t * top_k, inter, dtype=x.dtype, device=x.device)
@@ -423,20 +443,24 @@ def moe_int_decode(
         _gate_up_sum_kernel[(triton.cdiv(inter, block), t * top_k)](
             part, h, inter, splits, part.stride(0), part.stride(1), h.stride(0), BLOCK=block
         )
-    part, splits = _gemv(h, w2, experts, False, down_config, sms)
+    part, splits = _gemv(h, w2, experts, False, down_config, sms, foreign)
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     block = 512
     _down_sum_kernel[(triton.cdiv(hidden, block), t)](
         part,
         weights,
+        experts,
         out,
         hidden,
         splits,
+        w13.data.shape[0],
         part.stride(0),
         part.stride(1),
         *weights.stride(),
+        *experts.stride(),
         out.stride(0),
         TOP_K=top_k,
+        FOREIGN=foreign,
         BLOCK=block,
     )
     return out
