@@ -6,7 +6,8 @@ it) and computes through the Triton kernels that dequantize in registers
 (ember/kernels/int_gemm.py, fp8_gemm.py); on the CPU through the plain-PyTorch reference, which
 dequantizes the weight first. Like StackedLinear it may fuse several checkpoint matrices (q/k/v,
 gate/up) as row shards: INT rows are independent; FP8 blocks need every shard but the last to be
-a whole number of block rows.
+a whole number of block rows. Tensor parallel, it holds a rank's slice of the checkpoint's
+tensors (ember/models/layers/parallel.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from ember.kernels.dispatch import use_triton
 from ember.kernels.quant_ref import fp8_matmul_ref, int_matmul_ref, unpack_int_rows
+from ember.models.layers.parallel import RankSlice, finish_partial
 from ember.models.quant_config import WeightQuant
 from ember.models.quant_weights import weight_shape
 
@@ -59,7 +61,12 @@ def init_dummy_quantized(
 
 class QuantLinear(nn.Module):
     """y = x W.T (+ bias) with W [sum(shard_sizes), in_features] stored quantized as `quant`
-    says. `name` (the checkpoint's module name) is for errors."""
+    says. `name` (the checkpoint's module name) is for errors.
+
+    Sizes are the checkpoint's; the layer holds this rank's `rank_slice` of them (all unless
+    tensor parallel). A slice is cut along whole quantization units: INT groups and packed words
+    along the inputs, FP8 scale blocks along both dimensions; one that is not is refused, naming
+    the weight. INT zero points, packed down the rows, are unpacked before their rows are cut."""
 
     def __init__(
         self,
@@ -68,44 +75,92 @@ class QuantLinear(nn.Module):
         quant: WeightQuant,
         name: str,
         bias: bool = False,
+        rank_slice: RankSlice | None = None,
     ) -> None:
         super().__init__()
-        self.in_features = in_features
-        self.out_features = n = sum(shard_sizes.values())
-        self.shard_sizes = dict(shard_sizes)
+        rs = rank_slice or RankSlice.whole(name, in_features, shard_sizes)
+        self.rank_slice = rs
+        self.partial = rs.partial
+        self.full_in = full_k = in_features
+        self.in_features = k = rs.local_in
+        self.shard_sizes = rs.sizes
+        self.out_features = n = sum(self.shard_sizes.values())
         self.quant = quant
         self.name = name
         self.shard_offsets: dict[str, int] = {}
         off = 0
-        for shard, size in shard_sizes.items():
+        for shard, size in self.shard_sizes.items():
             self.shard_offsets[shard] = off
             off += size
         self.received: set[tuple[str, str]] = set()
         dtype = torch.get_default_dtype()
-        k = in_features
         if quant.kind == "int":
-            self.group_size = group = quant.group_for(k)
-            if k % group:
-                raise ValueError(f"{name}: group size {group} does not divide its {k} inputs")
-            self.weight_packed = quant_param((n, -(-k // (32 // quant.bits))), torch.int32)
+            group = quant.group_for(full_k)
+            if full_k % group:
+                raise ValueError(f"{name}: group size {group} does not divide its {full_k} inputs")
+            per = 32 // quant.bits
+            self._check_cols("weight_packed", per, f"packed int32 words of {per} values")
+            self.scale_cols = 0  # one scale a row: the inputs' split leaves it whole
+            if quant.group_size:
+                self._check_cols("weight_scale", group, f"groups of {group} inputs")
+                self.scale_cols = group
+            # A channel-wise scale covers this rank's inputs as it covered all of them.
+            self.group_size = group = group if quant.group_size else k
+            self.weight_packed = quant_param((n, -(-k // per)), torch.int32)
             self.weight_scale = quant_param((n, k // group), dtype)
             if not quant.symmetric:
                 self.weight_zero_point = quant_param((n, k // group), torch.int8)
         else:
-            self.ckpt_block = rows, cols = quant.block_for(k)
-            if any(size % rows for size in list(shard_sizes.values())[:-1]):
+            self.ckpt_block = rows, cols = quant.block_for(full_k)
+            self._check_rows(rows)
+            self.scale_cols = 0 if quant.per_tensor or not quant.block[1] else cols
+            if self.scale_cols:
+                self._check_cols("weight_scale", cols, f"scale blocks of {cols} inputs")
+            act = quant.act_group_for(full_k)
+            if act and quant.act_group:
+                self._check_cols("input", act, f"FP8 activation groups of {act}")
+            if any(size % rows for size in list(self.shard_sizes.values())[:-1]):
                 # A part that ends inside a block row: its scales cannot be stacked with the
                 # next part's, so every row gets its own copy of its block's scales.
                 rows = 1
-            self.block = (rows, cols)
+            self.block = (rows, cols if self.scale_cols else k)
+            # Per-token activation scales (act_group 0) are taken over this rank's inputs: a
+            # row-parallel rank sees no others, so they differ from one rank's in rounding.
             self.act_group = quant.act_group_for(k)
             self.weight = quant_param((n, k), torch.float8_e4m3fn)
-            self.weight_scale = quant_param((-(-n // rows), -(-k // cols)), torch.float32)
+            self.weight_scale = quant_param((-(-n // rows), -(-k // self.block[1])), torch.float32)
         self.bias = quant_param((n,), dtype) if bias else None
 
+    def _check_cols(self, tensor: str, unit: int, what: str) -> None:
+        """Refuse a slice of the inputs that cuts a quantization unit of `unit` inputs."""
+        c0, c1 = self.rank_slice.cols
+        if c0 % unit or (c1 % unit and c1 != self.full_in):
+            raise ValueError(
+                f"{self.name}.{tensor}: this rank's inputs [{c0}, {c1}) of {self.full_in} cut "
+                f"its {what} ({self.quant.describe()}); a tensor-parallel size that leaves "
+                f"each rank whole ones is needed"
+            )
+
+    def _check_rows(self, unit: int) -> None:
+        """Refuse a slice of a part's rows that cuts an FP8 scale block of `unit` rows."""
+        for part, (r0, r1) in self.rank_slice.rows.items():
+            full = self.rank_slice.part_rows[part]
+            if r0 % unit or (r1 % unit and r1 != full):
+                which = f" part {part!r}" if part else ""
+                raise ValueError(
+                    f"{self.name}.weight_scale:{which} this rank's rows [{r0}, {r1}) of {full} "
+                    f"cut its scale blocks of {unit} rows ({self.quant.describe()})"
+                )
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str = "") -> None:
+        """`load` by parameter: this rank's slice of the checkpoint's whole tensor `loaded`."""
+        attr = next(a for a, p in self._parameters.items() if p is param)
+        self.load(attr, loaded, shard, f"{self.name}.{attr}")
+
     def load(self, attr: str, loaded: torch.Tensor, shard: str, source: str) -> str | None:
-        """Place checkpoint tensor `source` (this layer's `attr`, of part `shard`); returns
-        the parameter it filled (None for `weight_shape`, which is only checked)."""
+        """Place this rank's slice of checkpoint tensor `source` (this layer's `attr`, of part
+        `shard`, whole); returns the parameter it filled (None for `weight_shape`, which is only
+        checked)."""
         if shard not in self.shard_sizes:
             raise ValueError(f"{source}: {self.name} has no part {shard!r}")
         if attr == "bias" and self.bias is not None:
@@ -118,7 +173,7 @@ class QuantLinear(nn.Module):
                 f"and holds {', '.join(self.quant.tensor_names())}, not {attr!r}"
             )
         self.received.add((attr, shard))
-        size, k = self.shard_sizes[shard], self.in_features
+        size, k = self.rank_slice.part_rows[shard], self.full_in
         if attr == "weight_shape":
             if weight_shape(source, loaded) != (size, k):
                 raise ValueError(
@@ -129,7 +184,7 @@ class QuantLinear(nn.Module):
         param = getattr(self, attr)
         if attr == "weight_zero_point":
             per = 32 // self.quant.bits
-            expected = (-(-size // per), k // self.group_size)
+            expected = (-(-size // per), k // self.quant.group_for(k))
             if loaded.dtype != torch.int32 or tuple(loaded.shape) != expected:
                 raise ValueError(
                     f"{source} is {loaded.dtype} {tuple(loaded.shape)}, expected int32 {expected} "
@@ -145,32 +200,56 @@ class QuantLinear(nn.Module):
         self._rows(param, loaded, shard, source)
         return attr
 
+    def _col_unit(self, param: torch.Tensor) -> int:
+        """Inputs a column of `param` covers in the checkpoint (0: one column a row)."""
+        if param is self.bias:
+            return 0
+        if param is getattr(self, "weight_packed", None):
+            return 32 // self.quant.bits
+        if param is getattr(self, "weight", None):
+            return 1
+        return self.scale_cols  # INT scales and zero points
+
     def _rows(self, param: torch.Tensor, loaded: torch.Tensor, shard: str, source: str) -> None:
-        off, size = self.shard_offsets[shard], self.shard_sizes[shard]
-        expected = (size, *param.shape[1:])
+        """Copy this rank's slice of `loaded` (the checkpoint's whole tensor of part `shard`)
+        into the part's rows of `param`."""
+        full = self.rank_slice.part_rows[shard]
+        unit = self._col_unit(param)
+        cols = self._full_cols(param, unit)
+        expected = (full, *([cols] if param.dim() == 2 else []))
         if tuple(loaded.shape) != expected:
             raise ValueError(
                 f"{source} has shape {tuple(loaded.shape)}, expected {expected} "
                 f"({self.quant.describe()})"
             )
+        off, size = self.shard_offsets[shard], self.shard_sizes[shard]
         with torch.no_grad():
-            param.data[off : off + size].copy_(loaded)
+            param.data[off : off + size].copy_(self.rank_slice.take(loaded, shard, col_unit=unit))
+
+    def _full_cols(self, param: torch.Tensor, unit: int) -> int:
+        """The checkpoint's columns of `param`'s tensor."""
+        if param.dim() != 2 or not unit:
+            return param.shape[-1]
+        return -(-self.full_in // unit)
 
     def _fp8_scale(self, loaded: torch.Tensor, shard: str, source: str) -> str:
         rows, cols = self.ckpt_block
-        off, size = self.shard_offsets[shard], self.shard_sizes[shard]
+        rs = self.rank_slice
+        full = rs.part_rows[shard]
         if self.quant.per_tensor:  # one scale, stored down the part's rows
             if loaded.numel() != 1:
                 raise ValueError(f"{source} has shape {tuple(loaded.shape)}, expected one scale")
-            loaded = loaded.reshape(1, 1).expand(size, 1)
-        elif cols == self.in_features and loaded.dim() == 1:
+            loaded = loaded.reshape(1, 1).expand(full, 1)
+        elif cols == self.full_in and loaded.dim() == 1:
             loaded = loaded[:, None]  # per-channel scales saved as a vector
-        expected = (-(-size // rows), self.weight_scale.shape[1])
+        expected = (-(-full // rows), -(-self.full_in // cols))
         if tuple(loaded.shape) != expected:
             raise ValueError(
-                f"{source} has shape {tuple(loaded.shape)}; {size} x {self.in_features} in "
+                f"{source} has shape {tuple(loaded.shape)}; {full} x {self.full_in} in "
                 f"{rows}x{cols} blocks needs {expected}"
             )
+        loaded = rs.take(loaded, shard, row_unit=rows, col_unit=self.scale_cols)
+        off, size = self.shard_offsets[shard], self.shard_sizes[shard]
         if self.block[0] != rows:  # scales per row (the constructor says why)
             loaded = loaded.repeat_interleave(rows, 0)[:size]
         rows = self.block[0]
@@ -205,7 +284,9 @@ class QuantLinear(nn.Module):
                 y = fp8_matmul(*args8)
             else:
                 y = fp8_matmul_ref(*args8)
-        if self.bias is not None:
+        if self.partial:
+            y = finish_partial(y, self.bias, self.rank_slice)
+        elif self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
 
