@@ -1,6 +1,10 @@
 """Dense decoder-only transformers: Llama, Qwen2 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm).
 
 They differ only in those two switches, read from the config, so one file serves all three.
+
+Tensor parallel (ember.distributed): each rank holds its heads, its slice of the MLP's width and
+of the vocabulary; norms are replicated. Two all-reduces a layer (after o_proj and down_proj),
+one for the embedding, one gather of the logits. Built on one rank, the model is the plain one.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import torch
 from torch import nn
 
 from ember.attention.context import ForwardContext
+from ember.distributed.shard import shard_heads
+from ember.distributed.state import current
 from ember.kernels import gemv
 from ember.kernels.dispatch import use_triton
 from ember.models.config import ModelConfig
@@ -20,18 +26,30 @@ from ember.models.layers.linear import StackedLinear, make_linear
 from ember.models.layers.norm import RMSNorm
 from ember.models.layers.quant_linear import QuantLinear
 from ember.models.layers.rotary import RotaryEmbedding
+from ember.models.layers.vocab_parallel import (
+    VocabParallelEmbedding,
+    gather_logits,
+    make_lm_head,
+)
 from ember.models.quant_config import QuantConfig
 
 
 class Attention(nn.Module):
+    """Self-attention over this rank's heads (ember.distributed.shard.shard_heads): q/k/v column
+    parallel by heads (a KV head several ranks share is held whole by each), o_proj row parallel;
+    `num_heads` and `num_kv_heads` are the rank's, as its KV cache is."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
+        s = current()
+        heads = shard_heads(cfg.num_attention_heads, cfg.num_key_value_heads, s.rank, s.size)
+        self.num_heads = heads.num_heads
+        self.num_kv_heads = heads.num_kv_heads
+        self.head_dim = d = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+        kv_rows = (heads.kv_head_start * d, (heads.kv_head_start + heads.num_kv_heads) * d)
         prefix = f"model.layers.{layer_idx}.self_attn"
         self.qkv_proj = make_linear(
             cfg.hidden_size,
@@ -40,8 +58,14 @@ class Attention(nn.Module):
             f"{prefix}.qkv_proj",
             parts={p: f"{prefix}.{p}_proj" for p in "qkv"},
             bias=cfg.attention_bias,
+            parallel="column",
+            rows={
+                "q": (heads.head_start * d, (heads.head_start + heads.num_heads) * d),
+                "k": kv_rows,
+                "v": kv_rows,
+            },
         )
-        self.o_proj = make_linear(q, cfg.hidden_size, cfg.quant, f"{prefix}.o_proj")
+        self.o_proj = make_linear(q, cfg.hidden_size, cfg.quant, f"{prefix}.o_proj", parallel="row")
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -99,7 +123,9 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """The gated MLP; `prefix` (the checkpoint's name of the module) looks up its layers'
-    quantization in `quant`."""
+    quantization in `quant`. Tensor parallel: gate/up column parallel, down row parallel, its
+    output all-reduced unless `reduce` is False (a caller that sums it with other partial sums
+    reduces once)."""
 
     def __init__(
         self,
@@ -108,6 +134,7 @@ class MLP(nn.Module):
         act: str,
         quant: QuantConfig | None = None,
         prefix: str = "mlp",
+        reduce: bool = True,
     ) -> None:
         super().__init__()
         self.gate_up_proj = make_linear(
@@ -116,8 +143,16 @@ class MLP(nn.Module):
             quant,
             f"{prefix}.gate_up_proj",
             parts={p: f"{prefix}.{p}_proj" for p in ("gate", "up")},
+            parallel="column",
         )
-        self.down_proj = make_linear(intermediate_size, hidden_size, quant, f"{prefix}.down_proj")
+        self.down_proj = make_linear(
+            intermediate_size,
+            hidden_size,
+            quant,
+            f"{prefix}.down_proj",
+            parallel="row",
+            reduce=reduce,
+        )
         self.act = gated_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -165,7 +200,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_cls: type[DecoderLayer], max_position: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(
             cfg.rope_dim,
             max(max_position, cfg.max_position_embeddings),
@@ -254,10 +289,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg, self.layer_cls, max_position)
-        quant = None if cfg.tie_word_embeddings else cfg.quant
-        self.lm_head = make_linear(cfg.hidden_size, cfg.vocab_size, quant, "lm_head")
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = make_lm_head(cfg.hidden_size, cfg.vocab_size, cfg.quant, tied)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
@@ -265,14 +298,17 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """Float32 logits over the whole vocabulary, on every rank."""
+        return gather_logits(self.lm_head(hidden), self.config.vocab_size).float()
 
     def keeps_dense(self, module: str) -> bool:
         """Whether the checkpoint layer `module` is computed in the model's dtype."""
         return module.endswith(self.dense_layers)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors into parameters; returns the names of parameters filled."""
+        """Copy checkpoint tensors into parameters; returns the names of parameters filled.
+        Every rank gets the checkpoint's whole tensors: a layer's `weight_loader` keeps its
+        rank's slice."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -303,6 +339,10 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(owner, QuantLinear):
             return self._load_quantized(owner, owner_name, attr, tensor, "", name)
         param = self._param(params, name, name)
+        loader = getattr(owner, "weight_loader", None)
+        if loader is not None:  # a layer that may hold a rank's slice of the tensor
+            loader(param, tensor, "")
+            return name
         if param.shape != tensor.shape:
             raise ValueError(
                 f"weight {name!r} has shape {tuple(tensor.shape)} in the checkpoint, "
