@@ -17,6 +17,8 @@ import torch
 
 from ember.attention.backend import AttentionBackend
 from ember.attention.torch_backend import TorchAttentionBackend
+from ember.distributed import comm
+from ember.distributed import state as parallel_state
 from ember.engine import cuda_context
 from ember.engine.config import EngineConfig, ResolvedConfig
 from ember.engine.kv_connector import KVConnector
@@ -46,6 +48,7 @@ from ember.engine.warmup import (
     profile_runs,
     warmup_batches,
 )
+from ember.engine.workers import Workers
 from ember.kernels import compile_log, triton_setup
 from ember.kv.kv_cache_manager import KVCacheManager
 from ember.models import checkpoint_files
@@ -110,6 +113,9 @@ class EngineCore:
             # torch; an engine made in process pays it here, as its first compile would).
             triton_setup.wait()
         clock.mark("config")
+        self.workers = self._start_workers()
+        self.parallel = parallel_state.current()
+        """This process's rank of the engine's devices (one of one without tensor parallelism)."""
         backend = backend or default_backend(self.device)
         early = None
         if on_gpu and config.warmup:
@@ -141,6 +147,11 @@ class EngineCore:
                 self._loaded(loading, waited)
                 loading = None
                 clock.mark("load")
+        except BaseException:
+            if self.workers is not None:  # a start that failed: no worker is left behind
+                self.workers.close()
+                parallel_state.close()
+            raise
         finally:
             if early is not None:
                 early.close()  # a start that failed before its compile
@@ -158,6 +169,44 @@ class EngineCore:
         self._pace_host_tier()  # no work yet: it grows
         clock.report()
 
+    def _start_workers(self) -> Workers | None:
+        """With tensor_parallel_size N > 1 on rank 0: start ranks 1 .. N - 1 and join their
+        process group, before the model is built (each rank builds its shard). A worker process
+        (its own process group already joined) starts none."""
+        config = self.config
+        n = config.tensor_parallel_size
+        if n == 1 or parallel_state.current().size > 1:
+            return None
+        spec = config.speculative
+        if spec is not None and spec.method == "eagle3":
+            raise ValueError("EAGLE-3 drafting is not supported with tensor_parallel_size > 1")
+        if config.kv_role != "both":
+            raise ValueError(
+                f"kv_role {config.kv_role!r} (disaggregation) is not supported with "
+                "tensor_parallel_size > 1"
+            )
+        if self.device.type == "cuda":
+            if self.device.index not in (None, 0):
+                raise ValueError("tensor_parallel_size > 1 takes devices cuda:0 .. cuda:N-1")
+            if torch.cuda.device_count() < n:
+                raise ValueError(
+                    f"tensor_parallel_size {n} needs {n} GPUs; {torch.cuda.device_count()} visible"
+                )
+        workers = Workers(config, n)
+        try:
+            parallel_state.init(
+                0, n, workers.init_method, self.device, config.enable_expert_parallel
+            )
+        except BaseException:
+            workers.close()
+            raise
+        log.info(
+            "tensor parallel: %d ranks (%s)",
+            n,
+            "expert parallel MoE" if config.enable_expert_parallel else "MoE split by width",
+        )
+        return workers
+
     def _kv_and_scheduler(self, clock: StartupClock, used_before: int, total: int) -> None:
         """The KV cache sized (on a GPU, from what the weights and a profiled step leave of
         `total`, `used_before` bytes taken by others) and allocated, its tiers, the KV
@@ -170,8 +219,15 @@ class EngineCore:
             if self.runner.drafter is not None:  # its one layer of KV shares the budget
                 per_block = r.kv_block_bytes + self.runner.drafter.kv_block_bytes
                 num_blocks = num_blocks * r.kv_block_bytes // per_block
+        # Every rank holds the same blocks (its heads' share of each): the smallest room decides.
+        num_blocks = comm.all_reduce_min(num_blocks)
         clock.mark("kv sizing")
         self.num_kv_blocks = num_blocks
+        if not self.parallel.is_driver:
+            # A worker's part ends with its KV cache: rank 0 schedules, and moves KV alone.
+            self.runner.allocate_kv_cache(num_blocks)
+            self.tiers, self.connector = None, None
+            return
         transport = None
         if config.kv_role != "both":
             from ember.kv.transport import make_transport, resolve_kind
@@ -188,7 +244,12 @@ class EngineCore:
         namespace = (
             f"{self.model_config.architecture}|{fingerprint}|{r.dtype}|bs={config.block_size}"
         )
-        self.tiers = build_tiers(config, self.runner.kv_cache, fingerprint, r.max_model_len)
+        self.tiers = None
+        if self.parallel.is_parallel:
+            if config.kv_host_gb or config.kv_disk_dir or config.kv_store:
+                log.warning("KV tiers are off with tensor_parallel_size > 1")
+        else:
+            self.tiers = build_tiers(config, self.runner.kv_cache, fingerprint, r.max_model_len)
         self.kv = KVCacheManager(
             num_blocks,
             config.block_size,
@@ -237,6 +298,8 @@ class EngineCore:
             PrefillClock(self.tiers.cost, config.block_size, on_gpu) if self.tiers else None
         )
         self.grammar = GrammarCompiler.for_model(config.model, self.model_config)
+        if self.workers is not None:
+            self.runner.send_plan = self.workers.send
         clock.mark("kv cache, tiers, scheduler")
 
     def _load(
@@ -492,6 +555,10 @@ class EngineCore:
             self.connector.close()
         if self.tiers is not None:
             self.tiers.close()  # after the writes queued so far: a restart finds them on disk
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
+            parallel_state.close()
 
     def has_unfinished_requests(self) -> bool:
         return (
@@ -542,11 +609,15 @@ class EngineCore:
         A step that raises fails its own requests (with finish_reason "error") and the core goes
         on; MAX_FAILED_STEPS in a row raise.
         """
+        if self.workers is not None:
+            self.workers.check()
         try:
             outputs = self._step()
         except Exception as e:
             self.failed_steps += 1
-            if self.failed_steps >= MAX_FAILED_STEPS:
+            # A tensor-parallel step that failed on rank 0 may have left the other ranks inside
+            # a collective: the engine cannot go on.
+            if self.failed_steps >= MAX_FAILED_STEPS or self.workers is not None:
                 raise
             log.exception("engine step failed; failing its requests")
             return self._fail_step(e)
