@@ -149,6 +149,22 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="schedule step N+1 while the GPU runs step N (default: on for a GPU)",
     )
 
+    g = p.add_argument_group("parallelism", "several devices per engine (docs/parallel.md)")
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="devices the engine splits every layer across, one process each: heads, MLP widths "
+        "and the vocabulary (GPUs cuda:0 .. N-1; on the CPU, processes; default: 1)",
+    )
+    g.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="MoE models: each device holds whole experts (E / N of them) instead of every "
+        "expert at 1 / N of its width",
+    )
+
     g = p.add_argument_group("GPU", "memory, CUDA graphs and kernel compilation on a GPU")
     g.add_argument(
         "--gpu-memory-utilization",
@@ -399,6 +415,8 @@ def engine_config_from_args(args: argparse.Namespace, cluster_secret: str = "") 
         kv_store=args.kv_store,
         kv_store_gb=args.kv_store_gb,
         speculative=speculative_config_from_args(args),
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
         cluster_secret=cluster_secret,
     )
 
