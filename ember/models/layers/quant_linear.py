@@ -64,9 +64,10 @@ class QuantLinear(nn.Module):
     says. `name` (the checkpoint's module name) is for errors.
 
     Sizes are the checkpoint's; the layer holds this rank's `rank_slice` of them (all unless
-    tensor parallel). A slice is cut along whole quantization units: INT groups and packed words
-    along the inputs, FP8 scale blocks along both dimensions; one that is not is refused, naming
-    the weight. INT zero points, packed down the rows, are unpacked before their rows are cut."""
+    tensor parallel). Along the inputs a slice must keep whole INT groups, packed words and FP8
+    scale blocks and activation groups (else it is refused, naming the weight); along the rows
+    anything goes: INT zero points, packed down the rows, are unpacked before they are cut, and
+    FP8 rows that start inside a scale block take per-row copies of its scale."""
 
     def __init__(
         self,
@@ -112,16 +113,19 @@ class QuantLinear(nn.Module):
                 self.weight_zero_point = quant_param((n, k // group), torch.int8)
         else:
             self.ckpt_block = rows, cols = quant.block_for(full_k)
-            self._check_rows(rows)
             self.scale_cols = 0 if quant.per_tensor or not quant.block[1] else cols
             if self.scale_cols:
                 self._check_cols("weight_scale", cols, f"scale blocks of {cols} inputs")
             act = quant.act_group_for(full_k)
             if act and quant.act_group:
                 self._check_cols("input", act, f"FP8 activation groups of {act}")
-            if any(size % rows for size in list(self.shard_sizes.values())[:-1]):
-                # A part that ends inside a block row: its scales cannot be stacked with the
-                # next part's, so every row gets its own copy of its block's scales.
+            sizes = list(self.shard_sizes.values())
+            if any(size % rows for size in sizes[:-1]) or any(
+                r0 % rows for r0, _ in rs.rows.values()
+            ):
+                # A part that ends inside a block row, or a rank's rows that start inside one:
+                # its scales cannot be stacked with the next part's, or do not start at a block,
+                # so every row gets its own copy of its block's scales.
                 rows = 1
             self.block = (rows, cols if self.scale_cols else k)
             # Per-token activation scales (act_group 0) are taken over this rank's inputs: a
@@ -140,17 +144,6 @@ class QuantLinear(nn.Module):
                 f"its {what} ({self.quant.describe()}); a tensor-parallel size that leaves "
                 f"each rank whole ones is needed"
             )
-
-    def _check_rows(self, unit: int) -> None:
-        """Refuse a slice of a part's rows that cuts an FP8 scale block of `unit` rows."""
-        for part, (r0, r1) in self.rank_slice.rows.items():
-            full = self.rank_slice.part_rows[part]
-            if r0 % unit or (r1 % unit and r1 != full):
-                which = f" part {part!r}" if part else ""
-                raise ValueError(
-                    f"{self.name}.weight_scale:{which} this rank's rows [{r0}, {r1}) of {full} "
-                    f"cut its scale blocks of {unit} rows ({self.quant.describe()})"
-                )
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str = "") -> None:
         """`load` by parameter: this rank's slice of the checkpoint's whole tensor `loaded`."""
@@ -251,7 +244,8 @@ class QuantLinear(nn.Module):
         loaded = rs.take(loaded, shard, row_unit=rows, col_unit=self.scale_cols)
         off, size = self.shard_offsets[shard], self.shard_sizes[shard]
         if self.block[0] != rows:  # scales per row (the constructor says why)
-            loaded = loaded.repeat_interleave(rows, 0)[:size]
+            skip = rs.rows[shard][0] % rows  # the rank's first row within its first block
+            loaded = loaded.repeat_interleave(rows, 0)[skip : skip + size]
         rows = self.block[0]
         first, count = off // rows, -(-size // rows)
         with torch.no_grad():
