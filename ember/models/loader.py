@@ -31,7 +31,12 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Random weights of the right shapes, made where the parameters live (fast on a GPU)."""
+    """Random weights of the right shapes, made where the parameters live (fast on a GPU).
+
+    Tensor parallel, each rank draws its own slices from the same seed: the parameters come in
+    the same order and shapes on every rank, so replicated ones (norms, a MoE router) agree
+    across the ranks, but the slices are not those of the one-rank model's draw, whose weights
+    a tensor-parallel dummy model therefore does not have."""
     gen_device = next(model.parameters()).device
     gen = torch.Generator(device=gen_device).manual_seed(seed)
     own: set[int] = set()
