@@ -9,7 +9,7 @@ from torch import nn
 
 from ember.models.config import ModelConfig
 from ember.models.layers.linear import quant_scheme
-from ember.models.layers.moe import SparseMoeBlock
+from ember.models.layers.moe import FusedMoE, SparseMoeBlock
 from ember.models.layers.quant_moe import QuantFusedMoE, make_fused_moe
 from ember.models.llama import DecoderLayer, LlamaForCausalLM
 from ember.models.quant_config import WeightQuant
@@ -61,6 +61,18 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     dense_layers = (".mlp.gate",)
     # Inherits piecewise_graphs: the MoE layers are graph safe (routing, expert alignment and the
     # grouped GEMMs on the device, shapes from the token count alone).
+
+    def expert_load(self) -> torch.Tensor | None:
+        """Under expert parallel: [MoE layers, this rank's experts] int64 on the device, the
+        (token, expert) pairs routed to each of this rank's experts since the model was built
+        (FusedMoE.expert_load), for the engine's metrics; None otherwise. A fresh tensor, read
+        off the step (the forward never syncs on it)."""
+        loads = [
+            m.expert_load
+            for m in self.modules()
+            if isinstance(m, FusedMoE) and m.expert_load is not None
+        ]
+        return torch.stack(loads) if loads else None
 
     def map_weight(
         self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]

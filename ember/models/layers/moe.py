@@ -4,6 +4,23 @@ correction bias and grouped top-k) and the experts.
 Expert weights are stacked, w13 = [E, 2I, H] (gate then up) and w2 = [E, H, I], the layout a fused
 MoE kernel (ember/kernels/fused_moe.py) wants; the CPU path, the reference, loops over the experts
 that received tokens.
+
+On a tensor-parallel engine (ember.distributed) the experts split one of two ways, and either way
+the router and the routing run whole on every rank (the tokens are on every rank after attention)
+and each rank's output is a partial sum that one all-reduce completes (the MoE block's):
+
+- by width (tensor parallel, the default): every expert on every rank at I / size of its
+  intermediate width (w13's gate and up rows [r I/size, (r+1) I/size), w2's same columns): the
+  down projection's sum over the intermediate dim is split across the ranks.
+- by expert (`expert_parallel`): E / size whole experts a rank, rank r the r-th run of ids. Each
+  rank computes the pairs routed to its experts and skips the others (the kernels' `foreign`
+  pairs), so the sum over a token's top k is split across the ranks. Every rank already holds
+  every token, so no token is sent anywhere: one all-reduce of [T, H] combines the ranks, as it
+  does for the dense layers. An all-to-all dispatch (each token to the ranks of its experts and
+  back) moves T * k * H values in two collectives of data-dependent sizes (a host sync, or
+  padding to the worst case, to know them); it pays when the tokens differ per rank (data-
+  parallel attention) and the batches are large. At decode's batch sizes, with the tokens
+  replicated, the one fixed-shape all-reduce is smaller in launches and latency, and graph safe.
 """
 
 from __future__ import annotations
@@ -14,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.distributed import comm, state
+from ember.distributed.shard import shard_range, shard_size
 from ember.kernels.dispatch import use_triton
 from ember.models.layers.activation import gated_activation, silu_and_mul
 
@@ -101,7 +120,12 @@ def _keep_best_groups(biased: torch.Tensor, num_groups: int, topk_groups: int) -
 class FusedMoE(nn.Module):
     """The experts of an MoE layer, stacked: `num_experts` routed ones, then `num_shared`
     always-on ones (DeepSeek's shared experts: a shared MLP of intermediate S * I is S experts of
-    I, its hidden units split in S slices, since down(act(gate, up)) sums over them)."""
+    I, its hidden units split in S slices, since down(act(gate, up)) sums over them).
+
+    On a tensor-parallel engine a rank holds its share (the module's docstring) and returns its
+    partial sum, which the MoE block all-reduces: `local_experts` (the routed ids it holds) and
+    `width` (its slice of the intermediate dim). Shared experts are stacked only when split by
+    width; under expert parallel a model holds them apart (ember/models/deepseek_v3.py)."""
 
     def __init__(
         self,
@@ -117,27 +141,53 @@ class FusedMoE(nn.Module):
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.num_shared = num_shared
         self.intermediate_size = intermediate_size
+        """The checkpoint's (each expert's whole width); the rank holds `width` of it."""
         self.hidden_size = hidden_size
         self.act = gated_activation(act)
-        self.make_weights(num_experts + num_shared, hidden_size, intermediate_size)
+        self.local_experts, self.width = _split(num_experts, intermediate_size, num_shared)
+        self.make_weights(len(self.local_experts) + num_shared, hidden_size, len(self.width))
         self.received: set[str] = set()
         """The shards `weight_loader` has filled, checked complete by `missing_shards`."""
+        by_expert = len(self.local_experts) < num_experts
+        experts_map = _expert_map(num_experts, self.local_experts) if by_expert else None
+        # One count a local expert, and a last one for the pairs of other ranks' experts (so the
+        # count needs no mask).
+        counts = torch.zeros(len(self.local_experts) + 1, dtype=torch.int64) if by_expert else None
+        self.expert_map: torch.Tensor | None
+        self.pairs_routed: torch.Tensor | None
+        self.register_buffer("expert_map", experts_map, persistent=False)
+        self.register_buffer("pairs_routed", counts, persistent=False)
+
+    @property
+    def expert_load(self) -> torch.Tensor | None:
+        """Under expert parallel: the (token, expert) pairs routed to each of this rank's experts
+        since the model was built, cumulative int64 on the device ([len(local_experts)]), for
+        the engine's metrics (read it off the step; forward never syncs on it). Rows a CUDA
+        graph pads a batch with are routed and counted too. None otherwise: every rank holds
+        every expert, and the one-device path counts nothing."""
+        return None if self.pairs_routed is None else self.pairs_routed[:-1]
 
     def make_weights(self, total: int, hidden: int, inter: int) -> None:
-        """The stacked experts' parameters (a quantized MoE holds other ones)."""
+        """The stacked experts' parameters (a quantized MoE holds other ones); `inter` is the
+        rank's width."""
         self.w13 = nn.Parameter(torch.empty(total, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(total, hidden, inter))
+
+    def local_index(self, expert: int) -> int | None:
+        """Where routed expert `expert` sits in the stacked weights, None if another rank's."""
+        return expert - self.local_experts.start if expert in self.local_experts else None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
         """shard: 'E.gate' | 'E.up' | 'E.down' for one expert, 'gate_up' | 'down' for all routed
         experts, 'shared.gate' | 'shared.up' | 'shared.down' for the shared MLP's weights
-        ([S * I, H], [S * I, H], [H, S * I])."""
+        ([S * I, H], [S * I, H], [H, S * I]). `loaded` is the checkpoint's whole tensor: the
+        rank keeps its experts and its width of them (another rank's expert is passed over)."""
         i, e = self.intermediate_size, self.num_experts
         self.received.add(shard)
         with torch.no_grad():
             if shard.startswith("shared."):
                 part = shard.split(".")[1]
-                expected = (self.w2.shape[1], self.num_shared * i)
+                expected = (self.hidden_size, self.num_shared * i)
                 if part != "down":
                     expected = expected[::-1]
                 if tuple(loaded.shape) != expected:
@@ -146,35 +196,46 @@ class FusedMoE(nn.Module):
                     )
                 for s in range(self.num_shared):
                     rows = slice(s * i, (s + 1) * i)
-                    if part == "gate":
-                        param.data[e + s, :i].copy_(loaded[rows])
-                    elif part == "up":
-                        param.data[e + s, i:].copy_(loaded[rows])
-                    else:
-                        param.data[e + s].copy_(loaded[:, rows])
+                    piece = loaded[:, rows] if part == "down" else loaded[rows]
+                    self._place(param, len(self.local_experts) + s, part, piece)
             elif shard in ("gate_up", "down"):
-                param.data[:e].copy_(loaded)
+                ours = loaded[self.local_experts.start : self.local_experts.stop]
+                for x in range(ours.shape[0]):
+                    if shard == "down":
+                        self._place(param, x, "down", ours[x])
+                    else:
+                        self._place(param, x, "gate", ours[x, :i])
+                        self._place(param, x, "up", ours[x, i:])
             else:
                 expert, part = shard.split(".")
-                e = int(expert)
-                if part == "gate":
-                    param.data[e, :i].copy_(loaded)
-                elif part == "up":
-                    param.data[e, i:].copy_(loaded)
-                else:
-                    param.data[e].copy_(loaded)
+                if int(expert) >= e:
+                    raise ValueError(f"expert {expert} of a layer of {e} experts")
+                x = self.local_index(int(expert))
+                if x is not None:
+                    self._place(param, x, part, loaded)
+
+    def _place(self, param: nn.Parameter, x: int, part: str, full: torch.Tensor) -> None:
+        """Copy the rank's width of one expert's checkpoint matrix `full` (its gate, up or down,
+        whole) into stacked expert `x`."""
+        a, b = self.width.start, self.width.stop
+        if part == "gate":
+            param.data[x, : b - a].copy_(full[a:b])
+        elif part == "up":
+            param.data[x, b - a :].copy_(full[a:b])
+        else:
+            param.data[x].copy_(full[:, a:b])
 
     def missing_shards(self, attr: str) -> list[str]:
         """The shards of `attr` ("w13": gate and up, "w2": down) no checkpoint tensor has filled:
-        each routed expert's (or all of them at once, a checkpoint's stacked experts) and the
-        shared experts'."""
+        each of the rank's routed experts' (or all of them at once, a checkpoint's stacked
+        experts) and the shared experts'."""
         parts = ("gate", "up") if attr == "w13" else ("down",)
         stacked = "gate_up" if attr == "w13" else "down"
         missing = []
         if stacked not in self.received:
             missing += [
                 f"{x}.{p}"
-                for x in range(self.num_experts)
+                for x in self.local_experts
                 for p in parts
                 if f"{x}.{p}" not in self.received
             ]
@@ -186,22 +247,35 @@ class FusedMoE(nn.Module):
         weights, experts = softmax_topk(router_logits, self.top_k, self.renormalize)
         return self.routed(x, weights, experts)
 
+    def to_local(self, experts: torch.Tensor) -> torch.Tensor:
+        """Under expert parallel: routed ids [T, k] as this rank's stacked indices, those of
+        other ranks' experts as len(local_experts) (the kernels' `foreign` pairs), each pair
+        counted into `pairs_routed`. Two gathers and an add on the device, no host sync."""
+        assert self.expert_map is not None and self.pairs_routed is not None
+        flat = self.expert_map.index_select(0, experts.reshape(-1))
+        self.pairs_routed.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
+        return flat.view(experts.shape)
+
     def routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The experts' output for tokens already routed: sum over k of weights[t, k] times
-        expert experts[t, k] on x[t]. On a GPU the fused Triton grouped GEMM, else (Triton off)
-        the dense graph-safe path; on the CPU the per-expert loop, the reference."""
+        expert experts[t, k] on x[t] (under expert parallel, over this rank's experts only). On
+        a GPU the fused Triton grouped GEMM, else (Triton off) the dense graph-safe path; on the
+        CPU the per-expert loop, the reference."""
+        foreign = self.expert_map is not None
+        if foreign:
+            experts = self.to_local(experts)
         if use_triton(x):
             from ember.kernels.fused_moe import fused_moe
 
-            return fused_moe(x, self.w13, self.w2, weights, experts)
+            return fused_moe(x, self.w13, self.w2, weights, experts, foreign=foreign)
         if x.is_cuda:
-            return self._dense(x, weights, experts)
+            return self._dense(x, weights, experts, foreign)
         return routed_experts_ref(x, self.w13, self.w2, weights, experts, self.act)
 
     def shared(self, x: torch.Tensor) -> torch.Tensor:
         """The shared experts alone, as one MLP through cuBLAS on views of the stacked weights
         (for prefill-sized batches, where cuBLAS outruns the grouped GEMM)."""
-        e, s, i = self.num_experts, self.num_shared, self.intermediate_size
+        e, s, i = len(self.local_experts), self.num_shared, len(self.width)
         gate_up = F.linear(x, self.w13[e:].reshape(s * 2 * i, -1))  # [T, S * 2I]
         h = self.act(gate_up.view(x.shape[0], s, 2 * i))  # [T, S, I]
         out = F.linear(h[:, 0], self.w2[e])
@@ -209,17 +283,53 @@ class FusedMoE(nn.Module):
             out.addmm_(h[:, j], self.w2[e + j].t())
         return out
 
-    def _dense(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def _dense(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, foreign: bool = False
+    ) -> torch.Tensor:
         """Every expert on every token, weighted by the (mostly zero) routing weights.
 
         No host sync and no data-dependent shapes, so it can be captured in a CUDA graph; it
         costs num_experts / top_k times the routed FLOPs: the fallback when Triton is off.
+        `foreign` pairs land in a column past the experts, dropped.
         """
-        dense = torch.zeros(x.shape[0], self.w13.shape[0], dtype=x.dtype, device=x.device)
+        n = self.w13.shape[0]
+        dense = torch.zeros(x.shape[0], n + foreign, dtype=x.dtype, device=x.device)
         dense.scatter_(1, experts, weights.to(x.dtype))
         h = self.act(torch.einsum("th,eih->eti", x, self.w13))
         y = torch.einsum("eti,ehi->eth", h, self.w2)
-        return torch.einsum("eth,te->th", y, dense)
+        return torch.einsum("eth,te->th", y, dense[:, :n])
+
+
+def _split(num_experts: int, intermediate_size: int, num_shared: int) -> tuple[range, range]:
+    """(routed experts, intermediate columns) this rank holds, by the parallel state."""
+    s = state.current()
+    experts, width = range(num_experts), range(intermediate_size)
+    if not s.is_parallel:
+        return experts, width
+    if not s.expert_parallel:
+        return experts, range(
+            *shard_range(intermediate_size, s.rank, s.size, "moe_intermediate_size")
+        )
+    if num_shared:
+        raise ValueError(
+            "expert parallel holds shared experts apart from the routed ones (split by width)"
+        )
+    if num_experts % s.size:
+        raise ValueError(
+            f"expert parallel: {num_experts} routed experts do not split into whole experts over "
+            f"{s.size} ranks; use a size that divides {num_experts}, or tensor-parallel experts "
+            "(each split by width: leave enable_expert_parallel off)"
+        )
+    n = shard_size(num_experts, s.size, "num_experts")
+    return range(s.rank * n, (s.rank + 1) * n), width
+
+
+def _expert_map(num_experts: int, local: range) -> torch.Tensor:
+    """Routed id -> this rank's stacked index, len(local) for another rank's expert: int64, the
+    index type of the gathers and the count."""
+    m = torch.full((num_experts,), len(local), dtype=torch.int64)
+    m[local.start : local.stop] = torch.arange(len(local))
+    return m
 
 
 def routed_experts_ref(
@@ -231,10 +341,13 @@ def routed_experts_ref(
     act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
 ) -> torch.Tensor:
     """The reference MoE: a loop over the experts that received tokens (host syncs, so eager
-    only). x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights and experts [T, k]."""
+    only). x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights and experts [T, k]; an id of E or
+    more names another rank's expert and adds nothing."""
     weights = weights.to(x.dtype)
     out = torch.zeros_like(x)
     for e in experts.unique().tolist():
+        if e >= w13.shape[0]:  # another rank's expert (expert parallel): not this rank's sum
+            continue
         token_idx, slot = torch.where(experts == e)
         h = act(F.linear(x[token_idx], w13[e]))
         h = F.linear(h, w2[e]) * weights[token_idx, slot, None]
@@ -260,4 +373,5 @@ class SparseMoeBlock(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, self.gate(x))
+        """On a tensor-parallel engine each rank's experts give a partial sum: one all-reduce."""
+        return comm.all_reduce(self.experts(x, self.gate(x)))

@@ -7,6 +7,13 @@ tensor in the checkpoint's layout with an expert dimension in front: INT `w13_pa
 asymmetric), FP8 `w13` [E, 2I, H] with `w13_scale` [E, 2I / rows, H / cols], and the same for
 w2. On a GPU the fused grouped GEMM reads them (ember/kernels/fused_moe.py); on the CPU the
 per-expert loop runs on weights dequantized as it goes (the reference).
+
+On a tensor-parallel engine the experts split as FusedMoE's do. By expert, a rank keeps its
+experts' tensors whole. By width, every tensor is cut along the intermediate dim: w13's gate and
+up rows (packed words, group scales, unpacked zero points and FP8 weights alike; FP8 scales by
+their block rows, or one a row where I / size does not fill whole blocks), w2's columns (packed
+words, scale groups, FP8 blocks). A cut inside a packed word, an INT group or an FP8 block of
+w2's is refused when the layer is built, naming the checkpoint tensor.
 """
 
 from __future__ import annotations
@@ -53,11 +60,19 @@ class QuantFusedMoE(FusedMoE):
     ) -> None:
         self.quant, self.name = quant, name
         super().__init__(
-            num_experts, top_k, hidden_size, intermediate_size, renormalize, act, num_shared
+            num_experts,
+            top_k,
+            hidden_size,
+            intermediate_size,
+            renormalize,
+            act,
+            num_shared,
         )
 
     def make_weights(self, total: int, hidden: int, inter: int) -> None:
         q, dtype = self.quant, torch.get_default_dtype()
+        if inter < self.intermediate_size:
+            self._check_width_cut(inter)
         # (rows, inputs) of w13 and w2
         for w, (rows, k) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
             if q.kind == "int":
@@ -96,9 +111,49 @@ class QuantFusedMoE(FusedMoE):
                 self.block13 = (1, self.block13[1])
             self.act13, self.act2 = q.act_group_for(hidden), q.act_group_for(inter)
 
+    def _check_width_cut(self, inter: int) -> None:
+        """Refuse a width split that cuts w2's packed words, INT groups or FP8 blocks (a rank's
+        `inter` columns of the intermediate dim, w2's K, from column rank * inter)."""
+        q, full = self.quant, self.intermediate_size
+        if q.kind == "int":
+            word, group = 32 // q.bits, q.group_size or 0
+            if group > word:
+                unit, what, tensor = group, f"groups of {group}", "weight_scale"
+            else:
+                unit, what, tensor = word, f"packed words ({word} values)", "weight_packed"
+        else:
+            unit, what, tensor = q.block[1], f"{q.block[0]}x{q.block[1]} blocks", "weight_scale"
+        if unit and inter % unit:
+            raise ValueError(
+                f"{self.name}.*.down_proj.{tensor}: a tensor-parallel rank holds {inter} of the "
+                f"experts' {full} intermediate columns, which cuts its {what}; use a size whose "
+                f"share of {full} is a multiple of {unit}, or expert parallel"
+            )
+
+    def _width_cut(self, attr: str, t: torch.Tensor, part: str) -> torch.Tensor:
+        """The rank's width of one expert's tensor `attr` as `_checked` returns it (the whole
+        checkpoint expert): gate / up rows, or down's columns, of the intermediate dim."""
+        a, b = self.width.start, self.width.stop
+        if b - a == self.intermediate_size:
+            return t
+        q = self.quant
+        if part != "down":  # rows: one a weight row, but FP8 scales one a block row
+            per = self.block13[0] if q.kind == "fp8" and attr == "weight_scale" else 1
+            return t[a // per : b // per]
+        if attr == "weight_packed":
+            per = 32 // q.bits
+        elif attr == "weight":
+            per = 1
+        elif (q.group_size if q.kind == "int" else q.block[1]) == 0:
+            return t  # channel-wise scales: one a row, the same for every column
+        else:
+            per = self.down_group if q.kind == "int" else self.block2[1]
+        return t[:, a // per : b // per]
+
     def load(self, attr: str, loaded: torch.Tensor, shard: str, source: str) -> str | None:
-        """Place checkpoint tensor `source`: `attr` of part `shard` ('E.gate' | 'E.up' |
-        'E.down' | 'shared.gate' | ...). Returns the parameter filled (None for weight_shape)."""
+        """Place checkpoint tensor `source` (the whole tensor): `attr` of part `shard` ('E.gate'
+        | 'E.up' | 'E.down' | 'shared.gate' | ...). Returns the parameter filled (None for
+        weight_shape and for another rank's expert)."""
         expert, part = shard.split(".")
         w = "w2" if part == "down" else "w13"
         i, h, e = self.intermediate_size, self.hidden_size, self.num_experts
@@ -116,14 +171,22 @@ class QuantFusedMoE(FusedMoE):
                 f"checkpoint tensor {source!r}: {self.name} is quantized "
                 f"({self.quant.describe()}) and holds {', '.join(self.quant.tensor_names())}, not {attr!r}"
             )
+        if shared:
+            first = len(self.local_experts)
+        elif int(expert) >= e:
+            raise ValueError(f"{source}: expert {expert} of a layer of {e} experts")
+        elif (x := self.local_index(int(expert))) is None:
+            return None  # another rank's
+        else:
+            first = x
         self.received.add(f"{shard}:{attr}")
         loaded = self._checked(attr, loaded, rows, k, source, part)
         name = f"{w}{_SUFFIX[attr]}"
         param = getattr(self, name)
         pieces = self._shared_pieces(attr, loaded, part) if shared else [loaded]
-        first = e if shared else int(expert)
         with torch.no_grad():
             for j, piece in enumerate(pieces):
+                piece = self._width_cut(attr, piece, part)
                 dst = param.data[first + j]
                 if part in ("gate", "up"):
                     dst = self._half(dst, part, attr)
@@ -202,13 +265,16 @@ class QuantFusedMoE(FusedMoE):
         parts = ("gate", "up") if w == "w13" else ("down",)
         ours = {v: k for k, v in _SUFFIX.items()}
         ckpt_attr = ours.get(attr[len(w) :], "weight")
-        names = [f"{x}.{p}" for x in range(self.num_experts) for p in parts]
+        names = [f"{x}.{p}" for x in self.local_experts for p in parts]
         if self.num_shared:
             names += [f"shared.{p}" for p in parts]
         return [n for n in names if f"{n}:{ckpt_attr}" not in self.received]
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         q = self.quant
+        foreign = self.expert_map is not None
+        if foreign:
+            experts = self.to_local(experts)
         if use_triton(x):
             if q.kind == "int":
                 from ember.kernels.fused_moe import fused_moe_int
@@ -225,6 +291,7 @@ class QuantFusedMoE(FusedMoE):
                     experts,
                     q.bits,
                     self.group_size,
+                    foreign=foreign,
                 )
             from ember.kernels.fused_moe import fused_moe_fp8
 
@@ -238,12 +305,13 @@ class QuantFusedMoE(FusedMoE):
                 weights,
                 experts,
                 q.block_for(self.hidden_size),
+                foreign=foreign,
             )
         return self._reference(x, weights, experts)
 
     def shared(self, x: torch.Tensor) -> torch.Tensor:
         """The shared experts alone (every token to each with weight 1)."""
-        t, e, s = x.shape[0], self.num_experts, self.num_shared
+        t, e, s = x.shape[0], len(self.local_experts), self.num_shared
         experts = torch.arange(e, e + s, device=x.device).expand(t, s)
         return self.routed(x, x.new_ones(t, s, dtype=torch.float32), experts)
 
@@ -273,6 +341,8 @@ class QuantFusedMoE(FusedMoE):
         weights = weights.to(x.dtype)
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
+            if e >= len(self.local_experts) + self.num_shared:  # another rank's
+                continue
             token_idx, slot = torch.where(experts == e)
             h = self.act(self._expert_matmul(x[token_idx], "w13", e))
             h = self._expert_matmul(h, "w2", e) * weights[token_idx, slot, None]
@@ -302,7 +372,13 @@ def make_fused_moe(
     or QuantFusedMoE if quantization_config quantizes them."""
     if quant is None:
         return FusedMoE(
-            num_experts, top_k, hidden_size, intermediate_size, renormalize, act, num_shared
+            num_experts,
+            top_k,
+            hidden_size,
+            intermediate_size,
+            renormalize,
+            act,
+            num_shared,
         )
     return QuantFusedMoE(
         num_experts,
