@@ -8,6 +8,9 @@ prefills with K/V expanded per head through torch's fused attention; on the CPU 
 space through the PyTorch reference. The routed experts run in the fused MoE grouped GEMM
 (ember/kernels/fused_moe.py) on a GPU, and with them, at decode-sized batches, the shared experts
 (stored as more experts of the same stacked weights).
+
+Tensor parallel: attention splits by heads (`MLAttention`) and the MoE layers by width or by
+expert (ember/models/layers/moe.py), each layer's partial sums all-reduced once.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from torch import nn
 
 from ember.attention.context import ForwardContext
 from ember.attention.mla import mla_attention
+from ember.distributed import comm
+from ember.distributed.shard import shard_size
+from ember.distributed.state import current
 from ember.kernels.dispatch import use_triton
 from ember.models.config import ModelConfig
 from ember.models.layers.linear import make_linear, quant_scheme
@@ -38,10 +44,21 @@ _SHARED = re.compile(
 
 
 class MLAttention(nn.Module):
+    """Multi-head latent attention over this rank's heads (`num_heads` of them, from
+    `head_start`): q's up-projection (q_b_proj, or the plain q_proj) and kv_b_proj hold the
+    rank's heads' rows, o_proj its heads' columns (row parallel, all-reduced). The latent
+    projection (kv_a_proj_with_mqa), q's LoRA down-projection and their norms are replicated:
+    every rank computes the same latent row and keeps the whole latent cache, since one latent
+    head, shared by every query head, cannot be split. (Splitting the batch across the ranks'
+    attention instead, data-parallel attention, would divide the cache: a later step.)"""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = h = cfg.num_attention_heads
+        s = current()
+        heads = cfg.num_attention_heads
+        self.num_heads = h = shard_size(heads, s.size, "num_attention_heads")
+        self.head_start = h0 = s.rank * h
         self.nope, self.rope, self.v_dim = (
             cfg.qk_nope_head_dim,
             cfg.qk_rope_head_dim,
@@ -49,29 +66,51 @@ class MLAttention(nn.Module):
         )
         self.rank = cfg.kv_lora_rank
         qk = self.nope + self.rope
+        q_rows = (h0 * qk, (h0 + h) * qk)  # the rank's heads' rows of q
         # The two projections of x (q's, or q's LoRA down-projection, and the latent's) are one
-        # matmul: one launch fewer a layer, which is what batch-1 decode pays for.
+        # matmul: one launch fewer a layer, which is what batch-1 decode pays for. A plain q_proj
+        # is split by heads in it; the latent's rows are whole on every rank.
         self.q_lora = bool(cfg.q_lora_rank)
-        q_out = cfg.q_lora_rank if self.q_lora else h * qk
+        q_out = cfg.q_lora_rank if self.q_lora else heads * qk
+        kv_a = self.rank + self.rope
         prefix = f"model.layers.{layer_idx}.self_attn"
         self.fused_qkv_a_proj = make_linear(
             cfg.hidden_size,
-            {"q": q_out, "kv_a": self.rank + self.rope},
+            {"q": q_out, "kv_a": kv_a},
             cfg.quant,
             f"{prefix}.fused_qkv_a_proj",
             parts={
                 "q": f"{prefix}.{'q_a_proj' if self.q_lora else 'q_proj'}",
                 "kv_a": f"{prefix}.kv_a_proj_with_mqa",
             },
+            parallel=None if self.q_lora else "column",
+            rows=None if self.q_lora else {"q": q_rows, "kv_a": (0, kv_a)},
         )
         if self.q_lora:
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = make_linear(cfg.q_lora_rank, h * qk, cfg.quant, f"{prefix}.q_b_proj")
+            self.q_b_proj = make_linear(
+                cfg.q_lora_rank,
+                heads * qk,
+                cfg.quant,
+                f"{prefix}.q_b_proj",
+                parallel="column",
+                rows=q_rows,
+            )
         self.kv_a_layernorm = RMSNorm(self.rank, cfg.rms_norm_eps)
         # Attention splits this weight per head (w_uk, w_uv): it stays in the model's dtype,
         # dequantized as it loads if the checkpoint quantized it (`dense_layers`).
-        self.kv_b_proj = nn.Linear(self.rank, h * (self.nope + self.v_dim), bias=False)
-        self.o_proj = make_linear(h * self.v_dim, cfg.hidden_size, cfg.quant, f"{prefix}.o_proj")
+        kv_b = self.nope + self.v_dim
+        self.kv_b_proj = make_linear(
+            self.rank,
+            heads * kv_b,
+            None,
+            f"{prefix}.kv_b_proj",
+            parallel="column",
+            rows=(h0 * kv_b, (h0 + h) * kv_b),
+        )
+        self.o_proj = make_linear(
+            heads * self.v_dim, cfg.hidden_size, cfg.quant, f"{prefix}.o_proj", parallel="row"
+        )
         self.interleaved = bool(cfg.raw.get("rope_interleave", True))
         self.scale = qk**-0.5
         scaling = cfg.rope_scaling
@@ -143,6 +182,16 @@ on views of the same weights, which outruns the grouped GEMM on prefill-sized ro
 
 
 class DeepseekMoE(nn.Module):
+    """Routed experts (FusedMoE) and shared ones. On a tensor-parallel engine every part gives a
+    partial sum, and the layer all-reduces their total once.
+
+    The shared experts are stacked after the routed ones when stored alike and split alike (by
+    width). Under expert parallel they are an MLP of their own split by width (column then row
+    parallel, not reduced by itself), computed on every rank: not held whole on each rank and
+    added on one, which would hold S experts' weights on every rank and make that one rank read
+    them every step on top of its routed share (at decode about as many bytes again as its
+    routed experts), the step waiting on it."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.cfg = cfg
@@ -155,8 +204,11 @@ class DeepseekMoE(nn.Module):
         # The shared MLP (intermediate n_shared_experts * moe_intermediate_size) is stored as
         # n_shared_experts more experts after the routed ones (FusedMoE's docstring says why),
         # unless it is stored otherwise than they are (Kimi K2.5: INT4 routed experts, a 16-bit
-        # shared MLP): it is then an MLP of its own.
-        fused = cfg.n_shared_experts if shared == routed else 0
+        # shared MLP): it is then an MLP of its own, as under expert parallel (the class's
+        # docstring says why).
+        s = current()
+        by_expert = s.is_parallel and s.expert_parallel
+        fused = cfg.n_shared_experts if shared == routed and not by_expert else 0
         self.experts = make_fused_moe(
             cfg.num_experts,
             cfg.num_experts_per_tok,
@@ -176,6 +228,7 @@ class DeepseekMoE(nn.Module):
                 cfg.hidden_act,
                 cfg.quant,
                 f"{prefix}.shared_experts",
+                reduce=False,
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -200,7 +253,7 @@ class DeepseekMoE(nn.Module):
             out = out + self.experts.shared(x)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return comm.all_reduce(out)
 
 
 class DeepseekV3DecoderLayer(DecoderLayer):
