@@ -91,8 +91,9 @@ def make_lm_head(
     name: str = "lm_head",
 ) -> nn.Module:
     """The LM head: `ParallelLMHead` (sharing `tied`'s weight if given), or the column-parallel
-    `QuantLinear` of a quantized one, which needs a vocabulary the ranks divide (its rows are
-    cut in whole quantization units, not padded)."""
+    `QuantLinear` of a quantized one. That one holds the checkpoint's rows unpadded and the
+    gather needs equal slices, so a vocabulary the ranks do not divide is refused for it
+    (`make_linear` names lm_head's rows); quantized LM heads are rare enough not to pad."""
     if tied is None and quant_scheme(quant, [name]) is not None:
         return make_linear(hidden_size, vocab_size, quant, name, parallel="column")
     head = ParallelLMHead(hidden_size, vocab_size, name)
