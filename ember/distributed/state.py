@@ -50,10 +50,14 @@ def init(
     device: torch.device,
     expert_parallel: bool = False,
     timeout_s: float = 600.0,
+    make_current: bool = True,
 ) -> ParallelState:
     """Join the engine's process group (`init_method`: "tcp://HOST:PORT" or "file://PATH", the
     same for every rank) as `rank` of `size`: NCCL on a CUDA `device`, gloo elsewhere. A rank
-    that does not arrive within `timeout_s` fails every other rank's first collective."""
+    that does not arrive within `timeout_s` fails every other rank's first collective.
+    `make_current`: the state `current()` returns from now on (a worker process's, which holds
+    one engine); else the caller makes it current where it runs its engine (`use`: a process
+    may hold other engines, of one rank, whose layers must not meet the group)."""
     global _current
     if size < 1 or not 0 <= rank < size:
         raise ValueError(f"rank {rank} of {size} is not a rank")
@@ -70,14 +74,17 @@ def init(
             **kwargs,
         )
         group = dist.group.WORLD
-    _current = ParallelState(rank, size, expert_parallel, group)
-    return _current
+    made = ParallelState(rank, size, expert_parallel, group)
+    if make_current:
+        _current = made
+    return made
 
 
 def close() -> None:
-    """Leave the process group (the engine's end); the state is one rank again."""
+    """Leave the process group (the engine's end; one tensor-parallel engine a process); the
+    state is one rank again."""
     global _current
-    if _current.group is not None and dist.is_initialized():
+    if dist.is_initialized():
         dist.destroy_process_group()
     _current = ParallelState()
 

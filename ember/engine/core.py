@@ -14,6 +14,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed
 
 from ember.attention.backend import AttentionBackend
 from ember.attention.torch_backend import TorchAttentionBackend
@@ -91,7 +92,6 @@ class EngineCore:
         clock = self.startup = StartupClock()
         self.model_config = model_config or ModelConfig.from_dir(config.model)
         self.resolved: ResolvedConfig = config.resolve(self.model_config)
-        r = self.resolved
         self.device = torch.device(config.device)
         torch.manual_seed(config.seed)
         on_gpu = self.device.type == "cuda"
@@ -113,9 +113,19 @@ class EngineCore:
             # torch; an engine made in process pays it here, as its first compile would).
             triton_setup.wait()
         clock.mark("config")
-        self.workers = self._start_workers()
         self.parallel = parallel_state.current()
-        """This process's rank of the engine's devices (one of one without tensor parallelism)."""
+        """This process's rank of the engine's devices (one of one without tensor parallelism):
+        current wherever this engine runs its model (a process may hold other engines)."""
+        self.workers = self._start_workers()
+        with parallel_state.use(self.parallel):
+            self._start(clock, backend, free0, total)
+
+    def _start(
+        self, clock: StartupClock, backend: AttentionBackend | None, free0: int, total: int
+    ) -> None:
+        """The model, its compile, the KV cache, the scheduler and the graphs."""
+        config, r = self.config, self.resolved
+        on_gpu = self.device.type == "cuda"
         backend = backend or default_backend(self.device)
         early = None
         if on_gpu and config.warmup:
@@ -192,10 +202,21 @@ class EngineCore:
                 raise ValueError(
                     f"tensor_parallel_size {n} needs {n} GPUs; {torch.cuda.device_count()} visible"
                 )
+        if torch.distributed.is_initialized():
+            raise ValueError(
+                "this process already runs a tensor-parallel engine (one process group a "
+                "process): close it first"
+            )
         workers = Workers(config, n)
         try:
-            parallel_state.init(
-                0, n, workers.init_method, self.device, config.enable_expert_parallel
+            workers.wait_joining()
+            self.parallel = parallel_state.init(
+                0,
+                n,
+                workers.init_method,
+                self.device,
+                config.enable_expert_parallel,
+                make_current=False,
             )
         except BaseException:
             workers.close()
@@ -602,6 +623,10 @@ class EngineCore:
         )
 
     def step(self) -> list[EngineCoreOutput]:
+        with parallel_state.use(self.parallel):
+            return self._step_safely()
+
+    def _step_safely(self) -> list[EngineCoreOutput]:
         """Schedule and launch a step; return the outputs of the step that finished.
 
         With async scheduling the step launched here is collected by the next call, so the host
@@ -617,7 +642,10 @@ class EngineCore:
             self.failed_steps += 1
             # A tensor-parallel step that failed on rank 0 may have left the other ranks inside
             # a collective: the engine cannot go on.
-            if self.failed_steps >= MAX_FAILED_STEPS or self.workers is not None:
+            if self.workers is not None:
+                self.workers.explain(e)
+                raise
+            if self.failed_steps >= MAX_FAILED_STEPS:
                 raise
             log.exception("engine step failed; failing its requests")
             return self._fail_step(e)

@@ -67,6 +67,10 @@ def engine_core_main(
         torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
     try:
         core = EngineCore(config)
+        if core.workers is not None:
+            # A dead worker may leave this process inside a collective that never returns: it
+            # ends, and the server with it, for `ember up` or a supervisor to restart.
+            core.workers.exit_on_failure = True
     except Exception as e:  # report why we could not start, then exit
         with contextlib.suppress(ParentGone):
             send(out, enc.encode(EngineCoreFailed(f"{type(e).__name__}: {e}")), parent)

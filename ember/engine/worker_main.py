@@ -6,6 +6,7 @@ rank, and runs every step plan rank 0 sends until told to stop."""
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import pickle
@@ -14,11 +15,12 @@ import sys
 
 
 def main() -> None:
-    config, rank, size, init_method, address, parent = pickle.load(sys.stdin.buffer)
+    config, rank, size, init_method, address, hello, parent = pickle.load(sys.stdin.buffer)
     from ember.parent_death import die_with_parent
 
     die_with_parent(parent, signal.SIGKILL)  # no worker outlives its engine core
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when we stop
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID`: where a hung worker is
     logging.basicConfig(
         level=os.environ.get("EMBER_LOG_LEVEL", "INFO"),
         format=f"%(levelname)s:rank {rank}:%(name)s:%(message)s",
@@ -36,11 +38,15 @@ def main() -> None:
     else:
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-    state.init(rank, size, init_method, device, config.enable_expert_parallel)
-    core = EngineCore(config)
     ctx = zmq.Context()
     plans = ctx.socket(zmq.PULL)
     plans.connect(address)
+    joining = ctx.socket(zmq.PUSH)
+    joining.connect(hello)
+    joining.send(str(rank).encode())  # rank 0 waits for this, not a rendezvous, while we start
+    joining.close(linger=1000)
+    state.init(rank, size, init_method, device, config.enable_expert_parallel)
+    core = EngineCore(config)
     runner = core.runner
     try:
         while True:

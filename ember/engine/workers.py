@@ -38,6 +38,11 @@ log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 10.0
 """How long a closing engine waits for its workers to leave before it kills them."""
+JOIN_TIMEOUT_S = 600.0
+"""How long rank 0 waits for every worker to reach the process group (imports, CUDA set-up)."""
+EXIT_GRACE_S = 5.0
+"""With `exit_on_failure`: how long a process whose worker died may take to end by itself (its
+next collective may never return: NCCL waits for a dead peer) before it is ended."""
 
 
 class WorkerFailed(RuntimeError):
@@ -56,8 +61,13 @@ class Workers:
         self.procs: list[subprocess.Popen] = []
         self.failure: str | None = None
         """Why the engine cannot go on (a worker ended), once one has."""
+        self.exit_on_failure = False
+        """End this whole process EXIT_GRACE_S after a worker's end (an engine core process:
+        its server then exits non-zero, for a supervisor to restart)."""
         self._closing = False
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.hello = self.ctx.socket(zmq.PULL)
+        self.hello.bind(f"ipc://{self.dir}/hello")
         try:
             for rank in range(1, size):
                 sock = self.ctx.socket(zmq.PUSH)
@@ -71,8 +81,11 @@ class Workers:
                     env=env,
                 )
                 assert proc.stdin is not None
+                hello = f"ipc://{self.dir}/hello"
                 proc.stdin.write(
-                    pickle.dumps((config, rank, size, self.init_method, address, os.getpid()))
+                    pickle.dumps(
+                        (config, rank, size, self.init_method, address, hello, os.getpid())
+                    )
                 )
                 proc.stdin.close()
                 self.procs.append(proc)
@@ -82,17 +95,48 @@ class Workers:
         self._watcher = threading.Thread(target=self._watch, name="tp-workers", daemon=True)
         self._watcher.start()
 
+    def wait_joining(self) -> None:
+        """Return once every worker is about to join the process group (its imports done);
+        raise WorkerFailed if one ends first, rather than wait for it in the rendezvous."""
+        waiting = set(range(1, self.size))
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while waiting:
+            self.check()
+            if time.monotonic() > deadline:
+                raise WorkerFailed(f"workers {sorted(waiting)} did not start in {JOIN_TIMEOUT_S} s")
+            if self.hello.poll(100):
+                waiting.discard(int(self.hello.recv()))
+
     def send(self, plan: StepPlan) -> None:
-        """Every worker's copy of a step's plan."""
+        """Every worker's copy of a step's plan (it queues while a worker is not yet reading;
+        raises WorkerFailed rather than wait on one that ended)."""
         self.check()
         data = encode(plan)
         for sock in self.sockets:
-            sock.send(data, copy=False)
+            while True:
+                try:
+                    sock.send(data, zmq.NOBLOCK, copy=False)
+                    break
+                except zmq.Again:
+                    sock.poll(100, zmq.POLLOUT)
+                    self.check()
 
     def check(self) -> None:
         """Raise WorkerFailed once a worker has ended."""
         if self.failure is not None:
             raise WorkerFailed(self.failure)
+
+    def explain(self, err: BaseException, wait_s: float = 2.0) -> None:
+        """After rank 0's step raised `err`: raise WorkerFailed from it if a worker ended (a
+        collective with a dead peer fails first; the watcher learns why within `wait_s`)."""
+        deadline = time.monotonic() + wait_s
+        while self.failure is None and time.monotonic() < deadline:
+            if any(proc.poll() is not None for proc in self.procs):
+                time.sleep(0.05)  # the watcher records it
+            else:
+                return
+        if self.failure is not None:
+            raise WorkerFailed(self.failure) from err
 
     def _watch(self) -> None:
         """Notice a worker's end within a fraction of a second and record why."""
@@ -102,6 +146,11 @@ class Workers:
                 if code is not None and not self._closing and self.failure is None:
                     self.failure = f"tensor-parallel worker rank {rank} exited with code {code}"
                     log.error("%s: the engine cannot go on without it", self.failure)
+                    if self.exit_on_failure:
+                        time.sleep(EXIT_GRACE_S)
+                        if not self._closing:
+                            log.error("ending the engine core: %s", self.failure)
+                            os._exit(1)
             time.sleep(0.1)
 
     def close(self) -> None:
@@ -120,5 +169,6 @@ class Workers:
                 proc.wait()
         for sock in self.sockets:
             sock.close(linger=0)
+        self.hello.close(linger=0)
         self.ctx.term()
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -8,8 +8,10 @@ import os
 import tempfile
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -27,11 +29,39 @@ def _rank_main(
     torch.set_num_threads(1)
     try:
         state.init(rank, size, init_method, torch.device("cpu"), expert_parallel, timeout_s=120)
-        results.put((rank, "ok", fn(*args)))
+        results.put((rank, "ok", _detached(fn(*args))))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     finally:
         state.close()
+
+
+@dataclass(frozen=True)
+class _Array:
+    """A rank's tensor on its way to the parent as a NumPy array: a queued tensor travels as a
+    handle to shared memory that the rank's exit may free before the parent reads it."""
+
+    array: np.ndarray
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return _Array(value.detach().cpu().numpy().copy())
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached(v) for v in value)
+    return value
+
+
+def _attached(value: Any) -> Any:
+    if isinstance(value, _Array):
+        return torch.from_numpy(value.array)
+    if isinstance(value, dict):
+        return {k: _attached(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_attached(v) for v in value)
+    return value
 
 
 def run_ranks(
@@ -74,4 +104,4 @@ def run_ranks(
             os.unlink(path)
     if errors:
         raise AssertionError("\n".join(errors))
-    return [out[r] for r in range(size)]
+    return [_attached(out[r]) for r in range(size)]
