@@ -22,6 +22,7 @@ from ember.distributed import comm
 from ember.distributed import state as parallel_state
 from ember.engine import cuda_context
 from ember.engine.config import EngineConfig, ResolvedConfig
+from ember.engine.expert_load import ExpertLoadMeter
 from ember.engine.kv_connector import KVConnector
 from ember.engine.kv_tiers import PrefillClock, build_tiers, model_fingerprint
 from ember.engine.memory import size_kv_cache
@@ -321,6 +322,7 @@ class EngineCore:
         self.grammar = GrammarCompiler.for_model(config.model, self.model_config)
         if self.workers is not None:
             self.runner.send_plan = self.workers.send
+        self.expert_load = ExpertLoadMeter(self.runner.model)
         clock.mark("kv cache, tiers, scheduler")
 
     def _load(
@@ -620,7 +622,16 @@ class EngineCore:
             kv_tier_bandwidth={m: t.cost.bandwidth(m) for m in tiers} if t is not None else {},
             prefill_tok_s=t.cost.prefill_tok_s if t is not None else 0.0,
             **(self.spec.stats() if self.spec is not None else {}),
+            expert_load=self._expert_loads(),
         )
+
+    def _expert_loads(self) -> list[int]:
+        """Each rank's expert load (ember/engine/expert_load.py), rank 0's first."""
+        own = self.expert_load.poll()
+        if own is None:
+            return []
+        others = self.workers.read_reports() if self.workers is not None else {}
+        return [own] + [others.get(r, 0) for r in range(1, self.parallel.size)]
 
     def step(self) -> list[EngineCoreOutput]:
         with parallel_state.use(self.parallel):

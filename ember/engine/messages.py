@@ -105,6 +105,9 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
     """Entry i: drafts whose token at position i (0-based) was accepted."""
+    expert_load: list[int] = msgspec.field(default_factory=list)
+    """Expert parallel: entry r, the (token, expert) pairs routed to rank r's experts so far
+    (every MoE layer; a few seconds stale at most); empty otherwise."""
 
 
 class KVEvents(msgspec.Struct, array_like=True):

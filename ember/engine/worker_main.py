@@ -15,7 +15,7 @@ import sys
 
 
 def main() -> None:
-    config, rank, size, init_method, address, hello, parent = pickle.load(sys.stdin.buffer)
+    config, rank, size, init_method, address, hello, reports, parent = pickle.load(sys.stdin.buffer)
     from ember.parent_death import die_with_parent
 
     die_with_parent(parent, signal.SIGKILL)  # no worker outlives its engine core
@@ -30,6 +30,7 @@ def main() -> None:
 
     from ember.distributed import state
     from ember.engine.core import EngineCore
+    from ember.engine.expert_load import ExpertLoadMeter
     from ember.engine.step_plan import StopWorkers, decode
 
     if config.device == "cpu":
@@ -48,13 +49,24 @@ def main() -> None:
     state.init(rank, size, init_method, device, config.enable_expert_parallel)
     core = EngineCore(config)
     runner = core.runner
+    report = ctx.socket(zmq.PUSH)
+    report.connect(reports)
+    meter = ExpertLoadMeter(runner.model)
+    reported = None
     try:
         while True:
-            msg = decode(plans.recv(copy=False).bytes)
-            if isinstance(msg, StopWorkers):
-                break
-            runner.run(msg, None)
+            # Idle a second at most: the expert load's last figure still goes out.
+            if plans.poll(1000):
+                msg = decode(plans.recv(copy=False).bytes)
+                if isinstance(msg, StopWorkers):
+                    break
+                runner.run(msg, None)
+            load = meter.poll()
+            if load is not None and load != reported:
+                report.send(f"{rank} {load}".encode(), zmq.NOBLOCK)
+                reported = load
     finally:
+        report.close(linger=0)
         plans.close(linger=0)
         ctx.term()
         core.close()

@@ -68,6 +68,10 @@ class Workers:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.hello = self.ctx.socket(zmq.PULL)
         self.hello.bind(f"ipc://{self.dir}/hello")
+        self.reports = self.ctx.socket(zmq.PULL)
+        self.reports.bind(f"ipc://{self.dir}/reports")
+        self.expert_loads: dict[int, int] = {}
+        """Each worker's last reported expert load (ember/engine/expert_load.py), by rank."""
         try:
             for rank in range(1, size):
                 sock = self.ctx.socket(zmq.PUSH)
@@ -82,9 +86,10 @@ class Workers:
                 )
                 assert proc.stdin is not None
                 hello = f"ipc://{self.dir}/hello"
+                reports = f"ipc://{self.dir}/reports"
                 proc.stdin.write(
                     pickle.dumps(
-                        (config, rank, size, self.init_method, address, hello, os.getpid())
+                        (config, rank, size, self.init_method, address, hello, reports, os.getpid())
                     )
                 )
                 proc.stdin.close()
@@ -125,6 +130,15 @@ class Workers:
         """Raise WorkerFailed once a worker has ended."""
         if self.failure is not None:
             raise WorkerFailed(self.failure)
+
+    def read_reports(self) -> dict[int, int]:
+        """The workers' expert loads, with whatever they reported since the last call."""
+        while True:
+            try:
+                rank, value = (int(x) for x in self.reports.recv(zmq.NOBLOCK).split())
+            except zmq.Again:
+                return self.expert_loads
+            self.expert_loads[rank] = value
 
     def explain(self, err: BaseException, wait_s: float = 2.0) -> None:
         """After rank 0's step raised `err`: raise WorkerFailed from it if a worker ended (a
@@ -170,5 +184,6 @@ class Workers:
         for sock in self.sockets:
             sock.close(linger=0)
         self.hello.close(linger=0)
+        self.reports.close(linger=0)
         self.ctx.term()
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -133,6 +133,16 @@ class _EngineCollector(Collector):
             yield c
         yield from self._tier_metrics(s)
         yield from self._spec_metrics(s)
+        if s.expert_load:
+            c = CounterMetricFamily(
+                "ember:expert_load_tokens",
+                "Expert parallel: (token, expert) pairs routed to each rank's experts, over "
+                "every MoE layer.",
+                labels=[*labels, "rank"],
+            )
+            for rank, value in enumerate(s.expert_load):
+                c.add_metric([self.model, str(rank)], value)
+            yield c
 
     def _tier_metrics(self, s: SchedulerStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         """`ember:kv_tier_*{medium=cpu|disk|store}` from the KV tiers' counters."""

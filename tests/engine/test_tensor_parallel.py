@@ -208,3 +208,62 @@ def test_one_parallel_engine_a_process(llama: Path) -> None:
 def test_heads_the_ranks_cannot_split_are_refused(llama: Path) -> None:
     with pytest.raises(ValueError, match="num_attention_heads \\(4\\) is not divisible"):
         LLM(str(llama), dtype="float32", tensor_parallel_size=3)
+
+
+@pytest.mark.parametrize(
+    "arch,expert_parallel",
+    [("qwen3_moe", False), ("qwen3_moe", True), ("deepseek_v3", True), ("kimi_k2", False)],
+)
+def test_moe_models_on_two_ranks(tiny_model_dir, arch: str, expert_parallel: bool) -> None:  # type: ignore[no-untyped-def]
+    """MoE split by width (TP) or by whole experts (EP); DeepSeek's MLA split by heads."""
+    model = str(tiny_model_dir(arch))
+    one = LLM(model, dtype="float32")
+    want = outputs(one, PROMPTS, greedy(12))
+    one.close()
+    two = LLM(
+        model, dtype="float32", tensor_parallel_size=2, enable_expert_parallel=expert_parallel
+    )
+    try:
+        assert_same(outputs(two, PROMPTS, greedy(12)), want)
+    finally:
+        two.close()
+
+
+def test_quantized_model_on_two_ranks(tmp_path: Path) -> None:
+    """Kimi K2.5's scheme (INT4 routed experts, compressed-tensors) at two ranks, experts split
+    whole across them, equals one rank."""
+    from tests.models.quant_checkpoints import make_quantized
+
+    _, quantized, _ = make_quantized(tmp_path, "kimi_k2_int4")
+    one = LLM(str(quantized), dtype="float32")
+    want = outputs(one, PROMPTS, greedy(12))
+    one.close()
+    two = LLM(str(quantized), dtype="float32", tensor_parallel_size=2, enable_expert_parallel=True)
+    try:
+        assert_same(outputs(two, PROMPTS, greedy(12)), want)
+    finally:
+        two.close()
+
+
+def test_expert_load_per_rank(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """Under expert parallel each rank counts the (token, expert) pairs its experts took; over
+    the ranks they are every token's top_k in every MoE layer."""
+    from ember.models.config import ModelConfig
+
+    model = tiny_model_dir("qwen3_moe")
+    cfg = ModelConfig.from_dir(model)
+    llm = LLM(str(model), dtype="float32", tensor_parallel_size=2, enable_expert_parallel=True)
+    try:
+        res = llm.generate(PROMPTS, greedy(12))
+        # Every prompt token and every output token but the last went through the model.
+        tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in res)
+        want = tokens * cfg.num_experts_per_tok * cfg.num_hidden_layers
+        deadline = time.monotonic() + 10
+        while True:
+            load = llm.engine.core.stats().expert_load
+            if (len(load) == 2 and sum(load) == want) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert len(load) == 2 and sum(load) == want and min(load) > 0, (load, want)
+    finally:
+        llm.close()
