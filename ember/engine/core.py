@@ -25,7 +25,7 @@ from ember.engine.config import EngineConfig, ResolvedConfig
 from ember.engine.expert_load import ExpertLoadMeter
 from ember.engine.kv_connector import KVConnector
 from ember.engine.kv_tiers import PrefillClock, build_tiers, model_fingerprint
-from ember.engine.memory import size_kv_cache
+from ember.engine.memory import log_memory, size_kv_cache
 from ember.engine.messages import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -248,6 +248,8 @@ class EngineCore:
         if not self.parallel.is_driver:
             # A worker's part ends with its KV cache: rank 0 schedules, and moves KV alone.
             self.runner.allocate_kv_cache(num_blocks)
+            if on_gpu:
+                log_memory(self.runner, self.parallel.rank, self.parallel.size)
             self.tiers, self.connector = None, None
             return
         transport = None
@@ -258,6 +260,8 @@ class EngineCore:
             transport = make_transport(kind, config.kv_host, config.kv_timeout_s)
         # The KV cache in memory the transport can hand to peers (shared memory on the CPU).
         self.runner.allocate_kv_cache(num_blocks, transport.allocate if transport else None)
+        if on_gpu:
+            log_memory(self.runner, self.parallel.rank, self.parallel.size)
         if self.runner.drafter is not None:
             self.runner.drafter.allocate_kv_cache(num_blocks)
         # Block hashes name the model by what it computes, not by its path: every engine of the

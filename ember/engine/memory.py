@@ -33,10 +33,26 @@ def size_kv_cache(
             f"{r.max_model_len} needs {min_blocks}; raise gpu_memory_utilization or lower "
             "max_model_len / max_num_batched_tokens"
         )
-    log.info(
-        "memory: weights %.2f GiB, activation peak %.2f GiB, KV cache %.2f GiB",
-        weights / 2**30,
-        peak / 2**30,
-        num_blocks * r.kv_block_bytes / 2**30,
-    )
+    runner.activation_peak_bytes = peak
     return int(num_blocks)
+
+
+def log_memory(runner: ModelRunner, rank: int, size: int) -> None:
+    """One line per device once the KV cache is allocated: this rank's weights, its profiled
+    activation peak, its KV cache and what is left of the GPU (each rank of a tensor-parallel
+    engine logs its own)."""
+    dev = runner.device
+    free, total = torch.cuda.mem_get_info(dev)
+    kv = runner.kv_cache.numel() * runner.kv_cache.element_size()
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    who = f"GPU {dev.index}" + (f" (rank {rank} of {size})" if size > 1 else "")
+    log.info(
+        "memory, %s: weights %.2f GiB, activation peak %.2f GiB, KV cache %.2f GiB, "
+        "%.2f of %.2f GiB free",
+        who,
+        weights / 2**30,
+        runner.activation_peak_bytes / 2**30,
+        kv / 2**30,
+        free / 2**30,
+        total / 2**30,
+    )

@@ -155,6 +155,8 @@ class ModelRunner:
         """EAGLE-3: drafts from the target's hidden states after each step (ember/spec_decode/eagle3)."""
         self.num_draft_tokens = 0
         """K: the drafts the head chains per request and step."""
+        self.activation_peak_bytes = 0
+        """The KV sizing's profiled step: bytes beyond the weights (ember/engine/memory.py)."""
         self.send_plan: Callable[[StepPlan], None] | None = None
         """On a tensor-parallel engine's rank 0: hands each step's plan to the other ranks."""
 
