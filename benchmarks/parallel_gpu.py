@@ -509,7 +509,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--child-spec", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.device == "cpu" and args.shape == "llama":
+    if args.device == "cpu":
+        if args.shape != "llama":
+            ap.error("--device cpu runs its own tiny models; --shape is for GPUs")
         args.shape = "tiny"  # the smoke run's dense model; its MoE check runs beside
     if args.enable_expert_parallel and not SHAPES.get(args.shape, TINY).get("n_routed_experts"):
         ap.error(f"--enable-expert-parallel: {args.shape} has no experts")
@@ -548,6 +550,7 @@ def main() -> None:
     tag += "-ep" if args.enable_expert_parallel else ""
     out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     out = result_path("parallel_gpu", hardware, tag=tag, out_dir=out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "gpu": gpu,
         "hardware": hardware,
