@@ -181,6 +181,33 @@ class _StrictParser(argparse.ArgumentParser):
         raise ValueError(f"--engine-args: {message}")
 
 
+def tensor_parallel_size(extra: list[str]) -> int:
+    """The `--tensor-parallel-size` (`-tp`) of checked `--engine-args`; 1 without it."""
+    from ember.server.args import add_serve_args
+
+    p = _StrictParser(prog="ember serve", allow_abbrev=False, add_help=False)
+    add_serve_args(p)
+    return int(p.parse_args(["MODEL", *extra]).tensor_parallel_size)
+
+
+def gpu_slices(device: str, tp: int, engines: int) -> list[str] | None:
+    """Each engine's CUDA_VISIBLE_DEVICES when its ranks need GPUs of their own: engine i takes
+    the i-th run of `tp` GPUs of those visible to ember up (CUDA_VISIBLE_DEVICES, else 0, 1,
+    ...). None where nothing is to split (one GPU an engine, or the CPU)."""
+    if tp == 1 or not device.startswith("cuda"):
+        return None
+    if device != "cuda":
+        raise ValueError(f"--device {device}: tensor-parallel engines take --device cuda")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(tp * engines)]
+    if len(ids) < tp * engines:
+        raise ValueError(
+            f"{engines} engines of {tp} GPUs need {tp * engines}; CUDA_VISIBLE_DEVICES has "
+            f"{len(ids)}"
+        )
+    return [",".join(ids[i * tp : (i + 1) * tp]) for i in range(engines)]
+
+
 def engine_extra_args(text: str) -> list[str]:
     """`--engine-args`, split as a shell would and checked against `ember serve`'s parser now:
     a typo is a one-line error before anything starts, not an engine that dies starting."""
@@ -307,7 +334,15 @@ def start_cluster(
     batched = getattr(args, "max_num_batched_tokens", None)
     names = served_names(args, model)
     extra = engine_extra_args(getattr(args, "engine_args", "") or "")
-    for role, port in plan:
+    tp = tensor_parallel_size(extra)
+    if tp > 1 and any(role != "both" for role, _ in plan):
+        raise ValueError(
+            "--engine-args --tensor-parallel-size: a tensor-parallel engine serves colocated "
+            "(disaggregation roles are not supported with it): use --prefill 0 --decode 0 --both N"
+        )
+    threads = max(1, threads // tp)  # each rank of an engine is a process of its own
+    gpus = gpu_slices(args.device, tp, len(plan))
+    for i, (role, port) in enumerate(plan):
         cmd = [
             "serve", model, "--host", args.host, "--port", str(port), "--role", role,
             "--device", args.device, "--kv-transport", args.kv_transport, "--kv-host", args.host,
@@ -331,7 +366,8 @@ def start_cluster(
             cmd += ["--kv-store", store]
         cmd += extra
         name = f"{role}-{sum(p.name.startswith(role) for p in procs)}"
-        procs.append(spawn(name, f"http://{args.host}:{port}", cmd, env))
+        engine_env = env if gpus is None else {**env, "CUDA_VISIBLE_DEVICES": gpus[i]}
+        procs.append(spawn(name, f"http://{args.host}:{port}", cmd, engine_env))
     rcmd = [
         "router", "--host", args.host, "--port", str(args.port), "--model", model,
         "--disagg-min-uncached", str(args.disagg_min_uncached), "--log-level", level,

@@ -494,3 +494,30 @@ def test_a_dead_store_master_is_restarted_on_its_port() -> None:
         master.stop()
         router.kill()
         router.wait()
+
+
+def test_tensor_parallel_engines_get_gpus_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ember.cluster import gpu_slices, tensor_parallel_size
+
+    assert tensor_parallel_size(["--tensor-parallel-size", "2"]) == 2
+    assert tensor_parallel_size(["-tp", "4", "--enforce-eager"]) == 4
+    assert tensor_parallel_size([]) == 1
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert gpu_slices("cuda", 2, 2) == ["0,1", "2,3"]
+    assert gpu_slices("cuda", 1, 3) is None and gpu_slices("cpu", 4, 2) is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert gpu_slices("cuda", 2, 2) == ["4,5", "6,7"]
+    with pytest.raises(ValueError, match="need 6; CUDA_VISIBLE_DEVICES has 4"):
+        gpu_slices("cuda", 2, 3)
+    with pytest.raises(ValueError, match="take --device cuda"):
+        gpu_slices("cuda:1", 2, 1)
+
+
+def test_up_refuses_tensor_parallel_roles_before_starting(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    r = subprocess.run(
+        [sys.executable, "-m", "ember.cli", "up", str(tiny_model_dir("llama")),
+         "--port", str(free_port()), "--engine-args", "--tensor-parallel-size 2"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode != 0
+    assert "use --prefill 0 --decode 0 --both N" in r.stderr
