@@ -136,9 +136,11 @@ def shape_config(shape: str, quant: str | None, layers: int | None) -> dict:
     return cfg
 
 
-def model_dir(shape: str, cfg: dict) -> Path:
+def model_dir(shape: str, cfg: dict | None = None) -> Path:
+    """A model directory of `shape` (its config `cfg`, else the shape's own) with a word-level
+    tokenizer and no weights."""
     d = Path(tempfile.mkdtemp(prefix=f"served-{shape}-"))
-    cfg = dict(cfg)
+    cfg = dict(ALL_SHAPES[shape] if cfg is None else cfg)
     cfg.setdefault("bos_token_id", 1)
     cfg.setdefault("eos_token_id", 2)
     (d / "config.json").write_text(json.dumps(cfg))
