@@ -65,6 +65,8 @@ LAYERS: dict[str, int] = {
     "sampling_params": LEAVES,
     "kv_transfer_params": LEAVES,
     "outputs": LEAVES,
+    # the process group and its collectives (torch alone), under models and engine
+    "distributed": 1,
     # the model floor and the KV packages
     "kernels": 1,
     "tokenizer": 1,
