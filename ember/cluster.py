@@ -336,9 +336,13 @@ def start_cluster(
     extra = engine_extra_args(getattr(args, "engine_args", "") or "")
     tp = tensor_parallel_size(extra)
     if tp > 1 and any(role != "both" for role, _ in plan):
+        # A decode engine may be tensor-parallel, a prefill engine may not; --engine-args reach
+        # every engine alike, so a mixed pair is started by hand (`ember serve`).
         raise ValueError(
-            "--engine-args --tensor-parallel-size: a tensor-parallel engine serves colocated "
-            "(disaggregation roles are not supported with it): use --prefill 0 --decode 0 --both N"
+            "--engine-args --tensor-parallel-size reaches every engine, and a prefill engine is "
+            "one rank: for colocated engines use --prefill 0 --decode 0 --both N; for a "
+            "tensor-parallel decode engine start the pair with `ember serve --role prefill` and "
+            "`ember serve --role decode --tensor-parallel-size N --kv-peers PREFILL_URL`"
         )
     threads = max(1, threads // tp)  # each rank of an engine is a process of its own
     gpus = gpu_slices(args.device, tp, len(plan))

@@ -521,3 +521,4 @@ def test_up_refuses_tensor_parallel_roles_before_starting(tiny_model_dir) -> Non
     )  # fmt: skip
     assert r.returncode != 0
     assert "use --prefill 0 --decode 0 --both N" in r.stderr
+    assert "ember serve --role decode --tensor-parallel-size N" in r.stderr

@@ -23,7 +23,7 @@ from ember.distributed import state as parallel_state
 from ember.engine import cuda_context
 from ember.engine.config import EngineConfig, ResolvedConfig
 from ember.engine.expert_load import ExpertLoadMeter
-from ember.engine.kv_connector import KVConnector
+from ember.engine.kv_connector import KVConnector, ShardReader, shard_layout
 from ember.engine.kv_tiers import PrefillClock, build_tiers, model_fingerprint
 from ember.engine.memory import log_memory, size_kv_cache
 from ember.engine.messages import (
@@ -191,11 +191,7 @@ class EngineCore:
         spec = config.speculative
         if spec is not None and spec.method == "eagle3":
             raise ValueError("EAGLE-3 drafting is not supported with tensor_parallel_size > 1")
-        if config.kv_role != "both":
-            raise ValueError(
-                f"kv_role {config.kv_role!r} (disaggregation) is not supported with "
-                "tensor_parallel_size > 1"
-            )
+        self._check_parallel_role()
         if self.device.type == "cuda":
             if self.device.index not in (None, 0):
                 raise ValueError("tensor_parallel_size > 1 takes devices cuda:0 .. cuda:N-1")
@@ -229,6 +225,27 @@ class EngineCore:
         )
         return workers
 
+    def _check_parallel_role(self) -> None:
+        """A tensor-parallel engine may decode for a prefill engine of one rank over a same-host
+        transport (each rank reads its heads of every block); it cannot lease (a prefill engine's
+        blocks are whole, on one rank), nor read over Mooncake (its block tags cover whole
+        blocks: a rank reading its heads cannot check them)."""
+        config = self.config
+        if config.kv_role == "prefill":
+            raise ValueError(
+                "kv_role 'prefill' (disaggregation) is not supported with tensor_parallel_size "
+                "> 1: a prefill engine is one rank (a decode engine may be tensor-parallel)"
+            )
+        if config.kv_role == "decode":
+            from ember.kv.transport import resolve_kind
+
+            if resolve_kind(config.kv_transport, config.device) == "mooncake":
+                raise ValueError(
+                    "kv_transport 'mooncake' is not supported with tensor_parallel_size > 1: its "
+                    "block tags cover whole blocks, which a rank reading its heads cannot check "
+                    "(use shm or cuda_ipc, on one host)"
+                )
+
     def _kv_and_scheduler(self, clock: StartupClock, used_before: int, total: int) -> None:
         """The KV cache sized (on a GPU, from what the weights and a profiled step leave of
         `total`, `used_before` bytes taken by others) and allocated, its tiers, the KV
@@ -245,19 +262,26 @@ class EngineCore:
         num_blocks = comm.all_reduce_min(num_blocks)
         clock.mark("kv sizing")
         self.num_kv_blocks = num_blocks
-        if not self.parallel.is_driver:
-            # A worker's part ends with its KV cache: rank 0 schedules, and moves KV alone.
-            self.runner.allocate_kv_cache(num_blocks)
-            if on_gpu:
-                log_memory(self.runner, self.parallel.rank, self.parallel.size)
-            self.tiers, self.connector = None, None
-            return
         transport = None
         if config.kv_role != "both":
             from ember.kv.transport import make_transport, resolve_kind
 
             kind = resolve_kind(config.kv_transport, config.device)
             transport = make_transport(kind, config.kv_host, config.kv_timeout_s)
+        self.kv_reader: ShardReader | None = None
+        if not self.parallel.is_driver:
+            # A worker's part ends with its KV cache: rank 0 schedules; a decode engine's worker
+            # reads its heads of the prompts' KV when rank 0 says (ember/engine/worker_main.py).
+            self.runner.allocate_kv_cache(num_blocks, transport.allocate if transport else None)
+            if on_gpu:
+                log_memory(self.runner, self.parallel.rank, self.parallel.size)
+            self.tiers, self.connector = None, None
+            if transport is not None:
+                layout = shard_layout(
+                    self.model_config, self.runner.kv_cache, self.parallel.rank, self.parallel.size
+                )
+                self.kv_reader = ShardReader(transport, self.runner.kv_cache, layout)
+            return
         # The KV cache in memory the transport can hand to peers (shared memory on the CPU).
         self.runner.allocate_kv_cache(num_blocks, transport.allocate if transport else None)
         if on_gpu:
@@ -296,6 +320,10 @@ class EngineCore:
                 config.kv_lease_s,
                 secret=config.cluster_secret,
                 timeout_s=config.kv_timeout_s,
+                layout=shard_layout(
+                    self.model_config, self.runner.kv_cache, self.parallel.rank, self.parallel.size
+                ),
+                workers=self.workers,
             )
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, r.max_num_batched_tokens, r.max_model_len),
@@ -580,6 +608,8 @@ class EngineCore:
     def close(self) -> None:
         if self.connector is not None:
             self.connector.close()
+        if getattr(self, "kv_reader", None) is not None:
+            self.kv_reader.close()
         if self.tiers is not None:
             self.tiers.close()  # after the writes queued so far: a restart finds them on disk
         if self.workers is not None:

@@ -11,12 +11,20 @@ the cluster secret, release URL among the configured peers); the release call ca
 since /kv/release is an internal route. Over a transport that other hosts reach by network
 (Mooncake), every leased block carries a tag keyed by the cluster secret, and the decode side uses
 what it read only if every tag matches (ember/kv/transport/block_tags.py).
+
+A decode engine may be tensor-parallel (a prefill engine is one rank): each rank holds its share
+of the KV heads, so each rank reads its own heads of every block (`ShardReader`, the same transport
+`read` of narrower regions). Rank 0 sends the workers a `LoadKV` with the read's parameters, reads
+its share, and counts the load good only once every worker reported success; then it releases
+the lease as a single rank does. Any rank's failure, or a worker's end, and the prompt is prefilled
+here instead.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -24,7 +32,9 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from ember.engine.step_plan import LoadKV
 from ember.kv.transport.block_tags import BlockTagger
+from ember.kv.transport.layout import ShardLayout
 from ember.kv_transfer_params import KVTransferParams
 from ember.trust import internal_headers
 
@@ -32,12 +42,77 @@ if TYPE_CHECKING:
     import torch
 
     from ember.engine.request import Request
+    from ember.engine.workers import Workers
     from ember.kv.kv_cache_manager import KVCacheManager
     from ember.kv.transport import KVTransport
+    from ember.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
 RELEASE_TIMEOUT_S = 5.0
+
+Verdict = tuple[threading.Event, list[bool]]
+"""The workers' outcome of one load: the event is set once they all said (or one cannot), and
+the list then holds whether every one read its share."""
+
+
+def shard_layout(
+    cfg: ModelConfig, kv_cache: torch.Tensor, rank: int = 0, size: int = 1
+) -> ShardLayout:
+    """This rank's heads of a block, within the block of a prefill engine of one rank (all the
+    model's KV heads): `kv_cache` is this rank's [num_blocks, layers, planes, block_size, heads,
+    head_dim]; MLA's latent vector is whole on every rank."""
+    from ember.distributed.shard import shard_heads
+
+    _, layers, planes, block_size, heads, head_dim = kv_cache.shape
+    full = cfg.kv_cache_dims[1]
+    start = 0
+    if size > 1 and not cfg.uses_mla:
+        start = shard_heads(cfg.num_attention_heads, cfg.num_key_value_heads, rank, size)
+        start = start.kv_head_start
+    return ShardLayout(
+        runs=layers * planes * block_size,
+        full_heads=full,
+        local_heads=heads,
+        head_start=start,
+        head_bytes=head_dim * kv_cache.element_size(),
+    )
+
+
+class ShardReader:
+    """One rank's reads of a prefill engine's blocks: its heads of each, into its own cache,
+    through the transport that registered that cache."""
+
+    def __init__(self, transport: KVTransport, kv_cache: torch.Tensor, layout: ShardLayout) -> None:
+        self.transport = transport
+        self.layout = layout
+        self.base_addr = transport.register(kv_cache)
+
+    def read(
+        self,
+        peer: str,
+        remote_base: int,
+        remote_block_bytes: int,
+        remote_ids: list[int],
+        local_ids: list[int],
+    ) -> int:
+        """Read the pairs of blocks; return the bytes read. Raises on a layout that differs from
+        this model's (another model, dtype or block size there) or on a failed transfer."""
+        if remote_block_bytes != self.layout.remote_block_bytes:
+            raise ValueError(
+                f"KV layouts differ: {remote_block_bytes} bytes a block there, "
+                f"{self.layout.remote_block_bytes} expected (model, dtype and block size must "
+                "match; the prefill engine must be of one rank)"
+            )
+        if len(remote_ids) != len(local_ids):
+            raise ValueError(f"{len(remote_ids)} remote blocks for {len(local_ids)} local ones")
+        srcs, dsts, lens = self.layout.pairs(remote_base, self.base_addr, remote_ids, local_ids)
+        if srcs:
+            self.transport.read(peer, srcs, dsts, lens)
+        return sum(lens)
+
+    def close(self) -> None:
+        self.transport.close()
 
 
 class KVConnector:
@@ -52,7 +127,12 @@ class KVConnector:
         clock: Callable[[], float] = time.monotonic,
         secret: str = "",
         timeout_s: float = RELEASE_TIMEOUT_S,
+        layout: ShardLayout | None = None,
+        workers: Workers | None = None,
     ) -> None:
+        """`layout`: this rank's heads of a prefill engine's block (None: whole blocks, as one
+        rank holds them); `workers`: the other ranks of a tensor-parallel decode engine, which
+        read their heads when told."""
         if role not in ("prefill", "decode"):
             raise ValueError(f"a KV connector is for the prefill or decode role, not {role!r}")
         self.role = role
@@ -65,7 +145,20 @@ class KVConnector:
         self.release_timeout_s = min(timeout_s, RELEASE_TIMEOUT_S)
         # The cache is block-major: one block of every layer is one contiguous region.
         self.block_bytes = kv_cache[0].numel() * kv_cache.element_size()
-        self.base_addr = transport.register(kv_cache)
+        if layout is None:
+            layout = ShardLayout(1, 1, 1, 0, self.block_bytes)
+        if workers is not None and (role != "decode" or transport.exposed):
+            raise ValueError(
+                "a tensor-parallel engine reads KV only as a decode engine over a same-host "
+                "transport (shm or cuda_ipc)"
+            )
+        self.reader = ShardReader(transport, kv_cache, layout)
+        self.base_addr = self.reader.base_addr
+        self.workers = workers
+        self._next_load_id = 0
+        self._ranks: dict[int, Verdict] = {}
+        """Loads the workers are reading, by load id."""
+        self._closing = False
         self.tagger = BlockTagger(secret, kv_cache) if transport.exposed else None
         self.tag_failures = 0
         """Loads refused because a block's tag did not match (forged or damaged KV)."""
@@ -128,11 +221,55 @@ class KVConnector:
             raise RuntimeError("start_load needs the decode role and a request with params")
         params = req.kv_transfer
         local = self.kv.block_ids(req.request_id)
-        fut = self._executor.submit(self._load, params, local, skip_blocks)
+        verdict = None
+        if self.workers is not None:
+            verdict = self._fan_out(params, local, skip_blocks)
+        fut = self._executor.submit(self._load, params, local, skip_blocks, verdict)
         self._loads[req.request_id] = (req, fut)
+
+    def _fan_out(self, params: KVTransferParams, local: list[int], skip: int) -> Verdict:
+        """Tell every worker to read its heads of the load's blocks; the workers' verdict to
+        wait for. A worker that cannot be told fails the load (its verdict is set at once)."""
+        assert self.workers is not None
+        load_id = self._next_load_id
+        self._next_load_id += 1
+        verdict: Verdict = (threading.Event(), [])
+        self._ranks[load_id] = verdict
+        n = min(len(params.block_ids), len(local))
+        msg = LoadKV(
+            load_id,
+            params.transfer_address,
+            params.kv_base_addr,
+            params.block_bytes,
+            params.block_ids[skip:n],
+            local[skip:n],
+        )
+        try:
+            self.workers.send(msg)
+        except Exception as e:
+            log.warning("could not ask the workers to read KV for %s: %s", params.lease_id, e)
+            self._decide(load_id, False)
+        return verdict
+
+    def _decide(self, load_id: int, ok: bool) -> None:
+        verdict = self._ranks.pop(load_id, None)
+        if verdict is not None:
+            verdict[1].append(ok)
+            verdict[0].set()
+
+    def _hear_workers(self) -> None:
+        """The workers' verdicts on the loads they read (rank 0's loop: the reports socket is
+        its alone)."""
+        if self.workers is None:
+            return
+        for load_id in list(self._ranks):
+            ok = self.workers.kv_load_done(load_id)
+            if ok is not None:
+                self._decide(load_id, ok)
 
     def poll_loads(self) -> list[tuple[Request, bool]]:
         """Loads that ended since the last call, with whether their KV can be trusted."""
+        self._hear_workers()
         done = [(rid, r, f) for rid, (r, f) in self._loads.items() if f.done()]
         out = []
         for rid, req, fut in done:
@@ -149,27 +286,29 @@ class KVConnector:
     def num_loading(self) -> int:
         return len(self._loads)
 
-    def _load(self, params: KVTransferParams, local: list[int], skip: int) -> bool:
+    def _load(
+        self,
+        params: KVTransferParams,
+        local: list[int],
+        skip: int,
+        verdict: Verdict | None = None,
+    ) -> bool:
         remote = params.block_ids
         ok = False
         try:
-            if params.block_bytes != self.block_bytes:
-                raise ValueError(
-                    f"KV layouts differ: {params.block_bytes} bytes a block there, "
-                    f"{self.block_bytes} here (model, dtype and block size must match)"
-                )
             if len(remote) != len(local):
                 raise ValueError(f"{len(remote)} remote blocks for {len(local)} local ones")
-            from ember.kv.transport import pair_regions
-
-            srcs, dsts, lens = pair_regions(
-                params.kv_base_addr, self.base_addr, self.block_bytes, remote[skip:], local[skip:]
+            t0 = time.perf_counter()
+            nbytes = self.reader.read(
+                params.transfer_address,
+                params.kv_base_addr,
+                params.block_bytes,
+                remote[skip:],
+                local[skip:],
             )
-            if srcs:
-                t0 = time.perf_counter()
-                self.transport.read(params.transfer_address, srcs, dsts, lens)
+            if nbytes:
                 self.load_seconds += time.perf_counter() - t0
-                self.load_bytes += sum(lens)
+                self.load_bytes += nbytes
             if self.tagger is not None and not self.tagger.verify(
                 local[skip:], params.lease_id, params.block_tags[skip:], first=skip
             ):
@@ -178,8 +317,21 @@ class KVConnector:
             ok = True
         except Exception as e:
             log.warning("KV read for lease %s failed: %s", params.lease_id, e)
+        if verdict is not None and not self._workers_read(verdict):
+            log.warning("KV read for lease %s failed on a worker", params.lease_id)
+            ok = False
         # Release either way; the read counts only if the lease was still held after it.
         return self._release_remote(params) and ok
+
+    def _workers_read(self, verdict: Verdict) -> bool:
+        """Wait for every worker's verdict on a load (heard by `poll_loads`): the blocks stay
+        this load's until then, since a worker may still be writing them. Their reads are
+        bounded by the transport; a worker's end or the connector's close decides at once."""
+        event, said = verdict
+        while not event.wait(0.1):
+            if self._closing:
+                return False
+        return bool(said) and said[0]
 
     def _release_remote(self, params: KVTransferParams) -> bool:
         if not params.release_url.startswith(("http://", "https://")):
@@ -195,6 +347,9 @@ class KVConnector:
             return False
 
     def close(self) -> None:
+        self._closing = True
+        for load_id in list(self._ranks):
+            self._decide(load_id, False)
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
         for lid in list(self.leases):

@@ -66,13 +66,32 @@ class StopWorkers(msgspec.Struct, tag="stop", array_like=True):
     """The engine is closing: the workers leave their loop."""
 
 
+class LoadKV(msgspec.Struct, tag="load_kv", array_like=True):
+    """A decode engine reads a prompt's KV from a prefill engine: each rank reads its own heads
+    of every block into its cache (ember/engine/kv_connector.py), beside the steps, and reports
+    `load_id` with whether its read succeeded."""
+
+    load_id: int
+    peer: str
+    """The prefill engine's transport address."""
+    remote_base: int
+    """Its registered KV cache's base address."""
+    remote_block_bytes: int
+    """Bytes of one of its blocks (all KV heads): checked against the model's layout."""
+    remote_ids: list[int]
+    local_ids: list[int]
+    """Block ids there and here, pairwise (the blocks cached here already left out)."""
+
+
+Message = StepPlan | StopWorkers | LoadKV
+
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(StepPlan | StopWorkers)
+_decoder = msgspec.msgpack.Decoder(Message)
 
 
-def encode(msg: StepPlan | StopWorkers) -> bytes:
+def encode(msg: Message) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode(data: bytes) -> StepPlan | StopWorkers:
+def decode(data: bytes) -> Message:
     return _decoder.decode(data)

@@ -2,7 +2,8 @@
 
 It reads (config, rank, size, rendezvous, plan address, parent pid) from its stdin, dies with
 the engine core that started it, joins the process group, builds the engine's start-up for its
-rank, and runs every step plan rank 0 sends until told to stop."""
+rank, and runs every step plan rank 0 sends until told to stop. A decode engine's worker also
+reads its heads of a prompt's KV when rank 0 says (`LoadKV`), and reports how that went."""
 
 from __future__ import annotations
 
@@ -12,6 +13,12 @@ import os
 import pickle
 import signal
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ember.engine.kv_connector import ShardReader
+    from ember.engine.step_plan import LoadKV
 
 
 def main() -> None:
@@ -31,7 +38,7 @@ def main() -> None:
     from ember.distributed import state
     from ember.engine.core import EngineCore
     from ember.engine.expert_load import ExpertLoadMeter
-    from ember.engine.step_plan import StopWorkers, decode
+    from ember.engine.step_plan import LoadKV, StopWorkers, decode
 
     if config.device == "cpu":
         torch.set_num_threads(config.cpu_threads or 1)
@@ -53,24 +60,52 @@ def main() -> None:
     report.connect(reports)
     meter = ExpertLoadMeter(runner.model)
     reported = None
+    # KV reads run on a thread beside the steps; their outcomes go out from this loop (a ZeroMQ
+    # socket belongs to one thread).
+    reads = ThreadPoolExecutor(2, "ember-kv-load")
+    loading: dict[int, Future[bool]] = {}
     try:
         while True:
-            # Idle a second at most: the expert load's last figure still goes out.
-            if plans.poll(1000):
+            # Idle a second at most (the expert load's last figure still goes out); while KV
+            # reads run, a few milliseconds, for rank 0 to hear of them soon.
+            if plans.poll(5 if loading else 1000):
                 msg = decode(plans.recv(copy=False).bytes)
                 if isinstance(msg, StopWorkers):
                     break
-                runner.run(msg, None)
+                if isinstance(msg, LoadKV):
+                    loading[msg.load_id] = reads.submit(_read_kv, core.kv_reader, msg)
+                else:
+                    runner.run(msg, None)
+            for load_id in [i for i, f in loading.items() if f.done()]:
+                ok = int(loading.pop(load_id).result())
+                report.send(f"kv {rank} {load_id} {ok}".encode())
             load = meter.poll()
             if load is not None and load != reported:
-                report.send(f"{rank} {load}".encode(), zmq.NOBLOCK)
+                report.send(f"expert {rank} {load}".encode(), zmq.NOBLOCK)
                 reported = load
     finally:
+        reads.shutdown(wait=True, cancel_futures=True)
         report.close(linger=0)
         plans.close(linger=0)
         ctx.term()
         core.close()
         state.close()
+
+
+def _read_kv(reader: ShardReader | None, load: LoadKV) -> bool:
+    """This rank's heads of a load's blocks, read into its cache; False (logged) on any
+    failure: rank 0 then prefills the prompt itself."""
+    if reader is None:
+        logging.getLogger(__name__).warning("a KV read, but this engine reads none (kv_role)")
+        return False
+    try:
+        reader.read(
+            load.peer, load.remote_base, load.remote_block_bytes, load.remote_ids, load.local_ids
+        )
+    except Exception as e:
+        logging.getLogger(__name__).warning("KV read %d failed: %s", load.load_id, e)
+        return False
+    return True
 
 
 if __name__ == "__main__":

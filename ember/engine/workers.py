@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from ember.engine.step_plan import StepPlan, StopWorkers, encode
+from ember.engine.step_plan import LoadKV, StepPlan, StopWorkers, encode
 from ember.kv.tiers.store_master import free_port
 
 if TYPE_CHECKING:
@@ -72,6 +72,8 @@ class Workers:
         self.reports.bind(f"ipc://{self.dir}/reports")
         self.expert_loads: dict[int, int] = {}
         """Each worker's last reported expert load (ember/engine/expert_load.py), by rank."""
+        self.kv_loads: dict[int, dict[int, bool]] = {}
+        """The workers' reports of their KV reads (`LoadKV`): load id -> rank -> succeeded."""
         try:
             for rank in range(1, size):
                 sock = self.ctx.socket(zmq.PUSH)
@@ -112,9 +114,9 @@ class Workers:
             if self.hello.poll(100):
                 waiting.discard(int(self.hello.recv()))
 
-    def send(self, plan: StepPlan) -> None:
-        """Every worker's copy of a step's plan (it queues while a worker is not yet reading;
-        raises WorkerFailed rather than wait on one that ended)."""
+    def send(self, plan: StepPlan | LoadKV) -> None:
+        """Every worker's copy of a step's plan, or of a KV read to make (it queues while a
+        worker is not yet reading; raises WorkerFailed rather than wait on one that ended)."""
         self.check()
         data = encode(plan)
         for sock in self.sockets:
@@ -132,13 +134,36 @@ class Workers:
             raise WorkerFailed(self.failure)
 
     def read_reports(self) -> dict[int, int]:
-        """The workers' expert loads, with whatever they reported since the last call."""
+        """The workers' expert loads, with whatever they reported since the last call (their
+        KV reads' outcomes go to `kv_loads`). A report is one line, its kind first:
+        `expert RANK LOAD` or `kv RANK LOAD_ID OK` (OK: 1 or 0)."""
         while True:
             try:
-                rank, value = (int(x) for x in self.reports.recv(zmq.NOBLOCK).split())
+                line = self.reports.recv(zmq.NOBLOCK).decode()
             except zmq.Again:
                 return self.expert_loads
-            self.expert_loads[rank] = value
+            kind, *fields = line.split()
+            if kind == "expert":
+                rank, value = (int(x) for x in fields)
+                self.expert_loads[rank] = value
+            elif kind == "kv":
+                rank, load_id, ok = (int(x) for x in fields)
+                self.kv_loads.setdefault(load_id, {})[rank] = bool(ok)
+            else:
+                log.warning("unknown report from a worker: %r", line[:80])
+
+    def kv_load_done(self, load_id: int) -> bool | None:
+        """Whether every worker read its share of load `load_id`; None while some have not
+        said. A worker's end fails every load (its part can never land)."""
+        self.read_reports()
+        if self.failure is not None:
+            self.kv_loads.pop(load_id, None)
+            return False
+        got = self.kv_loads.get(load_id, {})
+        if len(got) < self.size - 1:
+            return None
+        del self.kv_loads[load_id]
+        return all(got.values())
 
     def explain(self, err: BaseException, wait_s: float = 2.0) -> None:
         """After rank 0's step raised `err`: raise WorkerFailed from it if a worker ended (a

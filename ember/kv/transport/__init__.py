@@ -2,11 +2,12 @@
 
 from ember.kv.transport.base import KVTransport, TransferError
 from ember.kv.transport.factory import KINDS, make_transport, resolve_kind
-from ember.kv.transport.layout import block_regions, pair_regions
+from ember.kv.transport.layout import ShardLayout, block_regions, pair_regions
 
 __all__ = [
     "KINDS",
     "KVTransport",
+    "ShardLayout",
     "TransferError",
     "block_regions",
     "make_transport",

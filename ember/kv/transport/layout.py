@@ -11,6 +11,7 @@ of consecutive block ids: fewer, larger regions mean fewer requests on the wire.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 
 def block_regions(
@@ -64,3 +65,65 @@ def pair_regions(
             lens.append(block_bytes)
         prev = (s, d)
     return srcs, dsts, lens
+
+
+@dataclass(frozen=True, slots=True)
+class ShardLayout:
+    """How one rank's KV cache maps onto a prefill engine's: the rank holds `local_heads` of the
+    `full_heads` KV heads, from `head_start`, of every (layer, plane, slot) run of a block.
+
+    A decode engine of tensor_parallel_size N reads, on each rank, only its heads of each block
+    from a prefill engine of one rank, which holds them all: per block, `runs` (layers x planes
+    x block_size) regions of `local_heads * head_bytes` bytes. A rank holding every head (one
+    rank, or MLA's one latent vector) reads whole blocks, merged where ids run on."""
+
+    runs: int
+    full_heads: int
+    local_heads: int
+    head_start: int
+    head_bytes: int
+    """Bytes of one head's vector of one token (head_dim x element size)."""
+
+    @property
+    def remote_block_bytes(self) -> int:
+        return self.runs * self.full_heads * self.head_bytes
+
+    @property
+    def local_block_bytes(self) -> int:
+        return self.runs * self.local_heads * self.head_bytes
+
+    @property
+    def whole(self) -> bool:
+        return self.local_heads == self.full_heads
+
+    def pairs(
+        self,
+        src_base: int,
+        dst_base: int,
+        src_ids: Sequence[int],
+        dst_ids: Sequence[int],
+    ) -> tuple[list[int], list[int], list[int]]:
+        """(srcs, dsts, lens) copying this rank's heads of block ``src_ids[i]`` (a prefill
+        engine's, all heads) into block ``dst_ids[i]`` (this rank's)."""
+        if self.whole:
+            return pair_regions(src_base, dst_base, self.local_block_bytes, src_ids, dst_ids)
+        if len(src_ids) != len(dst_ids):
+            raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
+        if self.head_start < 0 or self.head_start + self.local_heads > self.full_heads:
+            raise ValueError(
+                f"heads {self.head_start}..{self.head_start + self.local_heads} "
+                f"outside the {self.full_heads} a block holds"
+            )
+        src_run = self.full_heads * self.head_bytes
+        dst_run = n = self.local_heads * self.head_bytes
+        offset = self.head_start * self.head_bytes
+        srcs: list[int] = []
+        dsts: list[int] = []
+        for s, d in zip(src_ids, dst_ids, strict=True):
+            if s < 0 or d < 0:
+                raise ValueError(f"negative block id in pair ({s}, {d})")
+            src0 = src_base + s * self.remote_block_bytes + offset
+            dst0 = dst_base + d * self.local_block_bytes
+            srcs.extend(src0 + i * src_run for i in range(self.runs))
+            dsts.extend(dst0 + i * dst_run for i in range(self.runs))
+        return srcs, dsts, [n] * len(srcs)
