@@ -267,3 +267,18 @@ def test_expert_load_per_rank(tiny_model_dir) -> None:  # type: ignore[no-untype
         assert len(load) == 2 and sum(load) == want and min(load) > 0, (load, want)
     finally:
         llm.close()
+
+
+def test_async_scheduling_on_two_ranks(llama: Path, one: LLM) -> None:
+    """Each step launched before the last one's tokens reach the host: the workers feed them
+    from the tokens rank 0 broadcast (as a GPU engine does)."""
+    want = outputs(one, PROMPTS, greedy(16))
+    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True)
+    want_seeded = [t for t, _ in outputs(one, PROMPTS, seeded)]
+    two = LLM(str(llama), dtype="float32", tensor_parallel_size=2, async_scheduling=True)
+    try:
+        assert two.engine.core.async_scheduling
+        assert_same(outputs(two, PROMPTS, greedy(16)), want)
+        assert [t for t, _ in outputs(two, PROMPTS, seeded)] == want_seeded
+    finally:
+        two.close()
