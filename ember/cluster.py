@@ -76,9 +76,25 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=None, help="the engines' dtype (engine default: auto)")
 
     g = p.add_argument_group("cluster", "how many engines of each role, where, and its logs")
-    g.add_argument("--prefill", type=int, default=1, help="prefill engines")
-    g.add_argument("--decode", type=int, default=1, help="decode engines")
-    g.add_argument("--both", type=int, default=0, help="colocated engines")
+    g.add_argument(
+        "--prefill",
+        type=int,
+        default=None,
+        help="prefill engines (default: 1, or 0 when --engine-args make the engines tensor "
+        "parallel, which serve colocated)",
+    )
+    g.add_argument(
+        "--decode",
+        type=int,
+        default=None,
+        help="decode engines (default: 1, or 0 with tensor-parallel engines)",
+    )
+    g.add_argument(
+        "--both",
+        type=int,
+        default=None,
+        help="colocated engines (default: 0, or 1 with tensor-parallel engines)",
+    )
     g.add_argument("--host", default="127.0.0.1", help="the address every process listens on")
     g.add_argument("--port", type=int, default=8000, help="the router's port")
     g.add_argument("--engine-port", type=int, default=None, help="first engine port (port + 1)")
@@ -297,10 +313,22 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def engine_counts(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(prefill, decode, both) engines: as given, the rest by default: one prefill and one decode
+    engine, or, when `--engine-args` make the engines tensor parallel (which take no
+    disaggregation role), one colocated engine."""
+    extra = engine_extra_args(getattr(args, "engine_args", "") or "")
+    defaults = (0, 0, 1) if tensor_parallel_size(extra) > 1 else (1, 1, 0)
+    given = (args.prefill, args.decode, args.both)
+    prefill, decode, both = (d if n is None else n for n, d in zip(given, defaults, strict=True))
+    return prefill, decode, both
+
+
 def engine_plan(args: argparse.Namespace) -> list[tuple[str, int]]:
     """(role, port) of each engine, in start order."""
-    roles = [("prefill", args.prefill), ("decode", args.decode), ("both", args.both)]
-    if sum(n for _, n in roles) == 0 or args.decode + args.both == 0:
+    prefill, decode, both = engine_counts(args)
+    roles = [("prefill", prefill), ("decode", decode), ("both", both)]
+    if sum(n for _, n in roles) == 0 or decode + both == 0:
         raise ValueError("ember up needs at least one decode or colocated engine")
     port = args.engine_port or args.port + 1
     return [(role, port + i) for i, role in enumerate(r for r, n in roles for _ in range(n))]
@@ -340,7 +368,8 @@ def start_cluster(
         # every engine alike, so a mixed pair is started by hand (`ember serve`).
         raise ValueError(
             "--engine-args --tensor-parallel-size reaches every engine, and a prefill engine is "
-            "one rank: for colocated engines use --prefill 0 --decode 0 --both N; for a "
+            "one rank: for colocated engines leave out --prefill and --decode (or give 0) and "
+            "set --both N (1 by default); for a "
             "tensor-parallel decode engine start the pair with `ember serve --role prefill` and "
             "`ember serve --role decode --tensor-parallel-size N --kv-peers PREFILL_URL`"
         )

@@ -516,9 +516,59 @@ def test_tensor_parallel_engines_get_gpus_of_their_own(monkeypatch: pytest.Monke
 def test_up_refuses_tensor_parallel_roles_before_starting(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     r = subprocess.run(
         [sys.executable, "-m", "ember.cli", "up", str(tiny_model_dir("llama")),
-         "--port", str(free_port()), "--engine-args", "--tensor-parallel-size 2"],
+         "--port", str(free_port()), "--prefill", "1", "--decode", "1",
+         "--engine-args", "--tensor-parallel-size 2"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode != 0
-    assert "use --prefill 0 --decode 0 --both N" in r.stderr
+    assert "leave out --prefill and --decode" in r.stderr
     assert "ember serve --role decode --tensor-parallel-size N" in r.stderr
+
+
+def test_up_serves_tensor_parallel_engines_colocated(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """`ember up --engine-args "-tp 2"` with no roles given: one colocated engine of two ranks
+    behind the router, which answers; Ctrl-C leaves no worker."""
+    from ember.cli import build_parser
+    from ember.cluster import engine_counts
+
+    parse = build_parser().parse_args
+    assert engine_counts(parse(["up", "m", "--engine-args", "-tp 2"])) == (0, 0, 1)
+    assert engine_counts(parse(["up", "m", "--engine-args", "-tp 2", "--both", "2"])) == (0, 0, 2)
+    assert engine_counts(parse(["up", "m"])) == (1, 1, 0)
+    assert engine_counts(parse(["up", "m", "--both", "1"])) == (1, 1, 1)
+
+    def workers() -> set[int]:
+        found = subprocess.run(["pgrep", "-f", "ember.engine.worker_main"], capture_output=True)
+        return {int(p) for p in found.stdout.split()}
+
+    before = workers()
+    port = free_port()
+    up = subprocess.Popen(
+        [sys.executable, "-m", "ember.cli", "up", str(tiny_model_dir("llama")), "--port",
+         str(port), "--engine-args", "--tensor-parallel-size 2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert up.poll() is None, up.stdout.read() if up.stdout else ""
+            time.sleep(0.5)
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
+        body["model"] = models["data"][0]["id"]
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        ours = workers() - before
+        assert len(ours) == 1  # one engine of two ranks: one worker
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(timeout=60)
+    deadline = time.monotonic() + 10
+    while workers() & ours and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not workers() & ours
