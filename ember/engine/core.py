@@ -268,24 +268,24 @@ class EngineCore:
 
             kind = resolve_kind(config.kv_transport, config.device)
             transport = make_transport(kind, config.kv_host, config.kv_timeout_s)
-        self.kv_reader: ShardReader | None = None
-        if not self.parallel.is_driver:
-            # A worker's part ends with its KV cache: rank 0 schedules; a decode engine's worker
-            # reads its heads of the prompts' KV when rank 0 says (ember/engine/worker_main.py).
-            self.runner.allocate_kv_cache(num_blocks, transport.allocate if transport else None)
-            if on_gpu:
-                log_memory(self.runner, self.parallel.rank, self.parallel.size)
-            self.tiers, self.connector = None, None
-            if transport is not None:
-                layout = shard_layout(
-                    self.model_config, self.runner.kv_cache, self.parallel.rank, self.parallel.size
-                )
-                self.kv_reader = ShardReader(transport, self.runner.kv_cache, layout)
-            return
         # The KV cache in memory the transport can hand to peers (shared memory on the CPU).
         self.runner.allocate_kv_cache(num_blocks, transport.allocate if transport else None)
         if on_gpu:
             log_memory(self.runner, self.parallel.rank, self.parallel.size)
+        # Which bytes of a prefill engine's blocks this rank reads (its KV heads of each).
+        layout = None
+        if transport is not None:
+            layout = shard_layout(
+                self.model_config, self.runner.kv_cache, self.parallel.rank, self.parallel.size
+            )
+        self.kv_reader: ShardReader | None = None
+        if not self.parallel.is_driver:
+            # A worker's part ends with its KV cache: rank 0 schedules; a decode engine's worker
+            # reads its heads of the prompts' KV when rank 0 says (ember/engine/worker_main.py).
+            self.tiers, self.connector = None, None
+            if transport is not None and layout is not None:
+                self.kv_reader = ShardReader(transport, self.runner.kv_cache, layout)
+            return
         if self.runner.drafter is not None:
             self.runner.drafter.allocate_kv_cache(num_blocks)
         # Block hashes name the model by what it computes, not by its path: every engine of the
@@ -320,9 +320,7 @@ class EngineCore:
                 config.kv_lease_s,
                 secret=config.cluster_secret,
                 timeout_s=config.kv_timeout_s,
-                layout=shard_layout(
-                    self.model_config, self.runner.kv_cache, self.parallel.rank, self.parallel.size
-                ),
+                layout=layout,
                 workers=self.workers,
             )
         self.scheduler = Scheduler(
@@ -608,7 +606,7 @@ class EngineCore:
     def close(self) -> None:
         if self.connector is not None:
             self.connector.close()
-        if getattr(self, "kv_reader", None) is not None:
+        if self.kv_reader is not None:
             self.kv_reader.close()
         if self.tiers is not None:
             self.tiers.close()  # after the writes queued so far: a restart finds them on disk

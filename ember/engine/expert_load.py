@@ -23,10 +23,6 @@ class ExpertLoadMeter:
         """(token, expert) pairs routed to this rank's experts so far, over every MoE layer;
         None where the model counts none (not expert parallel)."""
 
-    @property
-    def counts(self) -> bool:
-        return self._read is not None and self._read() is not None
-
     def poll(self, now: float | None = None) -> int | None:
         """The latest figure read back; starts the next copy when REPORT_S has passed."""
         if self._read is None:

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ember.models.loader import weight_bytes_by_kind
+
 if TYPE_CHECKING:
     from ember.engine.config import EngineConfig, ResolvedConfig
     from ember.engine.model_runner import ModelRunner
@@ -44,7 +46,7 @@ def log_memory(runner: ModelRunner, rank: int, size: int) -> None:
     dev = runner.device
     free, total = torch.cuda.mem_get_info(dev)
     kv = runner.kv_cache.numel() * runner.kv_cache.element_size()
-    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    weights = sum(weight_bytes_by_kind(runner.model).values())
     who = f"GPU {dev.index}" + (f" (rank {rank} of {size})" if size > 1 else "")
     log.info(
         "memory, %s: weights %.2f GiB, activation peak %.2f GiB, KV cache %.2f GiB, "

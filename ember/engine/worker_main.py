@@ -1,6 +1,7 @@
 """A tensor-parallel worker process (ember/engine/workers.py): rank r of the engine's devices.
 
-It reads (config, rank, size, rendezvous, plan address, parent pid) from its stdin, dies with
+It reads (config, rank, size, rendezvous, plan address, hello address, reports address, parent
+pid) from its stdin, dies with
 the engine core that started it, joins the process group, builds the engine's start-up for its
 rank, and runs every step plan rank 0 sends until told to stop. A decode engine's worker also
 reads its heads of a prompt's KV when rank 0 says (`LoadKV`), and reports how that went."""

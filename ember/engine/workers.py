@@ -66,10 +66,11 @@ class Workers:
         its server then exits non-zero, for a supervisor to restart)."""
         self._closing = False
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        hello, reports = f"ipc://{self.dir}/hello", f"ipc://{self.dir}/reports"
         self.hello = self.ctx.socket(zmq.PULL)
-        self.hello.bind(f"ipc://{self.dir}/hello")
+        self.hello.bind(hello)
         self.reports = self.ctx.socket(zmq.PULL)
-        self.reports.bind(f"ipc://{self.dir}/reports")
+        self.reports.bind(reports)
         self.expert_loads: dict[int, int] = {}
         """Each worker's last reported expert load (ember/engine/expert_load.py), by rank."""
         self.kv_loads: dict[int, dict[int, bool]] = {}
@@ -87,8 +88,6 @@ class Workers:
                     env=env,
                 )
                 assert proc.stdin is not None
-                hello = f"ipc://{self.dir}/hello"
-                reports = f"ipc://{self.dir}/reports"
                 proc.stdin.write(
                     pickle.dumps(
                         (config, rank, size, self.init_method, address, hello, reports, os.getpid())
