@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.dispatch import capability, dot_precision
+from ember.kernels.fp8_gemv import CORE_MAX_ROWS, fits_core, fp8_core_gemv
 from ember.kernels.quant_ref import FP8_MAX, FP8_SCALE_EPS
 
 MIN_CAPABILITY = (8, 9)
@@ -314,6 +315,7 @@ def fp8_matmul(
     block: tuple[int, int],
     act_group: int,
     config: dict[str, int] | None = None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ W.T for W = float8_e4m3fn weight [N, K] with float32 scale [ceil(N / bn),
     ceil(K / bk)], block = (bn, bk).
@@ -352,6 +354,17 @@ def fp8_matmul(
             f"fp8_matmul: Triton's e4m3 needs compute capability {MIN_CAPABILITY}+, this GPU is "
             f"{capability(x)}: keep the weights dequantized (quant_ref.dequantize_fp8)"
         )
+    core = m <= CORE_MAX_ROWS and fits_core(k, block, act_group)
+    kernel = kernel or ("core_gemv" if core else "gemm")
+    if kernel not in ("core_gemv", "gemm") or (kernel == "core_gemv" and not core):
+        raise ValueError(
+            f"fp8_matmul: kernel {kernel!r} does not take {m} rows with block {block} and "
+            f"act_group {act_group} (core_gemv: up to {CORE_MAX_ROWS} rows, scale widths along "
+            "K multiples of 16; gemm: any)"
+        )
+    if kernel == "core_gemv":
+        a, a_scale = quantize_fp8_groups(x, act_group) if act_group else (x, None)
+        return fp8_core_gemv(a, a_scale, weight, scale, block, act_group, x.dtype, config)
     config = dict(config or tile_config(m))
     w8a8 = act_group > 0
     widths = [bk, act_group] if w8a8 else [bk]

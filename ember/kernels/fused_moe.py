@@ -22,8 +22,8 @@ K2.5's routed experts) are dequantized tile by tile in registers to the activati
 (W4A16); FP8 experts with 128 x 128 block scales (DeepSeek-V3, Kimi K2) multiply fp8 weights by
 activations quantized to fp8 per token group of 128 in the K loop (W8A8), both scales applied to
 the fp32 accumulator. The formats and their reference math are in ember/kernels/quant_ref.py.
-Packed INT experts at up to UNSORTED_MAX_TOKENS tokens take a CUDA-core GEMV a pair instead
-(ember/kernels/fused_moe_decode.py).
+Packed INT and FP8 experts at up to UNSORTED_MAX_TOKENS tokens take a CUDA-core GEMV a pair
+instead (ember/kernels/fused_moe_decode.py).
 
 The two numbers, per layer and step: bytes ~= (experts hit) * 3 * H * I * itemsize of weights plus
 the activations; flops = 6 * T * k * H * I. At decode batch 1 only k experts are read (memory
@@ -49,7 +49,7 @@ import triton.language as tl
 
 from ember.kernels.dispatch import dot_precision
 from ember.kernels.fp8_gemm import _fp8_bits, quantize_fp8_groups, supports_fp8
-from ember.kernels.fused_moe_decode import moe_int_decode
+from ember.kernels.fused_moe_decode import moe_fp8_decode, moe_int_decode
 from ember.kernels.quant_ref import FP8_MAX, FP8_SCALE_EPS, per_word
 
 UNSORTED_MAX_TOKENS = 2
@@ -58,7 +58,8 @@ UNSORTED_MAX_TOKENS = 2
 Moonlight layer's ~130 at batch 1 on an H200). A token's k experts are distinct, so at batch 1
 every weight is read once either way; at two tokens an expert both chose is read twice (from L2
 when the two blocks run together). Past that, sorting pays: the rows of an expert share its tiles.
-Packed INT experts take ember/kernels/fused_moe_decode.py's GEMVs up to this many tokens."""
+Packed INT and FP8 experts take ember/kernels/fused_moe_decode.py's GEMVs up to this many
+tokens."""
 
 
 # Sizes that change from batch to batch (and pointers into sliced tensors) do not specialize:
@@ -751,7 +752,10 @@ def fused_moe_fp8(
     """fused_moe over FP8 experts with one scale per `block` (rows, cols), W8A8 (DeepSeek-V3 /
     Kimi K2: 128 x 128): each GEMM's input (x for gate/up, h for down) quantized to e4m3 per
     token group of the block's cols, bit for bit as quant_ref.quantize_fp8_groups; fp8 tl.dot a
-    K tile (BLOCK_K == the group), both scales applied to the fp32 accumulator.
+    K tile (BLOCK_K == the group), both scales applied to the fp32 accumulator. Up to
+    UNSORTED_MAX_TOKENS tokens the same W8A8 products run a pair a program on the CUDA cores
+    (fused_moe_decode.moe_fp8_decode, tiles decode_config_fp8's); a config with BLOCK_M keeps
+    those tokens on the tensor cores.
 
     Where: config["QUANT_A"] 1 quantizes in the K loop (each tile's rows are whole groups), 0 in
     a launch of its own before each GEMM (fp8_gemm.quantize_fp8_groups); by default 1 below
@@ -807,6 +811,12 @@ def fused_moe_fp8(
                 f"got {tuple(scale.shape)}"
             )
     _check_routing("fused_moe_fp8", x, weights, experts)
+    b13 = _ExpertWeights(w13, FP8_BLOCK, w13_scale, None, 8, block_k, rows13)
+    b2 = _ExpertWeights(w2, FP8_BLOCK, w2_scale, None, 8, block_k, block_n)
+    if t <= UNSORTED_MAX_TOKENS and (config is None or "BLOCK_M" not in config):
+        # A 16-row tensor-core tile for one live row redid the row's quantization around
+        # every dot: Kimi K2's FP8 layer ran at 0.27 of its bytes at batch 1.
+        return moe_fp8_decode(x, b13, b2, weights, experts, config, foreign)
     config = dict(config or tile_config_fp8(t * experts.shape[1], num_experts, block))
     quant_in_loop = config.pop("QUANT_A", int(config["BLOCK_M"] < 64))
     if config["BLOCK_K"] != block_k:
@@ -814,6 +824,4 @@ def fused_moe_fp8(
             f"fused_moe_fp8: BLOCK_K {config['BLOCK_K']} must be the block's cols ({block_k}): "
             "a K tile is one activation group"
         )
-    b13 = _ExpertWeights(w13, FP8_BLOCK, w13_scale, None, 8, block_k, rows13)
-    b2 = _ExpertWeights(w2, FP8_BLOCK, w2_scale, None, 8, block_k, block_n)
     return _moe(x, b13, b2, weights, experts, config, 0 if quant_in_loop else block_k, foreign)

@@ -49,6 +49,8 @@ import triton
 import triton.language as tl
 
 from ember.kernels.dispatch import num_sms
+from ember.kernels.fp8_gemm import quantize_fp8_groups
+from ember.kernels.fp8_gemv import _core_loop as _fp8_core_loop
 
 # fused_moe.py's `ExpertWeights` (one stacked projection: data, scale, zero, bits, group),
 # which calls into this module: typed by its fields' use here, not imported, so the two files
@@ -308,6 +310,90 @@ def _down_sum_kernel(
     tl.store(out_ptr + t * o_sm + c, out.to(DT), mask=ok)
 
 
+# As _moe_gemv_int_kernel: the token count and the split do not specialize.
+@triton.jit(do_not_specialize=["num_pairs", "top_k", "steps_per_split", "o_ss"])
+def _moe_gemv_fp8_kernel(
+    a_ptr,
+    as_ptr,
+    w_ptr,
+    s_ptr,
+    experts_ptr,
+    out_ptr,
+    num_pairs,
+    top_k,
+    num_experts,
+    n_out,
+    k_in,
+    steps_per_split,
+    a_sm,
+    as_sm,
+    e_st,
+    e_sk,
+    w_se,
+    w_sn,
+    s_se,
+    s_sn,
+    s_sk,
+    o_ss,
+    o_sm,
+    GATED: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    FOREIGN: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    GROUP: tl.constexpr,
+    STEP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    # FP8 block experts (w e4m3 [E, N, K], s float32 [E, N / SCALE_ROWS, K / GROUP]) times the
+    # activations' e4m3 codes a [rows, K] with scales as [rows, K / GROUP] (W8A8, GROUP the
+    # block's width and the activations' group; STEP: GROUP < K, the scales change along K):
+    # fp8_gemv's CUDA-core loop, one row a pair.
+    # Pairs, rows, GATED, PARTIAL and FOREIGN as _moe_gemv_int_kernel's.
+    pid = tl.program_id(0)
+    pair = pid % num_pairs
+    tile = pid // num_pairs
+    split = tl.program_id(1)
+    token = pair // top_k
+    expert = tl.load(experts_ptr + token * e_st + (pair % top_k) * e_sk).to(tl.int64)
+    if FOREIGN:  # noqa: SIM102 (a constexpr branch: the one-device build has no test)
+        if expert >= num_experts:  # another rank's expert: nothing to read or write
+            return
+    r = tl.arange(0, BLOCK_N)
+    if GATED:  # tile row 2i is gate row c + i, row 2i + 1 up row n_out + c + i
+        col = tile * (BLOCK_N // 2) + r // 2
+        row_ok = col < n_out
+        rows = tl.minimum(col, n_out - 1) + (r % 2) * n_out
+        a_row = token
+    else:
+        rows = tile * BLOCK_N + r
+        row_ok = rows < n_out
+        rows = tl.minimum(rows, n_out - 1)
+        a_row = pair
+    rows = rows.to(tl.int64)
+    w_rows = w_ptr + expert * w_se + rows[None, :, None] * w_sn
+    s_rows = s_ptr + expert * s_se + (rows // SCALE_ROWS)[None, :] * s_sn
+    k_begin = split * steps_per_split * BLOCK_K
+    k_end = tl.minimum(k_begin + steps_per_split * BLOCK_K, k_in)
+    acc, _, _, _ = _fp8_core_loop(
+        a_ptr + a_row.to(tl.int64) * a_sm, as_ptr + a_row.to(tl.int64) * as_sm, w_rows, s_rows,
+        0, 0, 0, 0, k_begin, k_end, k_in, 0, 1, 0, 1, s_sk, 1, GROUP, STEP, GROUP, STEP,
+        BLOCK_N, BLOCK_K, EVEN_K, STAGES,
+    )  # fmt: skip
+    if not STEP:  # one block along K: both scales once
+        acc *= tl.load(as_ptr + a_row.to(tl.int64) * as_sm)
+        acc *= tl.sum(tl.load(s_rows), axis=0)
+    if PARTIAL:
+        tl.store(out_ptr + split * o_ss + pair * o_sm + rows, acc, mask=row_ok)
+    else:
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_N // 2, 2)))
+        c = tile * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        h = _silu_mul(gate, up, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + pair.to(tl.int64) * o_sm + c, h, mask=c < n_out)
+
+
 def decode_config_int(bits: int) -> dict[str, Any]:
     """The CUDA-core path's tunables, for both projections; a "down" dict, if any, overrides
     some for the down projection. BLOCK_N: weight rows a program (for gate/up, half of them gate
@@ -436,14 +522,38 @@ def moe_int_decode(
     down_config = {**up_config, **config.get("down", {})}
     sms = num_sms(x) if x.is_cuda else DEFAULT_SMS
     h, splits = _gemv(x, w13, experts, True, up_config, sms, foreign)
-    if h.dim() == 3:  # K split: the splits' gate and up sums added, then silu(gate) * up
-        part = h
-        h = torch.empty(t * top_k, inter, dtype=x.dtype, device=x.device)
-        block = 256
-        _gate_up_sum_kernel[(triton.cdiv(inter, block), t * top_k)](
-            part, h, inter, splits, part.stride(0), part.stride(1), h.stride(0), BLOCK=block
-        )
+    h = _gate_up(h, splits, inter, x.dtype)
     part, splits = _gemv(h, w2, experts, False, down_config, sms, foreign)
+    return _down_sum(part, splits, weights, experts, w13.data.shape[0], x, foreign)
+
+
+def _gate_up(h: torch.Tensor, splits: int, inter: int, dtype: torch.dtype) -> torch.Tensor:
+    """h [P, I] as the gate/up GEMV left it, or, where it split K (fp32 sums [splits, P, 2I]),
+    the splits' gate and up sums added, then silu(gate) * up: one launch."""
+    if h.dim() != 3:
+        return h
+    part = h
+    h = torch.empty(part.shape[1], inter, dtype=dtype, device=part.device)
+    block = 256
+    _gate_up_sum_kernel[(triton.cdiv(inter, block), part.shape[1])](
+        part, h, inter, splits, part.stride(0), part.stride(1), h.stride(0), BLOCK=block
+    )
+    return h
+
+
+def _down_sum(
+    part: torch.Tensor,
+    splits: int,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    num_experts: int,
+    x: torch.Tensor,
+    foreign: bool,
+) -> torch.Tensor:
+    """The down projection's fp32 sums [splits, P, H] into [T, H] in x's dtype, with
+    fused_moe's rounding (_down_sum_kernel): one launch."""
+    t, hidden = x.shape
+    top_k = experts.shape[1]
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     block = 512
     _down_sum_kernel[(triton.cdiv(hidden, block), t)](
@@ -453,7 +563,7 @@ def moe_int_decode(
         out,
         hidden,
         splits,
-        w13.data.shape[0],
+        num_experts,
         part.stride(0),
         part.stride(1),
         *weights.stride(),
@@ -464,3 +574,106 @@ def moe_int_decode(
         BLOCK=block,
     )
     return out
+
+
+def moe_fp8_decode(
+    x: torch.Tensor,
+    w13: ExpertWeights,
+    w2: ExpertWeights,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    config: dict[str, Any] | None = None,
+    foreign: bool = False,
+) -> torch.Tensor:
+    """fused_moe_fp8's path at up to UNSORTED_MAX_TOKENS tokens (its checks done): W8A8 as the
+    grouped GEMM (x, then h, quantized per group of the block's width, one launch each), each
+    (token, expert) pair on the CUDA cores (fp8_gemv's loop); config as decode_config_fp8's.
+    Four to six launches; fixed shapes, no host sync."""
+    t = x.shape[0]
+    top_k = experts.shape[1]
+    inter = w13.data.shape[1] // 2
+    if t == 0 or top_k == 0:
+        return torch.zeros_like(x)
+    config = config or decode_config_fp8()
+    up_config = {k: v for k, v in config.items() if k != "down"}
+    down_config = {**up_config, **config.get("down", {})}
+    sms = num_sms(x) if x.is_cuda else DEFAULT_SMS
+    a, a_scale = quantize_fp8_groups(x, w13.group)
+    h, splits = _gemv_fp8(a, a_scale, w13, experts, True, up_config, sms, x.dtype, foreign)
+    h = _gate_up(h, splits, inter, x.dtype)
+    a, a_scale = quantize_fp8_groups(h, w2.group)
+    part, splits = _gemv_fp8(a, a_scale, w2, experts, False, down_config, sms, x.dtype, foreign)
+    return _down_sum(part, splits, weights, experts, w13.data.shape[0], x, foreign)
+
+
+def decode_config_fp8() -> dict[str, Any]:
+    """The FP8 experts' CUDA-core path's tunables (both projections; a "down" dict, if any,
+    overrides some for the down projection), as decode_config_int's. BLOCK_K 1024 over 2 warps
+    is one 16-byte chunk of each row a thread a step (fp8_gemv's layout); BLOCK_N 16 rows a
+    program. Not yet swept (benchmarks/probes/fp8_decode_sweep.py)."""
+    return {"BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 2, "num_stages": 1, "SPLIT_TARGET": 16}
+
+
+def _gemv_fp8(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: ExpertWeights,
+    experts: torch.Tensor,
+    gated: bool,
+    config: dict[str, Any],
+    sms: int,
+    out_dtype: torch.dtype,
+    foreign: bool = False,
+) -> tuple[torch.Tensor, int]:
+    """One FP8 projection of every pair, a its e4m3 codes with scales a_scale: h [P, I] in
+    out_dtype (gated, K whole) or fp32 sums [splits, P, N]."""
+    num_pairs = experts.numel()
+    n_rows, k_in = w.data.shape[1], a.shape[1]
+    n_out = n_rows // 2 if gated else n_rows
+    block_n, block_k = config["BLOCK_N"], config["BLOCK_K"]
+    if block_k & (block_k - 1) or block_k < 16 or block_n & (block_n - 1) or block_n < 2:
+        raise ValueError(
+            f"fused_moe_fp8: BLOCK_K {block_k} must be a power of two >= 16, BLOCK_N {block_n} "
+            "a power of two >= 2"
+        )
+    programs = triton.cdiv(n_rows, block_n) * num_pairs
+    warps = config.get("num_warps", 2)
+    wanted = config.get("SPLIT_TARGET", 16) * sms // warps
+    splits, steps = _splits(programs, wanted, triton.cdiv(k_in, block_k))
+    partial = splits > 1 or not gated
+    if partial:
+        out = torch.empty(splits, num_pairs, n_rows, dtype=torch.float32, device=a.device)
+    else:
+        out = torch.empty(1, num_pairs, n_out, dtype=out_dtype, device=a.device)
+    _moe_gemv_fp8_kernel[(programs, splits)](
+        a,
+        a_scale,
+        w.data,
+        w.scale,
+        experts,
+        out,
+        num_pairs,
+        experts.shape[1],
+        w.data.shape[0],
+        n_out,
+        k_in,
+        steps,
+        a.stride(0),
+        a_scale.stride(0),
+        *experts.stride(),
+        *w.data.stride()[:2],
+        *w.scale.stride(),
+        *out.stride()[:2],
+        GATED=gated,
+        PARTIAL=partial,
+        FOREIGN=foreign,
+        SCALE_ROWS=w.block_n,
+        GROUP=w.group,
+        STEP=w.group < k_in,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        EVEN_K=k_in % block_k == 0,
+        STAGES=config.get("num_stages", 1),
+        num_warps=warps,
+    )
+    return (out if partial else out[0]), splits

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ember.kernels import fp8_gemm
+from ember.kernels import fp8_gemm, fp8_gemv
 from ember.kernels.fp8_gemm import fp8_matmul, quantize_fp8_groups, tile_config
 from ember.kernels.quant_ref import FP8_MAX, fp8_matmul_ref
 from ember.kernels.quant_ref import quantize_fp8_groups as quantize_ref
@@ -75,8 +75,10 @@ def check(
     weight, scale = quantize_weight(torch.randn(n, k, generator=g), block)
     x = activations(m, k, g, spread=2).to(dtype)
     want = fp8_matmul_ref(x, weight, scale, block, act_group)
+    # Tensor-core tiles (BLOCK_M) name the GEMM; anything else lets fp8_matmul choose.
+    kernel = "gemm" if config and "BLOCK_M" in config else None
     got = fp8_matmul(
-        x.to(device), weight.to(device), scale.to(device), block, act_group, config=config
+        x.to(device), weight.to(device), scale.to(device), block, act_group, config, kernel
     )
     assert got.shape == (m, n) and got.dtype == dtype
     got, want = got.float().cpu(), want.float()
@@ -214,7 +216,7 @@ def test_empty_batch_and_empty_k(device: str) -> None:
 def test_bad_shapes_raise() -> None:
     weight = torch.zeros(N, K, dtype=torch.float8_e4m3fn)
     scale = torch.ones(2, 3)
-    x = torch.zeros(4, K)
+    x = torch.zeros(5, K)  # the GEMM's rows
     with pytest.raises(ValueError, match="must be \\[M, K\\], \\[N, K\\]"):
         fp8_matmul(torch.zeros(4, K + 1), weight, scale, (128, 128), 128)
     with pytest.raises(ValueError, match="must be \\[M, K\\]"):
@@ -239,6 +241,51 @@ def test_bad_shapes_raise() -> None:
         fp8_matmul(x, weight, scale, (128, 128), 100)
     with pytest.raises(ValueError, match="group"):
         quantize_fp8_groups(x, 0)
+    with pytest.raises(ValueError, match="kernel 'core_gemv' does not take 5 rows"):
+        fp8_matmul(x, weight, scale, (128, 128), 128, kernel="core_gemv")
+    with pytest.raises(ValueError, match="kernel 'core_gemv' does not take 1 rows"):
+        fp8_matmul(x[:1], weight, scale, (128, 128), 100, kernel="core_gemv")
+    with pytest.raises(ValueError, match="kernel 'tc'"):
+        fp8_matmul(x[:1], weight, scale, (128, 128), 128, kernel="tc")
+    with pytest.raises(ValueError, match="BLOCK_K 24"):
+        fp8_matmul(x[:1], weight, scale, (128, 128), 128, config={**CORE_SMALL, "BLOCK_K": 24})
+
+
+# The CUDA-core GEMV's small tiles: several column tiles and K steps (K = 300: the last masked).
+CORE_SMALL = {"BLOCK_N": 8, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 1, "num_stages": 1}
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_core_gemv_matches_the_reference(m: int, kind: str, device: str) -> None:
+    """1-4 rows on the CUDA cores: the reference's exact products (W8A8: e4m3 times e4m3) in
+    fp32 sums of another order, so equal up to that order, as the GEMM."""
+    check(m, kind, torch.float32, device, seed=40 + m, config=CORE_SMALL)
+
+
+@pytest.mark.parametrize("split", [2, 5])
+@pytest.mark.parametrize("kind", ["block-w8a8", "channel-weight-only"])
+def test_core_gemv_splits_k(split: int, kind: str, device: str) -> None:
+    """SPLIT_K: each split's fp32 sums, then a fixed-order sum (5 splits of 5 steps: some
+    splits get one step, the last a masked one)."""
+    check(3, kind, torch.float32, device, seed=50, config={**CORE_SMALL, "SPLIT_K": split})
+
+
+def test_core_gemv_in_half_precision(device: str) -> None:
+    for kind, dtype in (("block-w8a8", torch.bfloat16), ("channel-weight-only", torch.float16)):
+        check(2, kind, dtype, device, seed=51, config=CORE_SMALL)
+
+
+def test_core_gemv_default_tiles_and_choice(device: str) -> None:
+    """fp8_matmul picks the CUDA-core GEMV up to CORE_MAX_ROWS rows with core_gemv_config's
+    tiles (one 1024-wide step, masked past K = 200), the GEMM from there or where a scale's
+    width along K is no multiple of 16."""
+    check(2, "block-w8a8", torch.float32, device, seed=52, config=None, n=72, k=200)
+    assert fp8_gemv.core_gemv_config(7168, 7168)["SPLIT_K"] == 1
+    assert fp8_gemv.core_gemv_config(576, 7168)["SPLIT_K"] > 1  # 72 column tiles < 132 SMs
+    assert fp8_gemv.fits_core(7168, (128, 128), 128)
+    assert not fp8_gemv.fits_core(7168, (128, 128), 100)
+    assert fp8_gemv.fits_core(100, (1, 100), 100)  # one scale along all of K
 
 
 def test_tile_config_grows_with_the_batch() -> None:
@@ -256,7 +303,7 @@ GPU_SHAPES = [(7168, 2048), (2048, 7168), (4096, 7168)]
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
-@pytest.mark.parametrize("m", [1, 7, 16, 64, 300, 2048])
+@pytest.mark.parametrize("m", [1, 4, 7, 16, 64, 300, 2048])
 def test_fp8_matmul_bf16_at_deepseek_shapes(m: int, n: int, k: int) -> None:
     g = torch.Generator().manual_seed(m + n)
     weight, scale = quantize_weight(torch.randn(n, k, generator=g), (128, 128))
@@ -272,7 +319,7 @@ def test_fp8_matmul_bf16_at_deepseek_shapes(m: int, n: int, k: int) -> None:
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("m", [1, 33, 1000])
+@pytest.mark.parametrize("m", [1, 3, 33, 1000])
 def test_fp8_matmul_other_kinds_on_the_gpu(kind: str, m: int) -> None:
     check_exact(m, kind, seed=m, n=4096, k=7168)
 
@@ -318,10 +365,11 @@ def test_batch_sizes_of_a_bucket_share_one_compiled_variant() -> None:
     x = torch.randn(16, 1024, generator=g).cuda().bfloat16()
 
     def variants() -> int:
-        kernels = (fp8_gemm._fp8_gemm_kernel, fp8_gemm._quantize_kernel)
+        kernels = (fp8_gemm._fp8_gemm_kernel, fp8_gemm._quantize_kernel, fp8_gemv._core_gemv_kernel)
         return sum(len(entry[0]) for fn in kernels for entry in fn.device_caches.values())
 
-    fp8_matmul(x[:1], weight, scale, (128, 128), 128)
+    for m in (1, 5):  # the CUDA-core GEMV's rows and the GEMM's first bucket
+        fp8_matmul(x[:m], weight, scale, (128, 128), 128)
     before = variants()
     for m in range(2, 17):
         fp8_matmul(x[:m], weight, scale, (128, 128), 128)

@@ -15,7 +15,13 @@ from ember.kernels.fused_moe import fused_moe, fused_moe_fp8, fused_moe_int
 from ember.kernels.quant_ref import routed_experts_fp8_ref
 from ember.models.layers.moe import routed_experts_ref
 from tests.kernels.test_fused_moe import SMALL, _route, _weights
-from tests.kernels.test_fused_moe_quant import DECODE, FP8_SMALL, _fp8_experts, _int_case
+from tests.kernels.test_fused_moe_quant import (
+    DECODE,
+    FP8_DECODE,
+    FP8_SMALL,
+    _fp8_experts,
+    _int_case,
+)
 
 
 def _local(chosen: torch.Tensor, first: int, n: int) -> torch.Tensor:
@@ -83,8 +89,10 @@ def test_int_experts_split_by_expert_sum_to_the_layer(
     _two_ranks(run, chosen, 8, want)
 
 
-@pytest.mark.parametrize("tokens", [1, 5])
-def test_fp8_experts_split_by_expert_sum_to_the_layer(tokens: int) -> None:
+@pytest.mark.parametrize(
+    "tokens,tiles", [(1, "tensor-cores"), (5, "tensor-cores"), (1, "decode"), (2, "decode")]
+)
+def test_fp8_experts_split_by_expert_sum_to_the_layer(tokens: int, tiles: str) -> None:
     g = torch.Generator().manual_seed(60 + tokens)
     experts, top_k, hidden, inter, block = 8, 3, 64, 32, (16, 32)
     w13, s13 = _fp8_experts(experts, 2 * inter, hidden, block, g)
@@ -95,6 +103,7 @@ def test_fp8_experts_split_by_expert_sum_to_the_layer(tokens: int) -> None:
 
     def run(first: int, n: int, local: torch.Tensor) -> torch.Tensor:
         mine = [_poisoned(t, first, n) for t in (w13, s13, w2, s2)]
-        return fused_moe_fp8(x, *mine, weights, local, block, FP8_SMALL, foreign=True)
+        config = FP8_SMALL if tiles == "tensor-cores" else FP8_DECODE
+        return fused_moe_fp8(x, *mine, weights, local, block, config, foreign=True)
 
     _two_ranks(run, chosen, experts, want)

@@ -392,6 +392,111 @@ def test_fused_moe_fp8_default_tiles(device: str) -> None:
     _check_fp8(5, 4, 2, 48, 32, (16, 32), "random", torch.float32, device, 10, None, 1e-5)
 
 
+FP8_DECODE = {"BLOCK_N": 4, "BLOCK_K": 32, "num_warps": 1, "down": {"BLOCK_N": 8}}
+"""Small tiles of the FP8 CUDA-core decode path (no BLOCK_M: one and two tokens take it)."""
+
+
+@pytest.mark.parametrize("kind", ["random", "one-expert", "empty-experts"])
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_fp8_decode_matches_the_per_expert_loop(tokens: int, kind: str, device: str) -> None:
+    """W8A8 on the CUDA cores, a pair a program: the reference's products (x and h quantized per
+    group, e4m3 times e4m3 exact in fp32), summed in another order."""
+    _check_fp8(tokens, 8, 3, 64, 32, (16, 32), kind, torch.float32, device, 20 + tokens,
+               FP8_DECODE, 1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "hidden,inter,block,config",
+    [
+        (40, 32, (16, 32), FP8_DECODE),  # H no block or step divides: masked chunks
+        (64, 48, (8, 32), FP8_DECODE),  # blocks narrower than a program's rows
+        (256, 128, (128, 128), {**FP8_DECODE, "BLOCK_K": 64}),  # a block spans steps
+        (64, 32, (16, 64), FP8_DECODE),  # one block along K: the scales applied once
+        (256, 128, (128, 128), None),  # decode_config_fp8's tiles
+    ],
+    ids=["partial-blocks", "rect-blocks", "128x128", "one-block", "default-tiles"],
+)
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_fp8_decode_block_shapes(
+    hidden: int, inter: int, block: tuple[int, int], config, tokens: int, device: str
+) -> None:
+    _check_fp8(tokens, 4, 2, hidden, inter, block, "random", torch.float32, device, 30, config,
+               1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("target", [0, 1, 1000], ids=["whole-k", "split", "a-split-a-step"])
+def test_fp8_decode_splits_k(target: int, device: str) -> None:
+    """SPLIT_TARGET splits K (gate/up then adds its splits in a launch of its own)."""
+    config = {"BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "SPLIT_TARGET": target}
+    _check_fp8(2, 4, 2, 256, 128, (128, 128), "random", torch.float32, device, 31, config, 1e-5)
+
+
+def test_fp8_decode_in_bf16_agrees_with_the_tensor_cores(device: str) -> None:
+    """bf16 x: the decode path and the grouped GEMM round the same exact products' fp32 sums
+    (in another order) to bf16 at the same points: within a unit in bf16's last place."""
+    g = torch.Generator().manual_seed(32)
+    block = (128, 128)
+    w13, s13 = _fp8_experts(8, 256, 256, block, g)
+    w2, s2 = _fp8_experts(8, 256, 128, block, g)
+    x = torch.randn(2, 256, generator=g).bfloat16()
+    weights, chosen = _route("random", 2, 8, 3, g)
+    args = [t.to(device) for t in (x, w13, s13, w2, s2, weights, chosen)]
+    cores = fused_moe_fp8(*args, block, config=FP8_DECODE).double()
+    tiles = fused_moe_fp8(*args, block, config={**FP8_SMALL, "BLOCK_K": 128}).double()
+    assert (cores - tiles).abs().max().item() <= 2.0**-7 * tiles.abs().max().item()
+
+
+def test_fp8_decode_gate_up_scales_one_a_row(device: str) -> None:
+    """w13's scales one a row (I not a multiple of the block rows) on the decode path."""
+    g = torch.Generator().manual_seed(33)
+    experts, hidden, inter, block = 4, 64, 24, (16, 32)
+    gate, s_gate = _fp8_experts(experts, inter, hidden, block, g)
+    up, s_up = _fp8_experts(experts, inter, hidden, block, g)
+    w2, s2 = _fp8_experts(experts, hidden, inter, block, g)
+
+    def per_row(scale: torch.Tensor, rows: int) -> torch.Tensor:
+        return scale.repeat_interleave(block[0], 1)[:, :rows]
+
+    w13 = torch.cat([gate, up], 1)
+    s13 = torch.cat([per_row(s_gate, inter), per_row(s_up, inter)], 1)
+    x = torch.randn(2, hidden, generator=g)
+    weights, chosen = _route("random", 2, experts, 2, g)
+    want = routed_experts_fp8_ref(
+        x, w13, s13, w2, per_row(s2, hidden), weights, chosen, (1, block[1])
+    )
+    args = [t.to(device) for t in (x, w13, s13, w2, s2, weights, chosen)]
+    got = fused_moe_fp8(*args, block, config=FP8_DECODE).cpu()
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("tokens,decode", [(1, True), (2, True), (3, False)])
+def test_fp8_decode_takes_up_to_two_tokens(
+    tokens: int, decode: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+    real = fused_moe_module.moe_fp8_decode
+    monkeypatch.setattr(
+        fused_moe_module, "moe_fp8_decode", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    _check_fp8(tokens, 4, 2, 64, 32, (16, 32), "random", torch.float32, "cpu", 34, None, 1e-5)
+    assert bool(calls) == decode
+    calls.clear()  # a config with BLOCK_M keeps the tensor cores
+    _check_fp8(tokens, 4, 2, 64, 32, (16, 32), "random", torch.float32, "cpu", 34, FP8_SMALL,
+               1e-5)  # fmt: skip
+    assert not calls
+
+
+def test_fp8_decode_refuses_bad_tiles() -> None:
+    g = torch.Generator().manual_seed(35)
+    w13, s13 = _fp8_experts(4, 64, 64, (16, 32), g)
+    w2, s2 = _fp8_experts(4, 64, 32, (16, 32), g)
+    weights, chosen = _route("random", 1, 4, 2, g)
+    for bad in ({"BLOCK_N": 3}, {"BLOCK_K": 24}, {"BLOCK_K": 8}):
+        with pytest.raises(ValueError, match="fused_moe_fp8: BLOCK_K"):
+            fused_moe_fp8(torch.zeros(1, 64), w13, s13, w2, s2, weights, chosen, (16, 32),
+                          config={**FP8_DECODE, **bad})  # fmt: skip
+
+
 def _int_args(hidden=64, inter=32, group=32, bits=4, experts=4):
     def packed(n, k):
         return torch.zeros(experts, n, -(-k * bits // 32), dtype=torch.int32)
