@@ -13,13 +13,14 @@ status=0
 if [[ $what == *tests* ]]; then
   timeout "${GPU_TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu \
     tests/kernels/test_int_gemm.py tests/kernels/test_fp8_gemm.py \
-    tests/kernels/test_fused_moe_quant.py tests/models/test_quantized_gpu.py \
+    tests/kernels/test_fused_moe_quant.py tests/kernels/test_fused_moe_foreign.py \
+    tests/models/test_quantized_gpu.py \
     > "$OUT/quant_gpu_tests.log" 2>&1
   status=$?
   grep -a "passed\|failed\|^FAILED" "$OUT/quant_gpu_tests.log" | tail -15
 fi
 if [[ $what == *probes* ]]; then
-  for probe in int_gemv_sweep moe_int_decode_sweep; do
+  for probe in ${PROBES:-int_gemv_sweep moe_int_decode_sweep fp8_decode_sweep}; do
     [[ -f benchmarks/probes/$probe.py ]] || continue
     timeout "${PROBE_TIMEOUT:-150}" python3 "benchmarks/probes/$probe.py" > "$OUT/$probe.log" 2>&1
     status=$(( status || $? ))
