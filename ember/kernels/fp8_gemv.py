@@ -31,14 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.int_gemm import _core_store, _split_k, _sum_splits_kernel
+from ember.kernels.int_gemm import _core_store, _sum_splits_kernel
 
 CORE_MAX_ROWS = 4
 """Up to this many rows take the CUDA-core GEMV; more take fp8_gemm's tensor-core tiles."""
 CHUNK = tl.constexpr(16)
 """e4m3 values of a weight row a thread loads and sums a step: one 16-byte load."""
-DEFAULT_SMS = 132
-"""An H200's streaming multiprocessors: the split-K choice where no GPU can be asked."""
 
 
 @triton.jit
@@ -270,18 +268,27 @@ def _core_gemv_kernel(
     _core_store(y_ptr, y3, 3, cols, M, N, pid_k, PARTIAL)
 
 
-def core_gemv_config(n: int, k: int, sms: int = DEFAULT_SMS) -> dict[str, int]:
-    """The CUDA-core FP8 GEMV's tiles for a weight of [n, k] (tunables; benchmarks/probes/
-    fp8_gemv_sweep.py sweeps them on a GPU).
+def core_gemv_config(n: int, k: int) -> dict[str, int]:
+    """The CUDA-core FP8 GEMV's tiles for a weight of [n, k] (tunables), as swept on an H200
+    (benchmarks/probes/fp8_decode_sweep.py, Kimi K2's eight projections at one row, two at four
+    rows; fp8_decode_sweep-H200-2026-12-02.json): within 4% of each shape's best.
 
-    - BLOCK_N 8, 2 warps, BLOCK_K 1024 (one 16-byte chunk a thread a step, the 64 threads along
-      K): a thread holds 8 rows x 16 bytes a step, over which x's load and conversion spread,
-      as int_gemm's CUDA-core GEMV (whose sweep found one stage and no split best there).
-    - SPLIT_K where the column tiles are fewer than the SMs (Kimi K2's kv_a, 576 rows).
+    - BLOCK_N 4 (4 rows x 16 bytes a thread a step): 8 rows were no faster at any shape.
+    - Threads by the column tiles: few tiles (q_a's 1,536 rows, kv_a's 576: fewer than 512)
+      take 4 warps and 4,096 of K a step (7.7 and 6.2 us against 10.7 and 8.0 at 8 x 1024 over
+      2 warps); up to 1,536 tiles 2 warps and one 16-byte chunk a thread (1,024); more, one warp
+      and two chunks a thread (1,024), or 512 where that does not divide K (q_b's 1,536).
+    - One stage and no split: a second stage or a split of K was slower at every shape.
     """
-    block_n, block_k = 8, 1024
-    split = _split_k(triton.cdiv(n, block_n), k, block_k, sms)
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=2, num_stages=1)
+    block_n = 4
+    tiles = triton.cdiv(n, block_n)
+    if tiles < 512:
+        warps, block_k = 4, 4096
+    elif tiles < 1536:
+        warps, block_k = 2, 1024
+    else:
+        warps, block_k = 1, 1024 if k % 1024 == 0 or k % 512 else 512
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1, num_warps=warps, num_stages=1)
 
 
 def fits_core(k: int, block: tuple[int, int], act_group: int) -> bool:

@@ -608,10 +608,12 @@ def moe_fp8_decode(
 
 def decode_config_fp8() -> dict[str, Any]:
     """The FP8 experts' CUDA-core path's tunables (both projections; a "down" dict, if any,
-    overrides some for the down projection), as decode_config_int's. BLOCK_K 1024 over 2 warps
-    is one 16-byte chunk of each row a thread a step (fp8_gemv's layout); BLOCK_N 16 rows a
-    program. Not yet swept (benchmarks/probes/fp8_decode_sweep.py)."""
-    return {"BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 2, "num_stages": 1, "SPLIT_TARGET": 16}
+    overrides some for the down projection), as decode_config_int's. Swept on an H200 at Kimi
+    K2's experts (benchmarks/probes/fp8_decode_sweep.py, fp8_decode_sweep-H200-2026-12-02.json):
+    8 rows a program over one warp, 1,024 of K a step (two 16-byte chunks a thread), took 97.8
+    us for a token's 8 experts (352 MB) and 171.6 for two tokens', against 342.6 and 435.1 on
+    the grouped GEMM's 16-row tensor-core tiles; 16 rows over 2 warps 105.6 and 184.8."""
+    return {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 1, "num_stages": 1, "SPLIT_TARGET": 16}
 
 
 def _gemv_fp8(
