@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -148,52 +149,123 @@ def model_dir(shape: str, cfg: dict | None = None) -> Path:
     return d
 
 
+def _packed_int4(cfg: dict) -> tuple[int, list[str]] | None:
+    """(group size, ignore list) of a compressed-tensors pack-quantized INT4 scheme, or None for
+    bf16 weights; another scheme is refused."""
+    quant = cfg.get("quantization_config")
+    if quant is None:
+        return None
+    weights = quant["config_groups"]["group_0"]["weights"] if "config_groups" in quant else {}
+    if quant.get("format") != "pack-quantized" or weights.get("num_bits") != 4:
+        raise SystemExit(
+            "--weights files: bf16, or pack-quantized INT4 (--quant k25-int4, w4a16-g128)"
+        )
+    return weights["group_size"], quant.get("ignore", [])
+
+
+def _quantized(module: str, ignore: list[str]) -> bool:
+    """Whether a Linear `module` is in the scheme: a projection or the LM head that no `ignore`
+    entry names (a name, or `re:` and a regex matched from the start)."""
+    last = module.rsplit(".", 1)[-1]
+    if not (last.endswith("_proj") or last == "lm_head"):
+        return False  # norms, embeddings, the router
+    for entry in ignore:
+        if entry.startswith("re:") and re.match(entry[3:], module):
+            return False
+        if not entry.startswith("re:") and (module == entry or module.endswith("." + entry)):
+            return False
+    return True
+
+
 def write_weights(d: Path, cfg: dict, device: str = "cpu", seed: int = 0) -> int:
-    """Random bf16 weights of a dense Llama-style shape under a Hugging Face checkpoint's names,
-    one safetensors shard a layer (a start then reads real files, as a user's does, instead of
-    making dummy weights in place). Made on `device` a layer at a time, so the host holds one
-    layer. Returns the bytes written."""
+    """Random weights of a dense Llama-style or a DeepSeek-V3 (MLA + MoE) shape under a Hugging
+    Face checkpoint's names, one safetensors shard a layer (a start then reads real files, as a
+    user's does, instead of making dummy weights in place; and a MoE's router then spreads the
+    tokens over the experts as trained weights do, where vLLM's dummy weights send every token
+    to the same few). bf16, or in the config's pack-quantized INT4 scheme: a quantized Linear is
+    random packed words (every nibble equally likely) with bf16 scales that give its weights a
+    std of 1/sqrt(fan_in), plus its `weight_shape`. Made on `device` a layer at a time, so the
+    host holds one layer. Returns the bytes written."""
     import torch
     from safetensors.torch import save_file
 
-    if cfg.get("num_experts") or cfg.get("n_routed_experts") or "kv_lora_rank" in cfg:
-        raise SystemExit("--weights files: dense Llama-style shapes only")
-    gen = torch.Generator(device).manual_seed(seed)
-    hidden, vocab, inter = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
-    head = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
-    q, kv = cfg["num_attention_heads"] * head, cfg["num_key_value_heads"] * head
+    from ember.models.tiny import _deepseek_layer
 
-    def rand(*shape: int, scale: float = 0.02) -> torch.Tensor:
-        t = torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * scale
-        return t.to(torch.bfloat16).cpu()
+    deepseek = "kv_lora_rank" in cfg
+    if cfg.get("num_experts") and not deepseek:
+        raise SystemExit("--weights files: dense Llama-style or DeepSeek-V3 shapes only")
+    int4 = _packed_int4(cfg)
+    gen = torch.Generator(device).manual_seed(seed)
+    hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
+
+    def linear(out_features: int, in_features: int, gain: float = 1.0) -> torch.Tensor:
+        std = gain / in_features**0.5
+        t = torch.randn(out_features, in_features, generator=gen, device=device) * std
+        return t.to(torch.bfloat16)
+
+    def norm(size: int) -> torch.Tensor:
+        t = 1.0 + 0.1 * torch.randn(size, generator=gen, device=device)
+        return t.to(torch.bfloat16)
+
+    def dense_layer(p: str) -> dict[str, torch.Tensor]:
+        head = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+        q, kv = cfg["num_attention_heads"] * head, cfg["num_key_value_heads"] * head
+        inter = cfg["intermediate_size"]
+        return {
+            f"{p}.input_layernorm.weight": norm(hidden),
+            f"{p}.self_attn.q_proj.weight": linear(q, hidden),
+            f"{p}.self_attn.k_proj.weight": linear(kv, hidden),
+            f"{p}.self_attn.v_proj.weight": linear(kv, hidden),
+            f"{p}.self_attn.o_proj.weight": linear(hidden, q, gain=0.5),
+            f"{p}.post_attention_layernorm.weight": norm(hidden),
+            f"{p}.mlp.gate_proj.weight": linear(inter, hidden),
+            f"{p}.mlp.up_proj.weight": linear(inter, hidden),
+            f"{p}.mlp.down_proj.weight": linear(hidden, inter, gain=0.5),
+        }
+
+    def packed(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The shard with its scheme's Linears as compressed-tensors packs them."""
+        if int4 is None:
+            return shard
+        group, ignore = int4
+        out = {}
+        for name, t in shard.items():
+            module = name.removesuffix(".weight")
+            if not name.endswith(".weight") or not _quantized(module, ignore):
+                out[name] = t
+                continue
+            n, k = t.shape
+            words = torch.randint(
+                -(2**31), 2**31, (n, k // 8), generator=gen, device=device, dtype=torch.int64
+            )
+            std = float(t.float().std())  # the bf16 weight's, whose place this takes
+            scale = torch.full((n, k // group), std / 4.6, device=device)  # nibbles' std: 4.6
+            out[f"{module}.weight_packed"] = words.to(torch.int32)
+            out[f"{module}.weight_scale"] = scale.to(torch.bfloat16)
+            out[f"{module}.weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
+        return out
 
     layers = cfg["num_hidden_layers"]
 
     def shards() -> Iterator[dict[str, torch.Tensor]]:
         """Made as they are written: the host holds one shard at a time."""
-        yield {"model.embed_tokens.weight": rand(vocab, hidden)}
+        yield {"model.embed_tokens.weight": linear(vocab, hidden, gain=0.25 * hidden**0.5)}
         for i in range(layers):
             p = f"model.layers.{i}"
-            yield {
-                f"{p}.input_layernorm.weight": 1.0 + rand(hidden),
-                f"{p}.self_attn.q_proj.weight": rand(q, hidden),
-                f"{p}.self_attn.k_proj.weight": rand(kv, hidden),
-                f"{p}.self_attn.v_proj.weight": rand(kv, hidden),
-                f"{p}.self_attn.o_proj.weight": rand(hidden, q),
-                f"{p}.post_attention_layernorm.weight": 1.0 + rand(hidden),
-                f"{p}.mlp.gate_proj.weight": rand(inter, hidden),
-                f"{p}.mlp.up_proj.weight": rand(inter, hidden),
-                f"{p}.mlp.down_proj.weight": rand(hidden, inter),
-            }
-        last = {"model.norm.weight": 1.0 + rand(hidden)}
+            if deepseek:
+                yield packed(_deepseek_layer(p, i, cfg, linear, norm, gen))
+            else:
+                yield packed(dense_layer(p))
+        last = {"model.norm.weight": norm(hidden)}
         if not cfg.get("tie_word_embeddings"):
-            last["lm_head.weight"] = rand(vocab, hidden)
-        yield last
+            last["lm_head.weight"] = linear(vocab, hidden, gain=0.25 * hidden**0.5)
+        yield packed(last)
 
     count = layers + 2  # the embedding, a shard a layer, the final norm and LM head
     weight_map, total = {}, 0
     for n, shard in enumerate(shards()):
         name = f"model-{n + 1:05d}-of-{count:05d}.safetensors"
+        shard = {k: v.contiguous().cpu() for k, v in shard.items()}
         save_file(shard, str(d / name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, name))
         total += sum(t.numel() * t.element_size() for t in shard.values())
@@ -406,7 +478,8 @@ def main() -> None:
     ap.add_argument(
         "--quant",
         choices=sorted(SCHEMES),
-        help="the shape's weights in this scheme (dummy weights only; no roofline column)",
+        help="the shape's weights in this scheme (no roofline column; --weights files: the INT4 "
+        "schemes)",
     )
     ap.add_argument("--layers", type=int, help="decoder layers (default: the shape's)")
     ap.add_argument("--engines", default="ember,vllm")
@@ -445,8 +518,6 @@ def main() -> None:
         cfg = shape_config(args.shape, args.quant, args.layers)
         model, loads, gpu = str(model_dir(args.shape, cfg)), GPU_LOADS, torch.cuda.get_device_name()
         if args.weights == "files":
-            if args.quant:
-                raise SystemExit("--quant: dummy weights only")
             t = time.perf_counter()
             size = write_weights(Path(model), cfg, "cuda")
             print(f"wrote {size / 1e9:.1f} GB of weights in {time.perf_counter() - t:.0f} s")

@@ -3,7 +3,8 @@
 # benchmarks/quantized_gpu.py, and ember beside vLLM on the same quantized config.json
 # (served-moonlight: Moonlight in Kimi K2.5's INT4 scheme; served-kimi: Kimi K2's dims in FP8
 # blocks, 5 layers; both need vLLM unpacked: scripts/vllm_device_env.sh), each log and results
-# file under $OUT.
+# file under $OUT. WEIGHTS=files: served-moonlight from random weights written as files (both
+# servers' routers then spread the tokens; vLLM's dummy weights send them all to the same few).
 # Usage: bash scripts/quant_gpu.sh [tests,probes,bench,served-moonlight,served-kimi] [quantized_gpu.py args...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +36,7 @@ fi
 if [[ $what == *served-moonlight* ]]; then
   timeout "${SERVED_TIMEOUT:-560}" python3 benchmarks/served_gpu.py --shape moonlight \
     --quant k25-int4 --engines ember,vllm --loads mixed,b1 --starts fresh \
+    --weights "${WEIGHTS:-dummy}" \
     > "$OUT/served_moonlight_int4.log" 2>&1
   status=$(( status || $? ))
   grep -a -A30 "^## " "$OUT/served_moonlight_int4.log" || tail -30 "$OUT/served_moonlight_int4.log"

@@ -463,7 +463,9 @@ def _deepseek_layer(
         return w
     inter, experts = c["moe_intermediate_size"], c["n_routed_experts"]
     w[f"{m}.gate.weight"] = linear(experts, hidden)
-    w[f"{m}.gate.e_score_correction_bias"] = 0.1 * torch.randn(experts, generator=gen)
+    w[f"{m}.gate.e_score_correction_bias"] = 0.1 * torch.randn(
+        experts, generator=gen, device=gen.device
+    )
     for e in range(experts):
         w[f"{m}.experts.{e}.gate_proj.weight"] = linear(inter, hidden)
         w[f"{m}.experts.{e}.up_proj.weight"] = linear(inter, hidden)

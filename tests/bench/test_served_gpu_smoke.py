@@ -106,8 +106,82 @@ def test_weights_as_files_load_through_the_real_loader(tmp_path: Path) -> None:
     params = dict(model.named_parameters())
     assert sum(p.numel() * 2 for p in params.values()) == size
     assert all(torch.isfinite(p).all() for p in params.values())
-    with pytest.raises(SystemExit, match="dense"):
+    with pytest.raises(SystemExit, match="dense Llama-style or DeepSeek-V3"):
         write_weights(tmp_path, {**cfg, "num_experts": 8})
+
+
+def test_moe_weights_as_files_in_kimi_k25s_int4_scheme_load(tmp_path: Path) -> None:
+    """`--weights files --quant k25-int4` on a DeepSeek-V3 shape: MLA, a dense first layer, the
+    router with its bias, routed experts packed in INT4 (compressed-tensors' names, `weight_shape`
+    int64) and the rest bf16, as the scheme's ignore list says; the real loader takes it."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from quant_schemes import KIMI_K25_INT4
+    from safetensors import safe_open
+    from served_gpu import _quantized, write_weights
+
+    from ember.models.config import ModelConfig
+    from ember.models.loader import load_model
+
+    cfg = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_shared_experts": 1,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 32,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 16,
+        "qk_nope_head_dim": 16,
+        "topk_method": "noaux_tc",
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": True,
+        "scoring_func": "sigmoid",
+        "hidden_act": "silu",
+        "vocab_size": 256,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "quantization_config": KIMI_K25_INT4,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    write_weights(tmp_path, cfg)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    names = set(index["weight_map"])
+    expert = "model.layers.1.mlp.experts.3.down_proj"
+    assert {f"{expert}.weight_packed", f"{expert}.weight_scale", f"{expert}.weight_shape"} <= names
+    assert f"{expert}.weight" not in names
+    for bf16 in (
+        "model.layers.1.mlp.shared_experts.up_proj.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.1.self_attn.kv_b_proj.weight",
+        "model.layers.1.mlp.gate.weight",
+        "model.layers.1.mlp.gate.e_score_correction_bias",
+        "lm_head.weight",
+    ):
+        assert bf16 in names, bf16
+    with safe_open(str(tmp_path / index["weight_map"][f"{expert}.weight_shape"]), "pt") as f:
+        assert f.get_tensor(f"{expert}.weight_shape").tolist() == [64, 32]
+        assert f.get_tensor(f"{expert}.weight_shape").dtype == torch.int64
+        assert f.get_tensor(f"{expert}.weight_packed").shape == (64, 4)
+    assert not _quantized("model.layers.1.mlp.gate", KIMI_K25_INT4["ignore"])
+    model = load_model(tmp_path, ModelConfig.from_dir(tmp_path), torch.float32)
+    assert any("packed" in n for n, _ in model.named_parameters())
+    with pytest.raises(SystemExit, match="pack-quantized INT4"):
+        write_weights(tmp_path, {**cfg, "quantization_config": {"quant_method": "fp8"}})
 
 
 def test_an_engine_named_again_runs_again_under_its_own_key(tmp_path: Path) -> None:
