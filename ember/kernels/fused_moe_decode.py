@@ -420,6 +420,38 @@ def _splits(programs: int, wanted: int, steps: int) -> tuple[int, int]:
     return triton.cdiv(steps, per_split), per_split
 
 
+def _pair_grid(
+    name: str,
+    least_k: int,
+    a: torch.Tensor,
+    n_rows: int,
+    n_out: int,
+    num_pairs: int,
+    gated: bool,
+    config: dict[str, Any],
+    warps: int,
+    sms: int,
+    out_dtype: torch.dtype,
+) -> tuple[int, int, int, torch.Tensor]:
+    """A pair GEMV's grid and output, for the INT and FP8 kernels alike: (programs, splits,
+    steps a split, out), out h [1, P, I] in out_dtype (gated, K whole) or fp32 sums
+    [splits, P, N]. BLOCK_K a power of two >= least_k, BLOCK_N a power of two >= 2."""
+    block_n, block_k = config["BLOCK_N"], config["BLOCK_K"]
+    if block_k & (block_k - 1) or block_k < least_k or block_n & (block_n - 1) or block_n < 2:
+        raise ValueError(
+            f"{name}: BLOCK_K {block_k} must be a power of two >= {least_k}, BLOCK_N "
+            f"{block_n} a power of two >= 2"
+        )
+    programs = triton.cdiv(n_rows, block_n) * num_pairs
+    wanted = config.get("SPLIT_TARGET", 16) * sms // warps
+    splits, steps = _splits(programs, wanted, triton.cdiv(a.shape[1], block_k))
+    if splits > 1 or not gated:
+        out = torch.empty(splits, num_pairs, n_rows, dtype=torch.float32, device=a.device)
+    else:
+        out = torch.empty(1, num_pairs, n_out, dtype=out_dtype, device=a.device)
+    return programs, splits, steps, out
+
+
 def _packed_rows(a: torch.Tensor) -> tuple[torch.Tensor, int]:
     """a as int64 words of four values and the kernel's X_PACKED (1 bf16, 2 fp16), where a is
     16-bit with rows of whole, aligned words; else (a, 0): x read element by element."""
@@ -444,20 +476,11 @@ def _gemv(
     n_rows, k_in = w.data.shape[1], a.shape[1]
     n_out = n_rows // 2 if gated else n_rows
     block_n, block_k = config["BLOCK_N"], config["BLOCK_K"]
-    if block_k & (block_k - 1) or block_k < 32 or block_n & (block_n - 1) or block_n < 2:
-        raise ValueError(
-            f"fused_moe_int: BLOCK_K {block_k} must be a power of two >= 32, BLOCK_N {block_n} "
-            "a power of two >= 2"
-        )
-    programs = triton.cdiv(n_rows, block_n) * num_pairs
     warps = config.get("num_warps", 8)
-    wanted = config.get("SPLIT_TARGET", 16) * sms // warps
-    splits, steps = _splits(programs, wanted, triton.cdiv(k_in, block_k))
+    programs, splits, steps, out = _pair_grid(
+        "fused_moe_int", 32, a, n_rows, n_out, num_pairs, gated, config, warps, sms, a.dtype
+    )
     partial = splits > 1 or not gated
-    if partial:
-        out = torch.empty(splits, num_pairs, n_rows, dtype=torch.float32, device=a.device)
-    else:
-        out = torch.empty(1, num_pairs, n_out, dtype=a.dtype, device=a.device)
     zero = w.zero if w.zero is not None else w.scale  # a placeholder the kernel never reads
     a_words, x_packed = _packed_rows(a)
     _moe_gemv_int_kernel[(programs, splits)](
@@ -633,20 +656,11 @@ def _gemv_fp8(
     n_rows, k_in = w.data.shape[1], a.shape[1]
     n_out = n_rows // 2 if gated else n_rows
     block_n, block_k = config["BLOCK_N"], config["BLOCK_K"]
-    if block_k & (block_k - 1) or block_k < 16 or block_n & (block_n - 1) or block_n < 2:
-        raise ValueError(
-            f"fused_moe_fp8: BLOCK_K {block_k} must be a power of two >= 16, BLOCK_N {block_n} "
-            "a power of two >= 2"
-        )
-    programs = triton.cdiv(n_rows, block_n) * num_pairs
     warps = config.get("num_warps", 2)
-    wanted = config.get("SPLIT_TARGET", 16) * sms // warps
-    splits, steps = _splits(programs, wanted, triton.cdiv(k_in, block_k))
+    programs, splits, steps, out = _pair_grid(
+        "fused_moe_fp8", 16, a, n_rows, n_out, num_pairs, gated, config, warps, sms, out_dtype
+    )
     partial = splits > 1 or not gated
-    if partial:
-        out = torch.empty(splits, num_pairs, n_rows, dtype=torch.float32, device=a.device)
-    else:
-        out = torch.empty(1, num_pairs, n_out, dtype=out_dtype, device=a.device)
     _moe_gemv_fp8_kernel[(programs, splits)](
         a,
         a_scale,
