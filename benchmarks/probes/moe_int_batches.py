@@ -4,6 +4,10 @@ random routes, for 1 to 1,024 tokens; each against its bytes over the copy rate 
 run (the experts the routes hit, read once). Where INT4 stops gaining on bf16 as the batch grows
 is where its tensor-core tiles are bound by dequantizing, not by bytes.
 
+INT4 runs each batch from 16 tokens on three ways besides its default tiles: the general unpacking
+(`INT4_PAIRS` 0: fields one at a time in fp32, as before two weights an instruction), and the
+pairs on 64-row wgmma tiles of 64 and 128 columns, to choose `tile_config_int`'s tiles by.
+
 Every time is one CUDA graph of calls over two weight copies (beyond L2) and 8 route sets, the
 median of 20 replays, in microseconds a call:
 
@@ -27,11 +31,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from int_gemv_sweep import graph_us  # noqa: E402
 from result_names import result_path  # noqa: E402
 
-from ember.kernels.fused_moe import fused_moe, fused_moe_int  # noqa: E402
+from ember.kernels.fused_moe import fused_moe, fused_moe_int, tile_config_int  # noqa: E402
 
 EXPERTS, TOP_K, HIDDEN, INTER, GROUP = 64, 6, 2048, 1408, 32
 TOKENS = (1, 16, 64, 256, 1024)
 COPIES, ROUTES = 2, 8
+VARIANTS = {
+    "general_unpack": {"INT4_PAIRS": 0},
+    "m64_n64": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
+    "m64_n128": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
+}
 
 
 def copy_bandwidth() -> float:
@@ -60,7 +69,6 @@ def main() -> None:
         )
         for _ in range(COPIES)
     ]
-    bw = copy_bandwidth()
     rows = []
     for t in TOKENS:
         x = torch.randn(t, HIDDEN, generator=gen, device="cuda").bfloat16()
@@ -76,9 +84,11 @@ def main() -> None:
         int4_bytes = hit * weights_per_expert * (0.5 + 2 / GROUP)
         bf16_bytes = hit * weights_per_expert * 2
 
-        def int4_call(i: int, x=x, weights=weights, routes=routes) -> torch.Tensor:
+        def int4_call(i: int, config=None, x=x, weights=weights, routes=routes) -> torch.Tensor:
             p13, s13, p2, s2 = int4[i % COPIES]
-            return fused_moe_int(x, p13, s13, None, p2, s2, None, weights, routes[i], 4, GROUP)
+            return fused_moe_int(
+                x, p13, s13, None, p2, s2, None, weights, routes[i], 4, GROUP, config
+            )
 
         def bf16_call(i: int, x=x, weights=weights, routes=routes) -> torch.Tensor:
             w13, w2 = bf16[i % COPIES]
@@ -86,21 +96,35 @@ def main() -> None:
 
         int4_us = graph_us([lambda i=i: int4_call(i) for i in range(ROUTES)])
         bf16_us = graph_us([lambda i=i: bf16_call(i) for i in range(ROUTES)])
+        variants = {}
+        if t >= 16:
+            base = tile_config_int(t * TOP_K, EXPERTS, 4)
+            for name, change in VARIANTS.items():
+                config = {**base, **change}
+                calls = [lambda i=i, c=config: int4_call(i, c) for i in range(ROUTES)]
+                variants[name] = graph_us(calls)
         row = {
             "tokens": t,
             "experts_hit": hit,
             "int4_us": int4_us,
-            "int4_floor_us": int4_bytes / bw * 1e6,
+            "int4_bytes": int4_bytes,
             "bf16_us": bf16_us,
-            "bf16_floor_us": bf16_bytes / bw * 1e6,
+            "bf16_bytes": bf16_bytes,
             "flops": 6 * t * TOP_K * HIDDEN * INTER,
+            "int4_variants_us": variants,
         }
         rows.append(row)
         print(
-            f"{t:5d} tokens, {hit:4.1f} experts: INT4 {int4_us:7.1f} us (floor "
-            f"{row['int4_floor_us']:6.1f}), bf16 {bf16_us:7.1f} (floor {row['bf16_floor_us']:6.1f}), "
-            f"INT4 {bf16_us / int4_us:.2f}x faster"
+            f"{t:5d} tokens, {hit:4.1f} experts: INT4 {int4_us:7.1f} us ({int4_bytes / 1e6:.0f} MB), "
+            f"bf16 {bf16_us:7.1f} ({bf16_bytes / 1e6:.0f} MB), "
+            f"INT4 {bf16_us / int4_us:.2f}x faster; "
+            + ", ".join(f"{k} {v:.1f}" for k, v in variants.items())
         )
+    # Measured last, the kernels compiled and the GPU warm (first, it read ~2.7 TB/s on an H200).
+    bw = copy_bandwidth()
+    for row in rows:
+        row["int4_floor_us"] = row["int4_bytes"] / bw * 1e6
+        row["bf16_floor_us"] = row["bf16_bytes"] / bw * 1e6
     out = {"gpu": gpu, "copy_bytes_per_s": bw, "rows": rows}
     dest = result_path("moe_int_batches", gpu)
     dest.parent.mkdir(parents=True, exist_ok=True)

@@ -214,6 +214,133 @@ def _int_tile(
     return tl.reshape(w.to(scale_in.dtype).to(OUT), (BLOCK_N, BLOCK_K))
 
 
+# INT4 two weights an instruction (`_int4_fields`): a 16-bit half of (word >> 4i) & 0x000F000F
+# or-ed with the bits of 128 (bf16) or 1024 (fp16) is that float plus the field, exactly: its
+# ulp there is 1. Operands of the PTX below: $0-$7 the eight fields (16-bit registers), $8 the
+# word, $9 the scale twice (a bf16x2 / f16x2); one LOP3 (and a shift) a pair of weights, an
+# FMA taking off 128 + 8 (or 1024 + 8), exact, and one multiplying by the scale, rounded once
+# as the reference rounds: two instructions a weight, where Triton's elementwise ops handle
+# one 16-bit value at a time. fma with -0.0 is a correctly rounded multiply on sm_80 and up
+# (mul.bf16x2 needs sm_90).
+_INT4_PAIRS_PTX = """{
+.reg .b32 t0, t1, t2, t3, u, one, bias, nz;
+mov.b32 one, ONE;
+mov.b32 bias, BIAS;
+mov.b32 nz, 0x80008000;
+lop3.b32 t0, $8, 0x000F000F, MAGIC, 0xEA;
+shr.u32 u, $8, 4;
+lop3.b32 t1, u, 0x000F000F, MAGIC, 0xEA;
+shr.u32 u, $8, 8;
+lop3.b32 t2, u, 0x000F000F, MAGIC, 0xEA;
+shr.u32 u, $8, 12;
+lop3.b32 t3, u, 0x000F000F, MAGIC, 0xEA;
+fma.rn.TY t0, t0, one, bias;
+fma.rn.TY t1, t1, one, bias;
+fma.rn.TY t2, t2, one, bias;
+fma.rn.TY t3, t3, one, bias;
+fma.rn.TY t0, t0, $9, nz;
+fma.rn.TY t1, t1, $9, nz;
+fma.rn.TY t2, t2, $9, nz;
+fma.rn.TY t3, t3, $9, nz;
+mov.b32 {$0, $4}, t0;
+mov.b32 {$1, $5}, t1;
+mov.b32 {$2, $6}, t2;
+mov.b32 {$3, $7}, t3;
+}"""
+_INT4_BF16_MAGIC = 0x4300  # 128.0 in bf16; 0x4308 is 136.0, 0x3F80 1.0
+_INT4_F16_MAGIC = 0x6400  # 1024.0 in fp16; 0x6408 is 1032.0, 0x3C00 1.0
+_PAIRS_BF16: tl.constexpr = tl.constexpr(
+    _INT4_PAIRS_PTX.replace("TY", "bf16x2")
+    .replace("MAGIC", "0x43004300")
+    .replace("ONE", "0x3F803F80")
+    .replace("BIAS", "0xC308C308")
+)
+_PAIRS_F16: tl.constexpr = tl.constexpr(
+    _INT4_PAIRS_PTX.replace("TY", "f16x2")
+    .replace("MAGIC", "0x64006400")
+    .replace("ONE", "0x3C003C00")
+    .replace("BIAS", "0xE408E408")
+)
+_MAGIC_BF16: tl.constexpr = tl.constexpr(_INT4_BF16_MAGIC)
+_MAGIC_F16: tl.constexpr = tl.constexpr(_INT4_F16_MAGIC)
+
+
+@triton.jit
+def _int4_fields(words, half, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """The eight INT4 fields of each word, each (q - 8) * s in DTYPE (bf16 or fp16), as eight
+    tensors shaped like words: field j of word w is element 8w + j of a row. half: the scale's
+    16 bits in an int32 (broadcast). ASM: the PTX above; otherwise the same bits in Triton's ops
+    (Triton's interpreter)."""
+    IS_BF16: tl.constexpr = tl.bfloat16 == DTYPE
+    if ASM:
+        return tl.inline_asm_elementwise(
+            _PAIRS_BF16 if IS_BF16 else _PAIRS_F16,
+            "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
+            [words, half | (half << 16)],
+            dtype=(DTYPE.value,) * 8,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        s = half.to(tl.int16).to(DTYPE, bitcast=True)
+        MAGIC: tl.constexpr = _MAGIC_BF16 if IS_BF16 else _MAGIC_F16
+        BIAS: tl.constexpr = 136.0 if IS_BF16 else 1032.0
+        magic = MAGIC | (MAGIC << 16)
+        t0 = (words & 0x000F000F) | magic
+        t1 = ((words >> 4) & 0x000F000F) | magic
+        t2 = ((words >> 8) & 0x000F000F) | magic
+        t3 = ((words >> 12) & 0x000F000F) | magic
+        return (
+            ((t0 & 0xFFFF).to(tl.int16).to(DTYPE, bitcast=True) - BIAS) * s,
+            ((t1 & 0xFFFF).to(tl.int16).to(DTYPE, bitcast=True) - BIAS) * s,
+            ((t2 & 0xFFFF).to(tl.int16).to(DTYPE, bitcast=True) - BIAS) * s,
+            ((t3 & 0xFFFF).to(tl.int16).to(DTYPE, bitcast=True) - BIAS) * s,
+            ((t0 >> 16).to(tl.int16).to(DTYPE, bitcast=True) - BIAS) * s,
+            ((t1 >> 16).to(tl.int16).to(DTYPE, bitcast=True) - BIAS) * s,
+            ((t2 >> 16).to(tl.int16).to(DTYPE, bitcast=True) - BIAS) * s,
+            ((t3 >> 16).to(tl.int16).to(DTYPE, bitcast=True) - BIAS) * s,
+        )
+
+
+@triton.jit
+def _int4_tile(
+    w_ptrs,
+    w_ok,
+    s_rows,
+    s_sk,
+    col_ok,
+    g0,
+    k_groups,
+    DTYPE: tl.constexpr,
+    ASM: tl.constexpr,
+    SPT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # As _int_tile for symmetric INT4 with scales in x's 16-bit dtype (Kimi K2.5's experts),
+    # two weights an instruction (_int4_fields): [BLOCK_N, BLOCK_K] in DTYPE. s_rows [BLOCK_N,
+    # 1]: the rows' scales as int32 words, two a word, from group g0 on. Loaded 4 bytes at a
+    # time they go through Triton's software pipeline like the weights' words; loaded 2 bytes
+    # at a time they did not, and each K step waited out their latency.
+    words = tl.load(w_ptrs, mask=w_ok, other=0)
+    if SPT >= 2:  # SPT groups a step, from an even one: SPT / 2 words of scales
+        sw = g0 // 2 + tl.arange(0, SPT // 2)
+        pair = tl.load(
+            s_rows + sw[None, :] * s_sk, mask=col_ok[:, None] & (2 * sw < k_groups)[None, :]
+        )
+        half = tl.reshape(tl.join(pair & 0xFFFF, (pair >> 16) & 0xFFFF), (BLOCK_N, SPT))
+    else:  # a group spans the step: one scale, the low or high half of its word
+        pair = tl.load(s_rows + (g0 // 2) * s_sk, mask=col_ok[:, None] & (g0 < k_groups))
+        half = (pair >> ((g0 % 2) * 16)) & 0xFFFF
+    words = tl.reshape(words, (BLOCK_N, SPT, BLOCK_K // SPT // 8))
+    f0, f1, f2, f3, f4, f5, f6, f7 = _int4_fields(words, half[:, :, None], DTYPE, ASM)
+    # Three joins put field j of word w at 8w + j (the first join's index is j's bit of 4, the
+    # last's its bit of 1), a word's eight fields in one thread's registers.
+    b0 = tl.join(tl.join(f0, f4), tl.join(f2, f6))
+    b1 = tl.join(tl.join(f1, f5), tl.join(f3, f7))
+    return tl.reshape(tl.join(b0, b1), (BLOCK_N, BLOCK_K))
+
+
 @triton.jit
 def _quantize_rows(a, HW_CAST: tl.constexpr):
     # The tile's rows are whole activation groups (BLOCK_K == the group): per-row amax, one
@@ -269,6 +396,8 @@ def _moe_gemm_kernel(
     GROUP: tl.constexpr,
     SPT: tl.constexpr,
     HAS_ZERO: tl.constexpr,
+    INT4_PAIRS: tl.constexpr,
+    ASM: tl.constexpr,
     BLOCK_SN: tl.constexpr,
     HW_CAST: tl.constexpr,
     A_FP8: tl.constexpr,
@@ -340,36 +469,62 @@ def _moe_gemm_kernel(
             groups = (k0 + spt * (BLOCK_K // SPT)) // GROUP
             s_ok = col_ok[:, None] & (groups < k_groups)[None, :]
             w_ptrs = w_rows + words[None, :] * b_sk
-            s_off = groups[None, :] * s_sk
-            z_off = groups[None, :] * z_sk
-            b = _int_tile(
-                w_ptrs,
-                w_ok,
-                s_rows + s_off,
-                z_rows + z_off,
-                s_ok,
-                BITS,
-                HAS_ZERO,
-                a_ptr.dtype.element_ty,
-                SPT,
-                BLOCK_N,
-                BLOCK_K,
-            )
-            acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
-            if GATED:
-                b_up = _int_tile(
-                    w_ptrs + n_out * b_sn,
+            s_ptrs = s_rows + groups[None, :] * s_sk
+            z_ptrs = z_rows + groups[None, :] * z_sk
+            up_w, up_s, up_z = n_out * b_sn, n_out * s_sn, n_out * z_sn  # the up rows' offsets
+            if INT4_PAIRS:
+                DTYPE: tl.constexpr = a_ptr.dtype.element_ty
+                g0 = k0 // GROUP
+                b = _int4_tile(
+                    w_ptrs,
                     w_ok,
-                    s_rows + n_out * s_sn + s_off,
-                    z_rows + n_out * z_sn + z_off,
-                    s_ok,
-                    BITS,
-                    HAS_ZERO,
-                    a_ptr.dtype.element_ty,
+                    s_rows,
+                    s_sk,
+                    col_ok,
+                    g0,
+                    k_groups,
+                    DTYPE,
+                    ASM,
                     SPT,
                     BLOCK_N,
                     BLOCK_K,
                 )
+                if GATED:
+                    b_up = _int4_tile(
+                        w_ptrs + up_w,
+                        w_ok,
+                        s_rows + up_s,
+                        s_sk,
+                        col_ok,
+                        g0,
+                        k_groups,
+                        DTYPE,
+                        ASM,
+                        SPT,
+                        BLOCK_N,
+                        BLOCK_K,
+                    )
+            else:
+                OUT: tl.constexpr = a_ptr.dtype.element_ty
+                b = _int_tile(
+                    w_ptrs, w_ok, s_ptrs, z_ptrs, s_ok, BITS, HAS_ZERO, OUT, SPT, BLOCK_N, BLOCK_K
+                )
+                if GATED:
+                    b_up = _int_tile(
+                        w_ptrs + up_w,
+                        w_ok,
+                        s_ptrs + up_s,
+                        z_ptrs + up_z,
+                        s_ok,
+                        BITS,
+                        HAS_ZERO,
+                        OUT,
+                        SPT,
+                        BLOCK_N,
+                        BLOCK_K,
+                    )
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+            if GATED:
                 acc_up = tl.dot(a, tl.trans(b_up), acc_up, input_precision=PRECISION)
         else:
             if A_FP8:  # quantized by fp8_gemm.quantize_fp8_groups, scales [rows, K / BLOCK_K]
@@ -500,6 +655,22 @@ class _ExpertWeights:
     block_n: int = 1
 
 
+def int4_pairs(b: _ExpertWeights, x_dtype: torch.dtype) -> bool:
+    """Whether the grouped GEMM unpacks b two weights an instruction (`_int4_tile`): symmetric
+    INT4 with contiguous scales in x's 16-bit dtype, an even number of groups a row (read two
+    a word)."""
+    return (
+        b.kind == PACKED_INT
+        and b.bits == 4
+        and b.zero is None
+        and b.scale is not None
+        and b.scale.dtype == x_dtype
+        and x_dtype in (torch.bfloat16, torch.float16)
+        and b.scale.is_contiguous()
+        and b.scale.shape[-1] % 2 == 0
+    )
+
+
 def _gemm(
     a: torch.Tensor,
     b: _ExpertWeights,
@@ -520,6 +691,11 @@ def _gemm(
     scale = b.scale if b.scale is not None else c  # a placeholder the kernel never reads
     zero = b.zero if b.zero is not None else scale
     spt = max(config["BLOCK_K"] // b.group, 1) if b.kind == PACKED_INT else 1
+    config = dict(config)
+    # config["INT4_PAIRS"] 0 keeps the general unpacking (to measure one against the other).
+    pairs = config.pop("INT4_PAIRS", 1) == 1 and int4_pairs(b, a.dtype)
+    if pairs:  # the scales read as int32 words, two a word (_int4_tile)
+        scale = scale.view(torch.int32)
     _moe_gemm_kernel[(num_blocks * tiles_n,)](
         a,
         b.data,
@@ -535,7 +711,7 @@ def _gemm(
         n_out,
         k_in,
         b.data.shape[2],
-        scale.shape[-1],
+        (b.scale if pairs else scale).shape[-1],  # groups a row, not the words that hold them
         *a.stride(),
         *b.data.stride(),
         *c.stride(),
@@ -554,6 +730,8 @@ def _gemm(
         GROUP=b.group,
         SPT=spt,
         HAS_ZERO=b.zero is not None,
+        INT4_PAIRS=pairs,
+        ASM=pairs and a.is_cuda,  # the PTX on a GPU, the same bits in Triton's ops elsewhere
         BLOCK_SN=b.block_n,
         # The e4m3 cast in integer ops where the hardware's is missing (Triton's interpreter).
         HW_CAST=b.kind == FP8_BLOCK and a.is_cuda,

@@ -119,6 +119,66 @@ def test_fused_moe_int_k_tiles_of_several_groups(bits: int, config, device: str)
     )
 
 
+def _int4_pairs_against_general(shape, group, dtype, device, config) -> None:
+    """Symmetric INT4 with scales in x's dtype, two weights an instruction (the PTX on a GPU,
+    its bits in Triton's ops in the interpreter), against the general unpacking (INT4_PAIRS 0)
+    with the same tiles: the same weights bit for bit, so the same output."""
+    tokens, experts, top_k, hidden, inter = shape
+    g = torch.Generator().manual_seed(tokens + group)
+    p13, s13, _ = _int_experts(experts, 2 * inter, hidden, 4, group or hidden, False, dtype, g)
+    p2, s2, _ = _int_experts(experts, hidden, inter, 4, group or inter, False, dtype, g)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    weights, chosen = _route("random", tokens, experts, top_k, g)
+    on = [t.to(device) for t in (x, p13, s13, p2, s2, weights, chosen)]
+    x, p13, s13, p2, s2, weights, chosen = on
+    w13_kind = fused_moe_module._int_weights(
+        "w13", p13, s13, None, p13.shape[:2] + (hidden,), 4, group
+    )
+    assert fused_moe_module.int4_pairs(w13_kind, dtype)  # the path under test is taken
+    pairs = fused_moe_int(x, p13, s13, None, p2, s2, None, weights, chosen, 4, group, config)
+    general = {**config, "INT4_PAIRS": 0}
+    want = fused_moe_int(x, p13, s13, None, p2, s2, None, weights, chosen, 4, group, general)
+    assert torch.equal(pairs, want), (pairs.float() - want.float()).abs().max().item()
+    # And both against the float64 MLP on the dequantized weights.
+    w13 = dequantize_int(p13.cpu(), s13.cpu(), None, 4, group or hidden, hidden, dtype).double()
+    w2 = dequantize_int(p2.cpu(), s2.cpu(), None, 4, group or inter, inter, dtype).double()
+    ref = routed_experts_ref(x.cpu().double(), w13, w2, weights.cpu().double(), chosen.cpu())
+    err = (pairs.cpu().double() - ref).abs().max().item()
+    assert err <= 1e-2 * ref.abs().max().item(), err
+
+
+@pytest.mark.parametrize("tokens", [5, 40])
+@pytest.mark.parametrize("group", [32, 64], ids=["g32", "g64"])
+def test_fused_moe_int4_pairs_equal_the_general_unpacking(
+    group: int, tokens: int, device: str
+) -> None:
+    """fp16 here (Triton 3.6's interpreter truncates to bf16); K tiles of two groups of 32 (a
+    word of scales), of one group of 64 (half a word; the down projection's single group a
+    row takes the general unpacking)."""
+    config = {**SMALL, "BLOCK_N": 32, "BLOCK_K": 64}
+    _int4_pairs_against_general((tokens, 8, 3, 128, 64), group, torch.float16, device, config)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
+        {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
+        {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3},
+        {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
+        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+    ],
+    ids=["m16", "m32", "m64-k32", "m64", "m128"],
+)
+def test_fused_moe_int4_pairs_ptx_equals_the_general_unpacking(config, dtype) -> None:
+    """The PTX path on the GPU's tiles, Moonlight's expert dims, 256 tokens."""
+    shape = (256, 16, 6, MOONLIGHT["hidden"], MOONLIGHT["inter"])
+    _int4_pairs_against_general(shape, 32, dtype, "cuda", config)
+
+
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits", [4, 8])
