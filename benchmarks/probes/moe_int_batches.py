@@ -4,9 +4,10 @@ random routes, for 1 to 1,024 tokens; each against its bytes over the copy rate 
 run (the experts the routes hit, read once). Where INT4 stops gaining on bf16 as the batch grows
 is where its tensor-core tiles are bound by dequantizing, not by bytes.
 
-INT4 runs each batch from 16 tokens on three ways besides its default tiles: the general unpacking
+INT4 runs each batch from 16 tokens on other ways besides its default tiles: the general unpacking
 (`INT4_PAIRS` 0: fields one at a time in fp32, as before two weights an instruction), and the
-pairs on 64-row wgmma tiles of 64 and 128 columns, to choose `tile_config_int`'s tiles by.
+pairs on mma.sync tiles of 32 rows and wgmma tiles of 64 and 128 rows (named m<rows>_n<cols>_
+k<depth>_w<warps>), to choose `tile_config_int`'s tiles by.
 
 Every time is one CUDA graph of calls over two weight copies (beyond L2) and 8 route sets, the
 median of 20 replays, in microseconds a call:
@@ -38,8 +39,48 @@ TOKENS = (1, 16, 64, 256, 1024)
 COPIES, ROUTES = 2, 8
 VARIANTS = {
     "general_unpack": {"INT4_PAIRS": 0},
-    "m64_n64": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
-    "m64_n128": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
+    "m32_n64_k128_w4": {
+        "BLOCK_M": 32,
+        "BLOCK_N": 64,
+        "BLOCK_K": 128,
+        "num_warps": 4,
+        "num_stages": 3,
+    },
+    "m64_n64_k64_w4": {
+        "BLOCK_M": 64,
+        "BLOCK_N": 64,
+        "BLOCK_K": 64,
+        "num_warps": 4,
+        "num_stages": 4,
+    },
+    "m64_n64_k128_w4": {
+        "BLOCK_M": 64,
+        "BLOCK_N": 64,
+        "BLOCK_K": 128,
+        "num_warps": 4,
+        "num_stages": 3,
+    },
+    "m64_n64_k128_w8": {
+        "BLOCK_M": 64,
+        "BLOCK_N": 64,
+        "BLOCK_K": 128,
+        "num_warps": 8,
+        "num_stages": 3,
+    },
+    "m64_n128_k64_w8": {
+        "BLOCK_M": 64,
+        "BLOCK_N": 128,
+        "BLOCK_K": 64,
+        "num_warps": 8,
+        "num_stages": 3,
+    },
+    "m128_n128_k64_w8": {
+        "BLOCK_M": 128,
+        "BLOCK_N": 128,
+        "BLOCK_K": 64,
+        "num_warps": 8,
+        "num_stages": 3,
+    },
 }
 
 
