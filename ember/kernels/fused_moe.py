@@ -21,8 +21,11 @@ Quantized experts take the same kernel, the weight kind a constexpr (`fused_moe_
 K2.5's routed experts) are dequantized tile by tile in registers to the activations' dtype
 (W4A16); FP8 experts with 128 x 128 block scales (DeepSeek-V3, Kimi K2) multiply fp8 weights by
 activations quantized to fp8 per token group of 128 in the K loop (W8A8), both scales applied to
-the fp32 accumulator. The formats and their reference math are in ember/kernels/quant_ref.py.
-Packed INT and FP8 experts at up to UNSORTED_MAX_TOKENS tokens take a CUDA-core GEMV a pair
+the fp32 accumulator. Symmetric INT4 with 16-bit scales (Kimi K2.5's) unpacks two weights an
+instruction (`_int4_tile`: lop3 into bf16x2 / fp16x2 with a magic exponent, one fma for the bias
+and one for a pair of scales, the same bits as the general unpacking) and reads its scales as
+int32 words, so that they pipeline with the weights. The formats and their reference math are in
+ember/kernels/quant_ref.py. Packed INT and FP8 experts at up to UNSORTED_MAX_TOKENS tokens take a CUDA-core GEMV a pair
 instead (ember/kernels/fused_moe_decode.py).
 
 The two numbers, per layer and step: bytes ~= (experts hit) * 3 * H * I * itemsize of weights plus
@@ -600,16 +603,29 @@ def tile_config(num_pairs: int, num_experts: int) -> dict[str, int]:
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
 
 
-def tile_config_int(num_pairs: int, num_experts: int, bits: int) -> dict[str, int]:
-    """Tile sizes for packed INT experts (W4A16 / W8A16), by rows per expert. Tunables, not yet
-    swept on an H200 (checked only by offline sm_90 builds: no spills, <= 188 registers).
+def tile_config_int(
+    num_pairs: int, num_experts: int, bits: int, pairs: bool = False
+) -> dict[str, int]:
+    """Tile sizes for packed INT experts (W4A16 / W8A16), by rows per expert; `pairs`: INT4 read
+    two weights an instruction (`int4_pairs`).
 
-    Few rows an expert: the packed bytes set the time, so narrow column tiles (Moonlight at batch
-    1: 8 pairs x 1408 / 32 = 352 gate/up programs, 512 down, a few CTAs an SM) and K tiles of
-    128 bytes a row keep loads in flight; dequantizing (~7 instructions a weight) is the other
-    limit there. Many rows: the tensor cores' tiles, the dequantization spread over the rows.
+    The pairs' tiles were swept on an H200 at Moonlight's expert dims (64 experts, top 6; see
+    benchmarks/probes/moe_int_batches.py): from 16 to 256 tokens 64-row wgmma tiles of 64
+    columns won (16 tokens: 256 us against 306 on 16 x 32 x 256 mma.sync tiles, 64 tokens: 312
+    against 367), even with most of their rows empty: dequantizing, once a weight whatever the
+    rows, sets the time, and wgmma takes the dot off the warps' issue slots. At 1,024 tokens
+    128 x 128 x 64 over 8 warps won (469 us; 64 x 64 x 128: 568).
+
+    The general unpacking (INT8, zero points, fp32 scales) keeps tiles checked only by offline
+    sm_90 builds (no spills, <= 188 registers): few rows an expert, narrow column tiles (Moonlight
+    at batch 1: 8 pairs x 1408 / 32 = 352 gate/up programs, 512 down) and K tiles of 128 bytes a
+    row keep loads in flight; many rows, the tensor cores' tiles.
     """
     per_expert = num_pairs / num_experts
+    if pairs and per_expert <= 64:
+        if per_expert < 12:
+            return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
     if per_expert < 12:
         block_k = 256 if bits == 4 else 128
         return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 4}
@@ -908,7 +924,8 @@ def fused_moe_int(
         # One live row a tile left the tensor cores bound by dequantizing: INT4 experts took
         # longer than bf16 ones at batch 1.
         return moe_int_decode(x, w13, w2, weights, experts, config, foreign)
-    config = config or tile_config_int(t * experts.shape[1], num_experts, bits)
+    pairs = int4_pairs(w13, x.dtype) and int4_pairs(w2, x.dtype)
+    config = config or tile_config_int(t * experts.shape[1], num_experts, bits, pairs)
     block_k = config["BLOCK_K"]
     if block_k & (block_k - 1) or block_k < 16:
         raise ValueError(f"fused_moe_int: BLOCK_K {block_k} must be a power of two >= 16")

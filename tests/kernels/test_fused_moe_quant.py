@@ -647,6 +647,10 @@ def test_fused_moe_fp8_refuses_shapes_that_do_not_fit() -> None:
 def test_quantized_tile_configs() -> None:
     assert tile_config_int(8, 64, 4)["BLOCK_M"] == 16
     assert tile_config_int(8192 * 8, 128, 4)["BLOCK_M"] == 128
+    # INT4 pairs: 64-row wgmma tiles up to 64 rows an expert, deeper K from 12 on.
+    assert [tile_config_int(p, 64, 4, pairs=True)["BLOCK_K"] for p in (96, 1536)] == [64, 128]
+    assert tile_config_int(1536, 64, 4, pairs=True)["BLOCK_M"] == 64
+    assert tile_config_int(6144, 64, 4, pairs=True)["BLOCK_M"] == 128
     for pairs in (9, 256 * 9, 8192 * 9):
         assert tile_config_fp8(pairs, 385, (128, 128))["BLOCK_K"] == 128
 
