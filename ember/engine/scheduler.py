@@ -199,13 +199,13 @@ class Scheduler(KVLoads):
             if chosen.num_blocks:
                 if not self._start_tier_load(req, hits, chosen.num_blocks):
                     break
-                self._tier_decided(req, hit, chosen)
+                self._tier_decided(req, hit, chosen, len(hits))
                 continue
             num_new = min(req.num_tokens - num_hit, budget)
             if not self._allocate(req, num_new, hits):
                 break
             self.waiting.popleft()
-            self._tier_decided(req, hit, chosen)
+            self._tier_decided(req, hit, chosen, len(hits))
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
@@ -387,6 +387,9 @@ class Scheduler(KVLoads):
             self.kv.free(req.request_id)
         if self.tiers is not None:
             self.tiers.forget(req.request_id)
+            # A use of every block it computed or hit, wherever they lie now: what the tiers'
+            # eviction learns each block's reuse from.
+            self.tiers.touch(req.block_hashes)
         del self.requests[req.request_id]
         self.num_prompt_scorers -= req.sampling_params.prompt_logprobs is not None
         if self.on_finish is not None:

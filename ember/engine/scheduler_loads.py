@@ -145,12 +145,19 @@ class KVLoads:
             return nothing
         return hit, self.tiers.plan(hit)
 
-    def _tier_decided(self, req: Request, hit: TierHit, chosen: TierHit) -> None:
-        """The request is admitted: its store lookup goes, and its load-or-recompute decision is
-        counted once, however many steps it waited for blocks."""
+    def _tier_decided(
+        self, req: Request, hit: TierHit, chosen: TierHit, num_gpu_blocks: int
+    ) -> None:
+        """The request is admitted: its store lookup goes, and its lookup (blocks found in each
+        tier and not) and load-or-recompute decision are counted once, however many steps it
+        waited for blocks."""
         if self.tiers is None:
             return
         self.tiers.forget(req.request_id)
+        if not req.scores_prompt and self.kv.enable_prefix_caching:
+            asked = (req.num_tokens - 1) // self.kv.block_size - num_gpu_blocks
+            if asked > 0:
+                self.tiers.count_lookup(asked, hit)
         if hit.num_blocks:
             self.tiers.count_decision(hit, chosen)
 

@@ -16,7 +16,8 @@ the sessions and hits on them every round; `NextUse` approximates it from each b
   back ages out of its time.
 - A session's blocks are used together and so share their times; among blocks predicted alike
   (within `QUANTUM_SHARE` of the typical interval), the deepest in its prompt goes first, so that
-  what stays is whole prefixes from their start, the only part a later request can hit.
+  what stays is whole prefixes from their start, the only part a later request can hit; then
+  the one used longest ago.
 - The history of evicted blocks is kept (a bounded number) for when they come back.
 
 `LRU` has the same interface (the oldest use first, deepest first among equals): to measure the
@@ -68,6 +69,9 @@ class EvictionPolicy:
         self._depth = np.zeros(0, dtype=np.int64)
         self._resident = np.zeros(0, dtype=bool)
         self._gen = np.zeros(0, dtype=np.int64)  # bumped by every change of a slot's times
+        # Placed with no use known (a block written down before its request ended): its first
+        # use sets its time but teaches no interval.
+        self._fresh = np.zeros(0, dtype=bool)
         self._typical = DEFAULT_INTERVAL_S  # as of the last computed order
         self._key_of: dict[int, bytes] = {}
         self._slot_of: dict[bytes, int] = {}
@@ -94,6 +98,15 @@ class EvictionPolicy:
         self._depth = np.concatenate([self._depth, np.zeros(n, dtype=np.int64)])
         self._resident = np.concatenate([self._resident, np.zeros(n, dtype=bool)])
         self._gen = np.concatenate([self._gen, np.zeros(n, dtype=np.int64)])
+        self._fresh = np.concatenate([self._fresh, np.zeros(n, dtype=bool)])
+
+    def holds(self, slot: int) -> bool:
+        """Whether `slot` holds a block (placed and not cleared)."""
+        return bool(self._resident[slot])
+
+    def key_of(self, slot: int) -> bytes:
+        """The key a resident slot holds."""
+        return self._key_of[slot]
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """A request uses these blocks now, `keys` being its prompt's blocks in order (their
@@ -102,8 +115,11 @@ class EvictionPolicy:
         for depth, key in enumerate(keys):
             slot = self._slot_of.get(key)
             if slot is not None:
-                last, interval = self._last[slot], self._interval[slot]
-                self._last[slot], self._interval[slot] = _used(last, interval, now)
+                if self._fresh[slot]:
+                    self._last[slot], self._fresh[slot] = now, False
+                else:
+                    last, interval = self._last[slot], self._interval[slot]
+                    self._last[slot], self._interval[slot] = self._used(last, interval, now)
                 self._depth[slot] = depth
                 self._gen[slot] += 1
                 continue
@@ -111,7 +127,7 @@ class EvictionPolicy:
             if ghost is None:
                 self._ghosts[key] = (now, np.nan, depth)
             else:
-                self._ghosts[key] = (*_used(ghost[0], ghost[1], now), depth)
+                self._ghosts[key] = (*self._used(ghost[0], ghost[1], now), depth)
             self._trim_history()
 
     def place(self, slot: int, key: bytes, depth: int | None = None) -> None:
@@ -124,6 +140,7 @@ class EvictionPolicy:
             last, interval, known_depth = self.clock(), np.nan, 0
         else:
             last, interval, known_depth = ghost
+        self._fresh[slot] = ghost is None
         self._last[slot] = last
         self._interval[slot] = interval
         self._depth[slot] = known_depth if depth is None else depth
@@ -175,7 +192,7 @@ class EvictionPolicy:
         return float(np.median(known)) if len(known) else DEFAULT_INTERVAL_S
 
     def _scores(self, slots: np.ndarray, now: float) -> np.ndarray:
-        """Larger is evicted first; equal ones deepest first."""
+        """Larger is evicted first; equal ones deepest first, then oldest first."""
         interval = self._interval[slots]
         interval = np.where(np.isnan(interval), self._typical, interval)
         quantum = max(QUANTUM_SHARE * self._typical, 1e-6)
@@ -193,9 +210,18 @@ class EvictionPolicy:
             kth = np.partition(score, len(slots) - k)[len(slots) - k]
             top = score >= kth
             slots, score = slots[top], score[top]
-        order = np.lexsort((self._depth[slots], score))
+        order = np.lexsort((-self._last[slots], self._depth[slots], score))
         chosen = slots[order]
         return list(zip(chosen.tolist(), self._gen[chosen].tolist(), strict=True))
+
+    def _used(self, last: float, interval: float, now: float) -> tuple[float, float]:
+        """A block's (last use, interval) after a use at `now`."""
+        since = now - last
+        if since < SAME_USE_S:
+            return last, interval
+        if np.isnan(interval):
+            return now, since
+        return now, 0.5 * (interval + since)
 
     def _trim_history(self) -> None:
         while len(self._ghosts) > self.history_cap:
@@ -212,15 +238,8 @@ class LRU(EvictionPolicy):
     def _scores(self, slots: np.ndarray, now: float) -> np.ndarray:
         return now - self._last[slots]
 
-
-def _used(last: float, interval: float, now: float) -> tuple[float, float]:
-    """A block's (last use, interval) after a use at `now`."""
-    since = now - last
-    if since < SAME_USE_S:
-        return last, interval
-    if np.isnan(interval):
-        return now, since
-    return now, 0.5 * (interval + since)
+    def _used(self, last: float, interval: float, now: float) -> tuple[float, float]:
+        return now, interval
 
 
 def make_policy(

@@ -129,8 +129,8 @@ class KVCacheManager:
         self._num_published.pop(request_id, None)
 
     def free(self, request_id: str) -> None:
-        """Release every block of a request; tail blocks go to the eviction queue first."""
+        """Release every block of a request (a use of its cached ones: see BlockPool.free)."""
         blocks = self._blocks.pop(request_id, None)
         self._num_published.pop(request_id, None)
         if blocks:
-            self.pool.free(reversed(blocks))
+            self.pool.free(blocks)

@@ -39,7 +39,10 @@ def check_invariants(s: Scheduler) -> None:
         assert b.ref_cnt == held[b.block_id], (
             f"block {b.block_id} ref {b.ref_cnt} != {held[b.block_id]}"
         )
-        assert (b.ref_cnt == 0) == (b.block_id in pool._free)
+        # A free block is in exactly one of the pool's two free sets; held ones in neither.
+        plain, cached = b.block_id in pool._plain, pool.policy.holds(b.block_id)
+        assert (b.ref_cnt == 0) == (plain or cached) and not (plain and cached)
+    assert pool.num_free_blocks == sum(b.ref_cnt == 0 for b in pool.blocks)
     for h, b in pool._cached.items():
         assert b.block_hash == h
     assert not (set(kv._blocks) - set(s.requests)), "blocks held by a request the scheduler forgot"

@@ -35,6 +35,8 @@ class FakeTiers:
         self.loads: dict[str, tuple[list[bytes], list[int]]] = {}
         self.cancelled: list[str] = []
         self.started = 0
+        self.asked = 0
+        self.touched = 0
 
     def prefetch(self, request_id: str, keys: Sequence[bytes]) -> None:
         pass
@@ -50,6 +52,13 @@ class FakeTiers:
 
     def count_decision(self, hit: TierHit, chosen: TierHit) -> None:
         pass
+
+    def count_lookup(self, asked: int, hit: TierHit) -> None:
+        assert 0 <= hit.num_blocks <= asked
+        self.asked += asked
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        self.touched += 1
 
     def forget(self, request_id: str) -> None:
         pass
@@ -135,7 +144,7 @@ def test_random_tier_loads_never_leak_blocks(ops, num_blocks, budget, seed) -> N
         stepper.step()
         tiers.stored.update(h for _, h in kv.pool.drain_published())
         # The device evicts free blocks now and then: the tiers must serve what it dropped.
-        for b in list(kv.pool._free.values()):
+        for b in list(kv.pool.free_blocks()):
             if b.block_hash is not None and rng.random() < 0.6:
                 kv.pool.uncache(b)
 

@@ -9,7 +9,7 @@ def test_allocate_free_and_lru_eviction_order() -> None:
     pool.cache_block(a, b"ha")
     pool.cache_block(b, b"hb")
     assert pool.num_free_blocks == 2
-    pool.free([b, a])  # b first in the eviction order
+    pool.free([a, b])  # one request's blocks: b, the deeper, first in the eviction order
     assert pool.num_free_blocks == 4
     assert pool.get_cached_block(b"ha") is a  # freed blocks stay findable
     # The never-used blocks come first, then b, then a.
@@ -46,7 +46,9 @@ def test_duplicate_content_keeps_first_writer() -> None:
     pool.cache_block(b, b"h")
     assert pool.get_cached_block(b"h") is a
     pool.free([a, b])
-    pool.allocate(2)  # the unused block, then a: evicting a drops the hash
+    pool.allocate(2)  # the unused block, then b (its duplicate, uncached): a keeps the hash
+    assert pool.get_cached_block(b"h") is a
+    pool.allocate(1)  # then a: evicting it drops the hash
     assert pool.get_cached_block(b"h") is None
 
 

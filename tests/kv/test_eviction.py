@@ -180,14 +180,14 @@ def test_history_comes_back_with_a_block_and_is_bounded() -> None:
 def test_uses_closer_than_a_moment_are_one() -> None:
     clock = Clock()
     policy = NextUse(1, clock)
-    policy.place(0, b"a")
-    for _ in range(5):  # looked up each step while it waits, then admitted
+    policy.place(0, b"a")  # written down before its request ended: not a use yet
+    for _ in range(5):  # the request ends (its first use, at +0.01), others of its turn
         clock.t += 0.01
         policy.touch([b"a"])
     assert policy._interval[0] != policy._interval[0]  # still unknown (NaN)
     clock.t += 20.0
     policy.touch([b"a"])
-    assert policy._interval[0] == pytest.approx(20.05)
+    assert policy._interval[0] == pytest.approx(20.04)
 
 
 def test_unknown_policy_is_refused() -> None:

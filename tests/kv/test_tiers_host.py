@@ -1,4 +1,4 @@
-"""The host tier: slots, LRU eviction, reservations and pins."""
+"""The host tier: slots, eviction in its policy's order, reservations and pins."""
 
 from __future__ import annotations
 
@@ -66,10 +66,10 @@ def test_reserved_entries_are_invisible_until_commit() -> None:
 
 
 def test_lru_evicts_least_recently_used_within_capacity() -> None:
-    host = HostTier(LAYOUT, 3, pin=False)
+    host = HostTier(LAYOUT, 3, pin=False, eviction="lru")
     for i in range(3):
         put(host, key(i), i)
-    host.lookup(key(0))  # 1 is now the least recently used
+    host.touch([key(0)])  # 1 is now the least recently used
     put(host, key(3), 3)
     assert host.lookup(key(1)) is None
     assert [host.lookup(key(i)) is not None for i in (0, 2, 3)] == [True, True, True]
@@ -87,7 +87,7 @@ def test_contains_prefix_stops_at_the_first_gap() -> None:
 
 
 def test_pinned_and_reserved_entries_are_never_evicted() -> None:
-    host = HostTier(LAYOUT, 2, pin=False)
+    host = HostTier(LAYOUT, 2, pin=False, eviction="lru")
     a = put(host, key(0), 7)
     host.pin([key(0)])
     (b,) = host.reserve([key(1)])
@@ -98,7 +98,7 @@ def test_pinned_and_reserved_entries_are_never_evicted() -> None:
     assert host.lookup(key(0)) == a and bool((host.row(a) == 7).all())
     host.unpin([key(0)])
     host.commit([key(2)])
-    host.lookup(key(2))
+    host.touch([key(2)])
     assert host.reserve([key(3)]) == [a]  # unpinned: evictable again
     with pytest.raises(KeyError):
         host.unpin([key(0)])
@@ -145,7 +145,15 @@ class GatedAllocator:
 
 
 def growing(total: int, alloc: GatedAllocator) -> HostTier:
-    return HostTier(LAYOUT, total, pin=False, chunk_bytes=CHUNK, background=True, allocate=alloc)
+    return HostTier(
+        LAYOUT,
+        total,
+        pin=False,
+        chunk_bytes=CHUNK,
+        background=True,
+        allocate=alloc,
+        eviction="lru",
+    )
 
 
 def assert_within_allocation(host: HostTier, alloc: GatedAllocator) -> None:

@@ -1,4 +1,5 @@
-"""The host tier: KV blocks in (pinned) CPU memory, a slot per block, LRU over the slots.
+"""The host tier: KV blocks in (pinned) CPU memory, a slot per block, an eviction policy over the
+slots (ember/kv/eviction.py: by default each block's predicted next use, learned from `touch`).
 
 It is both a cache and the staging area of every other move: GPU -> host -> disk / store and back.
 An entry is reserved (a slot to write into, invisible to lookups), then committed (visible) or
@@ -11,12 +12,12 @@ chunk is there, so the capacity is what is allocated so far.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
+from ember.kv.eviction import Policy, make_policy
 from ember.kv.tiers.base import BlockLayout, EventLog, Medium, TierStats
 from ember.kv.tiers.host_memory import CHUNK_BYTES, HostMemory
 
@@ -36,15 +37,19 @@ class HostTier:
         background: bool | None = None,
         allocate: Allocate | None = None,
         pace: Pace = "busy",
+        eviction: Policy = "next-use",
     ) -> None:
         """`capacity_blocks`: the size it grows to; `pin`, `chunk_bytes`, `background`,
-        `allocate` and `pace`: how its memory is allocated (see HostMemory)."""
+        `allocate` and `pace`: how its memory is allocated (see HostMemory); `eviction`: which
+        committed entry goes first when room is needed."""
         if capacity_blocks < 1:
             raise ValueError(f"the host tier needs at least 1 block, got {capacity_blocks}")
         self.layout = layout
         self.target_blocks = capacity_blocks
         self._lock = threading.RLock()
-        self._entries: OrderedDict[bytes, int] = OrderedDict()  # committed; front = least recent
+        self._entries: dict[bytes, int] = {}  # committed
+        self.policy = make_policy(eviction)
+        """Over the committed entries' slots; grown with the memory."""
         self._reserved: dict[bytes, int] = {}
         self._pins: dict[bytes, int] = {}
         self._free: list[int] = []  # pop() gives the lowest free slot of the oldest chunk first
@@ -88,12 +93,15 @@ class HostTier:
             return key in self._entries or key in self._reserved
 
     def lookup(self, key: bytes) -> int | None:
-        """The slot of a committed entry, marked most recently used; None if absent."""
+        """The slot of a committed entry; None if absent (a use is told by `touch`)."""
         with self._lock:
-            slot = self._entries.get(key)
-            if slot is not None:
-                self._entries.move_to_end(key)
-            return slot
+            return self._entries.get(key)
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """A request used these blocks (its prompt's, in order), wherever they were read from:
+        what the eviction policy learns reuse from. Keys not here keep the use for later."""
+        with self._lock:
+            self.policy.touch(keys)
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         """How many of `keys`, from the first on, are committed here (without touching them)."""
@@ -106,20 +114,24 @@ class HostTier:
             return n
 
     def reserve(self, keys: Sequence[bytes]) -> list[int | None]:
-        """A slot per key to write into, evicting least recently used unpinned entries for room.
+        """A slot per key to write into, evicting unpinned entries in the policy's order for room.
 
         None for a key that is already here (committed or reserved) or when nothing is left to
         evict. A reserved entry is invisible until `commit` and is never evicted.
         """
         with self._lock:
+            new = sum(
+                1 for key in set(keys) if key not in self._entries and key not in self._reserved
+            )
+            if new > len(self._free):
+                self._evict(new - len(self._free))
             out: list[int | None] = []
             for key in keys:
-                if key in self._entries or key in self._reserved:
+                if key in self._entries or key in self._reserved or not self._free:
                     out.append(None)
                     continue
-                slot = self._free.pop() if self._free else self._evict_one()
-                if slot is not None:
-                    self._reserved[key] = slot
+                slot = self._free.pop()
+                self._reserved[key] = slot
                 out.append(slot)
             return out
 
@@ -131,6 +143,7 @@ class HostTier:
                 if slot is None:
                     raise KeyError(f"commit of a key that is not reserved: {key.hex()[:16]}")
                 self._entries[key] = slot
+                self.policy.place(slot, key)
                 self._stats.blocks_in += 1
             self.events.record("stored", keys)
 
@@ -167,11 +180,11 @@ class HostTier:
         with self._lock:
             return key in self._pins
 
-    def count_reads(self, hits: int, misses: int) -> None:
-        """Blocks a load found here (and read out) and blocks it had to look for below."""
+    def count_reads(self, hits: int) -> None:
+        """Blocks a load found here (and read out); misses are counted at lookup, by the
+        manager."""
         with self._lock:
             self._stats.hits += hits
-            self._stats.misses += misses
             self._stats.blocks_out += hits
             self._stats.bytes_out += hits * self.layout.nbytes
 
@@ -187,14 +200,19 @@ class HostTier:
     def _grown(self, first: int, n: int) -> None:
         """A chunk arrived: its slots are free to hand out."""
         with self._lock:
+            self.policy.resize(first + n)
             self._free[:0] = range(first + n - 1, first - 1, -1)
 
-    def _evict_one(self) -> int | None:
-        """Free the least recently used unpinned committed entry; its slot, or None if none."""
-        for key in self._entries:
-            if key not in self._pins:
-                slot = self._entries.pop(key)
-                self._stats.evictions += 1
-                self.events.record("removed", [key])
-                return slot
-        return None
+    def _evict(self, n: int) -> None:
+        """Free up to `n` unpinned committed entries, in the policy's order."""
+        pinned = {self._entries[key] for key in self._pins if key in self._entries}
+        gone: list[bytes] = []
+        for slot in self.policy.victims(n, exclude=pinned):
+            key = self.policy.key_of(slot)
+            del self._entries[key]
+            self.policy.clear(slot)
+            self._free.append(slot)
+            gone.append(key)
+        self._stats.evictions += len(gone)
+        if gone:
+            self.events.record("removed", gone)

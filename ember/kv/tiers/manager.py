@@ -232,6 +232,24 @@ class TierManager:
         planned again each step; `count_decision` counts the one it is admitted with."""
         return self.cost.plan(hit, prefill_tok_s)
 
+    def count_lookup(self, asked: int, hit: TierHit) -> None:
+        """Count an admitted request's lookup of `asked` blocks past its GPU hit: each tier's
+        misses are the blocks asked of it (those the tiers above did not hold) that it did not
+        hold either. Hits are counted where blocks are read (`start_load`, the lower tiers)."""
+        left = asked - hit.host
+        self.counters.add("cpu", misses=left)
+        for tier in self.lower.tiers:
+            found = hit.by_medium()[tier.medium]
+            left -= found
+            if self.counters.has(tier.medium):
+                self.counters.add(tier.medium, misses=left)
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """A request that ended used these blocks (its prompt's and output's, in order): what
+        the eviction policy learns each block's reuse from, whichever tier holds it."""
+        if keys:
+            self.host.touch(keys)
+
     def count_decision(self, hit: TierHit, chosen: TierHit) -> None:
         """Count, per tier of the hit, one decision to load (`chosen` takes blocks of that tier)
         or to recompute."""
@@ -257,7 +275,7 @@ class TierManager:
             slots.append(slot)
         num_host = len(slots)
         self.host.pin(keys[:num_host])
-        self.host.count_reads(num_host, len(keys) - num_host)
+        self.host.count_reads(num_host)
         if self.lower and num_host < len(keys):
             rest = keys[num_host:]
             reserved = self.host.reserve(rest)
