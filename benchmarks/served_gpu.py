@@ -151,16 +151,27 @@ def model_dir(shape: str, cfg: dict | None = None) -> Path:
 
 def _packed_int4(cfg: dict) -> tuple[int, list[str]] | None:
     """(group size, ignore list) of a compressed-tensors pack-quantized INT4 scheme, or None for
-    bf16 weights; another scheme is refused."""
+    bf16 weights or FP8 blocks (`_fp8_blocks`); another scheme is refused."""
     quant = cfg.get("quantization_config")
-    if quant is None:
+    if quant is None or _fp8_blocks(cfg) is not None:
         return None
     weights = quant["config_groups"]["group_0"]["weights"] if "config_groups" in quant else {}
     if quant.get("format") != "pack-quantized" or weights.get("num_bits") != 4:
         raise SystemExit(
-            "--weights files: bf16, or pack-quantized INT4 (--quant k25-int4, w4a16-g128)"
+            "--weights files: bf16, pack-quantized INT4 (--quant k25-int4, w4a16-g128) or "
+            "FP8 blocks (--quant fp8-blocks)"
         )
     return weights["group_size"], quant.get("ignore", [])
+
+
+def _fp8_blocks(cfg: dict) -> tuple[int, int] | None:
+    """The block (rows, cols) of a DeepSeek-V3 style FP8 scheme (`quant_method` fp8 with
+    `weight_block_size`), or None."""
+    quant = cfg.get("quantization_config") or {}
+    if quant.get("quant_method") != "fp8" or "weight_block_size" not in quant:
+        return None
+    rows, cols = quant["weight_block_size"]
+    return rows, cols
 
 
 def _quantized(module: str, ignore: list[str]) -> bool:
@@ -184,8 +195,9 @@ def write_weights(d: Path, cfg: dict, device: str = "cpu", seed: int = 0) -> int
     tokens over the experts as trained weights do, where vLLM's dummy weights send every token
     to the same few). bf16, or in the config's pack-quantized INT4 scheme: a quantized Linear is
     random packed words (every nibble equally likely) with bf16 scales that give its weights a
-    std of 1/sqrt(fan_in), plus its `weight_shape`. Made on `device` a layer at a time, so the
-    host holds one layer. Returns the bytes written."""
+    std of 1/sqrt(fan_in), plus its `weight_shape`; or in FP8 blocks as DeepSeek-V3 publishes
+    them (every Linear but lm_head: e4m3 `weight` and a float32 `weight_scale_inv` a block).
+    Made on `device` a layer at a time, so the host holds one layer. Returns the bytes written."""
     import torch
     from safetensors.torch import save_file
 
@@ -195,6 +207,7 @@ def write_weights(d: Path, cfg: dict, device: str = "cpu", seed: int = 0) -> int
     if cfg.get("num_experts") and not deepseek:
         raise SystemExit("--weights files: dense Llama-style or DeepSeek-V3 shapes only")
     int4 = _packed_int4(cfg)
+    fp8 = _fp8_blocks(cfg)
     gen = torch.Generator(device).manual_seed(seed)
     hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
 
@@ -224,7 +237,10 @@ def write_weights(d: Path, cfg: dict, device: str = "cpu", seed: int = 0) -> int
         }
 
     def packed(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The shard with its scheme's Linears as compressed-tensors packs them."""
+        """The shard with its scheme's Linears as compressed-tensors packs them (or in FP8
+        blocks)."""
+        if fp8 is not None:
+            return fp8_blocks(shard, *fp8)
         if int4 is None:
             return shard
         group, ignore = int4
@@ -243,6 +259,24 @@ def write_weights(d: Path, cfg: dict, device: str = "cpu", seed: int = 0) -> int
             out[f"{module}.weight_packed"] = words.to(torch.int32)
             out[f"{module}.weight_scale"] = scale.to(torch.bfloat16)
             out[f"{module}.weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
+        return out
+
+    def fp8_blocks(shard: dict[str, torch.Tensor], bn: int, bk: int) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, t in shard.items():
+            module = name.removesuffix(".weight")
+            # Every Linear (kv_a_proj_with_mqa too) but the router, the embedding and lm_head.
+            skip = ("embed_tokens", "lm_head", ".mlp.gate")
+            if not name.endswith(".weight") or t.dim() != 2 or module.endswith(skip):
+                out[name] = t
+                continue
+            n, k = t.shape
+            # One scale for the whole tensor, written per block: values of std 64 in e4m3
+            # (its largest finite value is 448), as a checkpoint's blocks would be.
+            scale = float(t.float().std()) / 64
+            out[name] = (t.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            blocks = (-(-n // bn), -(-k // bk))
+            out[f"{module}.weight_scale_inv"] = torch.full(blocks, scale, device=device)
         return out
 
     layers = cfg["num_hidden_layers"]

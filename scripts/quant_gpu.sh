@@ -4,7 +4,8 @@
 # (served-moonlight: Moonlight in Kimi K2.5's INT4 scheme; served-kimi: Kimi K2's dims in FP8
 # blocks, 5 layers; both need vLLM unpacked: scripts/vllm_device_env.sh), each log and results
 # file under $OUT. WEIGHTS=files: served-moonlight from random weights written as files (both
-# servers' routers then spread the tokens; vLLM's dummy weights send them all to the same few).
+# servers' routers then spread the tokens; vLLM's dummy weights send them all to the same few);
+# served-kimi too (KIMI_LAYERS=2: its files, ~17 GB a layer, fit the machine's disk).
 # Usage: bash scripts/quant_gpu.sh [tests,probes,bench,served-moonlight,served-kimi] [quantized_gpu.py args...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +45,7 @@ fi
 if [[ $what == *served-kimi* ]]; then
   timeout "${SERVED_TIMEOUT:-560}" python3 benchmarks/served_gpu.py --shape kimi_k2 \
     --quant fp8-blocks --layers "${KIMI_LAYERS:-5}" --engines ember,vllm --loads b1,batches \
-    --starts fresh > "$OUT/served_kimi_fp8.log" 2>&1
+    --starts fresh --weights "${WEIGHTS:-dummy}" > "$OUT/served_kimi_fp8.log" 2>&1
   status=$(( status || $? ))
   grep -a -A30 "^## " "$OUT/served_kimi_fp8.log" || tail -30 "$OUT/served_kimi_fp8.log"
 fi

@@ -110,21 +110,9 @@ def test_weights_as_files_load_through_the_real_loader(tmp_path: Path) -> None:
         write_weights(tmp_path, {**cfg, "num_experts": 8})
 
 
-def test_moe_weights_as_files_in_kimi_k25s_int4_scheme_load(tmp_path: Path) -> None:
-    """`--weights files --quant k25-int4` on a DeepSeek-V3 shape: MLA, a dense first layer, the
-    router with its bias, routed experts packed in INT4 (compressed-tensors' names, `weight_shape`
-    int64) and the rest bf16, as the scheme's ignore list says; the real loader takes it."""
-    import torch
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from quant_schemes import KIMI_K25_INT4
-    from safetensors import safe_open
-    from served_gpu import _quantized, write_weights
-
-    from ember.models.config import ModelConfig
-    from ember.models.loader import load_model
-
-    cfg = {
+def _deepseek_cfg(quant: dict) -> dict:
+    """A tiny DeepSeek-V3 shape (MLA, a dense first layer, 8 routed experts) in `quant`."""
+    return {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
         "hidden_size": 64,
@@ -155,8 +143,25 @@ def test_moe_weights_as_files_in_kimi_k25s_int4_scheme_load(tmp_path: Path) -> N
         "max_position_embeddings": 256,
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
-        "quantization_config": KIMI_K25_INT4,
+        "quantization_config": quant,
     }
+
+
+def test_moe_weights_as_files_in_kimi_k25s_int4_scheme_load(tmp_path: Path) -> None:
+    """`--weights files --quant k25-int4` on a DeepSeek-V3 shape: MLA, a dense first layer, the
+    router with its bias, routed experts packed in INT4 (compressed-tensors' names, `weight_shape`
+    int64) and the rest bf16, as the scheme's ignore list says; the real loader takes it."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from quant_schemes import KIMI_K25_INT4
+    from safetensors import safe_open
+    from served_gpu import _quantized, write_weights
+
+    from ember.models.config import ModelConfig
+    from ember.models.loader import load_model
+
+    cfg = _deepseek_cfg(KIMI_K25_INT4)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     write_weights(tmp_path, cfg)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
@@ -182,6 +187,50 @@ def test_moe_weights_as_files_in_kimi_k25s_int4_scheme_load(tmp_path: Path) -> N
     assert any("packed" in n for n, _ in model.named_parameters())
     with pytest.raises(SystemExit, match="pack-quantized INT4"):
         write_weights(tmp_path, {**cfg, "quantization_config": {"quant_method": "fp8"}})
+
+
+def test_moe_weights_as_files_in_fp8_blocks_load(tmp_path: Path) -> None:
+    """`--weights files --quant fp8-blocks` (Kimi K2's format, as DeepSeek-V3 publishes it):
+    every Linear but the router and lm_head in e4m3 with a float32 `weight_scale_inv` a 128 x 128
+    block; the real loader takes it."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from quant_schemes import DEEPSEEK_FP8
+    from safetensors import safe_open
+    from served_gpu import write_weights
+
+    from ember.models.config import ModelConfig
+    from ember.models.loader import load_model
+
+    cfg = _deepseek_cfg(DEEPSEEK_FP8)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    write_weights(tmp_path, cfg)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shard = {}
+    for name, file in index["weight_map"].items():
+        with safe_open(str(tmp_path / file), "pt") as f:
+            shard[name] = f.get_tensor(name)
+    for fp8 in (
+        "model.layers.1.mlp.experts.3.down_proj",
+        "model.layers.1.mlp.shared_experts.up_proj",
+        "model.layers.1.self_attn.kv_b_proj",
+        "model.layers.1.self_attn.kv_a_proj_with_mqa",
+        "model.layers.0.mlp.gate_proj",
+    ):
+        assert shard[f"{fp8}.weight"].dtype == torch.float8_e4m3fn, fp8
+        assert shard[f"{fp8}.weight_scale_inv"].dtype == torch.float32
+        assert shard[f"{fp8}.weight_scale_inv"].shape == (1, 1)  # one 128 x 128 block
+        assert shard[f"{fp8}.weight"].float().abs().max() <= 448
+    for bf16 in (
+        "model.layers.1.mlp.gate.weight",
+        "lm_head.weight",
+        "model.norm.weight",
+        "model.embed_tokens.weight",
+    ):
+        assert shard[bf16].dtype == torch.bfloat16, bf16
+    model = load_model(tmp_path, ModelConfig.from_dir(tmp_path), torch.float32)
+    assert all(torch.isfinite(p.float()).all() for p in model.parameters())
 
 
 def test_an_engine_named_again_runs_again_under_its_own_key(tmp_path: Path) -> None:
