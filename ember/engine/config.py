@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ember.kv.eviction import POLICIES
 from ember.models.config import DTYPE_BYTES, ModelConfig, dtype_name, parse_dtype
 from ember.spec_decode.config import SpeculativeConfig
 
@@ -63,6 +64,10 @@ class EngineConfig:
     stream this long, never its end."""
     kv_events: bool = False
     """Record the prefix cache's stored/evicted block hashes for the router's prefix index."""
+    kv_eviction: str = "next-use"
+    """Which cached block the GPU prefix cache and the host tier evict first: "next-use" (each
+    block's predicted next use from its reuse so far, farthest first: keeps hits when agent
+    sessions taking turns outnumber the cache) or "lru" (ember/kv/eviction.py)."""
     kv_host_gb: float | None = None
     """KV tier in host memory (pinned on a GPU machine), GiB; 0 turns it off. None: on a GPU
     min(32 GiB, 20% of RAM) (see `default_host_tier_bytes`); on the CPU off, since the KV cache
@@ -110,6 +115,10 @@ class EngineConfig:
             raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_eviction not in POLICIES:
+            raise ValueError(
+                f"kv_eviction must be one of {', '.join(POLICIES)}, got {self.kv_eviction!r}"
+            )
         if self.kv_host_gb is not None and not 0 <= self.kv_host_gb < 1 << 20:
             raise ValueError(f"kv_host_gb must be >= 0, got {self.kv_host_gb}")
         if not 0 < self.kv_disk_gb < 1 << 30:

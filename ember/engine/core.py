@@ -307,6 +307,7 @@ class EngineCore:
             namespace,
             config.kv_events,
             track_writes=self.tiers is not None,
+            eviction=config.kv_eviction,  # type: ignore[arg-type]  # checked by EngineConfig
         )
         self.engine_id = uuid.uuid4().hex[:12]
         self.connector: KVConnector | None = None

@@ -112,7 +112,13 @@ def build_tiers(
         )
     # Held until the engine has started (and then paced by it), unless disk or store stage
     # their copies through it from the first request on.
-    host = HostTier(layout, num_blocks, pin=kv_cache.is_cuda, pace="busy" if lower_on else "hold")
+    host = HostTier(
+        layout,
+        num_blocks,
+        pin=kv_cache.is_cuda,
+        pace="busy" if lower_on else "hold",
+        eviction=config.kv_eviction,  # type: ignore[arg-type]  # checked by EngineConfig
+    )
     _claim_default(config, host, host_bytes)
     lower: list[Tier] = []
     try:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from ember.kv.block_hash import BlockHash, hash_blocks, root_hash
 from ember.kv.block_pool import BlockPool, KVBlock
+from ember.kv.eviction import Policy
 
 
 class KVCacheManager:
@@ -21,6 +22,7 @@ class KVCacheManager:
         namespace: str = "",
         record_events: bool = False,
         track_writes: bool = False,
+        eviction: Policy = "next-use",
     ) -> None:
         """`track_writes`: remember the blocks published and allocated since the last
         `drain_published` / `drain_allocated` (the KV tiers copy the first and fence the second)."""
@@ -28,7 +30,9 @@ class KVCacheManager:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_prefix_caching, record_events, track_writes)
+        self.pool = BlockPool(
+            num_blocks, enable_prefix_caching, record_events, track_writes, eviction
+        )
         self.root = root_hash(namespace)
         self._blocks: dict[str, list[KVBlock]] = {}
         # How many of a request's blocks are already published in the prefix index.

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ember.edge_limits import add_connection_limit_args
+from ember.kv.eviction import POLICIES
 from ember.kv.transport.factory import KINDS
 from ember.spec_decode.config import METHODS, SpeculativeConfig
 
@@ -249,6 +250,14 @@ def add_kv_tier_args(p: Group) -> None:
         "(default: min(32, 20%% of RAM) on a GPU, off on the CPU)",
     )
     p.add_argument(
+        "--kv-eviction",
+        choices=POLICIES,
+        default="next-use",
+        help="which cached KV block the GPU prefix cache and the host tier evict first: "
+        "next-use (the one whose next use, predicted from its reuse so far, is farthest: keeps "
+        "hits when agent sessions outnumber the cache) or lru (default: %(default)s)",
+    )
+    p.add_argument(
         "--kv-disk-dir",
         default=None,
         help="a local directory for KV blocks, kept across restarts (default: off)",
@@ -410,6 +419,7 @@ def engine_config_from_args(args: argparse.Namespace, cluster_secret: str = "") 
         kv_timeout_s=args.kv_timeout,
         kv_events=True,
         kv_host_gb=args.kv_host_gb,
+        kv_eviction=args.kv_eviction,
         kv_disk_dir=args.kv_disk_dir,
         kv_disk_gb=args.kv_disk_gb,
         kv_store=args.kv_store,
