@@ -24,7 +24,12 @@ from ember.engine import cuda_context
 from ember.engine.config import EngineConfig, ResolvedConfig
 from ember.engine.expert_load import ExpertLoadMeter
 from ember.engine.kv_connector import KVConnector, ShardReader, shard_layout
-from ember.engine.kv_tiers import PrefillClock, build_tiers, model_fingerprint
+from ember.engine.kv_tiers import (
+    PrefillClock,
+    build_tiers,
+    model_fingerprint,
+    start_host_memory,
+)
 from ember.engine.memory import log_memory, size_kv_cache
 from ember.engine.messages import (
     EngineCoreOutput,
@@ -136,6 +141,12 @@ class EngineCore:
             )
             early = compile_probes_early(stand_in, self._warmup_batches()[:PROBES])
         loading = None
+        # The host tier's memory grows from now on, beside the load and the compile.
+        self._host_memory = None
+        if self.parallel.size == 1:
+            self._host_memory = start_host_memory(
+                config, self.device, r.kv_block_bytes, r.max_model_len
+            )
         try:
             # With the start-up compile to come, the weights load on a thread beside it, and
             # beside the KV sizing and the graphs' capture after it (none of them needs the
@@ -162,6 +173,8 @@ class EngineCore:
             if self.workers is not None:  # a start that failed: no worker is left behind
                 self.workers.close()
                 parallel_state.close()
+            if self._host_memory is not None and getattr(self, "tiers", None) is None:
+                self._host_memory.close()  # its growth stops with the start
             raise
         finally:
             if early is not None:
@@ -299,7 +312,9 @@ class EngineCore:
             if config.kv_host_gb or config.kv_disk_dir or config.kv_store:
                 log.warning("KV tiers are off with tensor_parallel_size > 1")
         else:
-            self.tiers = build_tiers(config, self.runner.kv_cache, fingerprint, r.max_model_len)
+            self.tiers = build_tiers(
+                config, self.runner.kv_cache, fingerprint, r.max_model_len, self._host_memory
+            )
         self.kv = KVCacheManager(
             num_blocks,
             config.block_size,

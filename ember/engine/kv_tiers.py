@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ember.kv.tiers import BlockLayout, CostModel, DiskTier, HostTier, Tier, TierManager
+from ember.kv.tiers.host_memory import HostMemory
 from ember.models.checkpoint_files import safetensors_files
 
 if TYPE_CHECKING:
@@ -87,29 +88,70 @@ def _claim_default(config: EngineConfig, host: HostTier, nbytes: int) -> None:
         weakref.finalize(host, _default_claims.pop, id(host), None)
 
 
-def build_tiers(
-    config: EngineConfig, kv_cache: torch.Tensor, model: str, max_model_len: int
-) -> TierManager | None:
-    """The TierManager over `kv_cache` (block-major), or None when no tier is on. `model` is the
-    model fingerprint that disk entries and store keys carry."""
+def host_tier_blocks(
+    config: EngineConfig, device: torch.device, block_bytes: int, max_len: int
+) -> int:
+    """Blocks of `block_bytes` the host tier holds (0: no host tier): its share of RAM, or at
+    least the staging the disk and store tiers need."""
     lower_on = config.kv_disk_dir is not None or config.kv_store is not None
-    host_bytes = host_tier_bytes(config, kv_cache.device)
-    if not host_bytes and not lower_on:
-        return None
-    if not config.enable_prefix_caching:
-        log.warning("KV tiers are off: they key blocks by the prefix cache's hashes")
-        return None
-    layout = BlockLayout.from_kv_cache(kv_cache, model)
-    num_blocks = host_bytes // layout.nbytes
+    host_bytes = host_tier_bytes(config, device)
+    if not host_bytes and not lower_on or not config.enable_prefix_caching:
+        return 0
+    num_blocks = host_bytes // block_bytes
     if lower_on:
-        sequences = STAGING_SEQUENCES * -(-max_model_len // config.block_size) * layout.nbytes
+        sequences = STAGING_SEQUENCES * -(-max_len // config.block_size) * block_bytes
         staging = min(max(sequences, STAGING_BYTES[0]), STAGING_BYTES[1])
-        num_blocks = max(num_blocks, staging // layout.nbytes)
+        num_blocks = max(num_blocks, staging // block_bytes)
     if num_blocks < 1:
         raise ValueError(
-            f"kv_host_gb={config.kv_host_gb} holds no KV block of {layout.nbytes} bytes; "
+            f"kv_host_gb={config.kv_host_gb} holds no KV block of {block_bytes} bytes; "
             "raise it or set 0 to turn the host tier off"
         )
+    return num_blocks
+
+
+def start_host_memory(
+    config: EngineConfig, device: torch.device, block_bytes: int, max_len: int
+) -> HostMemory | None:
+    """On a GPU, the host tier's pinned memory, started with the engine: it grows (at the
+    "idle" pace) while the weights load and the kernels compile, paused while graphs are
+    captured, so that the tier is whole by the time requests come. Pinning it after ready, beside
+    the first requests, left a server that started under load with 7 of 25 GiB 25 s in (and no
+    hits). None on the CPU (its tier is plain memory, allocated at once by `build_tiers`) or
+    with no host tier; `build_tiers` takes it, or closes it if it does not fit."""
+    if device.type != "cuda":
+        return None
+    num_blocks = host_tier_blocks(config, device, block_bytes, max_len)
+    if not num_blocks:
+        return None
+    return HostMemory(block_bytes, num_blocks, pin=True, pace="idle")
+
+
+def build_tiers(
+    config: EngineConfig,
+    kv_cache: torch.Tensor,
+    model: str,
+    max_model_len: int,
+    memory: HostMemory | None = None,
+) -> TierManager | None:
+    """The TierManager over `kv_cache` (block-major), or None when no tier is on. `model` is the
+    model fingerprint that disk entries and store keys carry; `memory` the host tier's, started
+    with the engine (`start_host_memory`)."""
+    layout = BlockLayout.from_kv_cache(kv_cache, model)
+    num_blocks = host_tier_blocks(config, kv_cache.device, layout.nbytes, max_model_len)
+    if memory is not None and (memory.row_bytes, memory.target_rows) != (
+        layout.nbytes,
+        num_blocks,
+    ):
+        memory.close()  # not this tier's: a fresh one is made
+        memory = None
+    if not num_blocks:
+        asked = config.kv_host_gb or config.kv_disk_dir or config.kv_store
+        if asked and not config.enable_prefix_caching:
+            log.warning("KV tiers are off: they key blocks by the prefix cache's hashes")
+        return None
+    lower_on = config.kv_disk_dir is not None or config.kv_store is not None
+    host_bytes = host_tier_bytes(config, kv_cache.device)
     # Held until the engine has started (and then paced by it), unless disk or store stage
     # their copies through it from the first request on.
     host = HostTier(
@@ -118,6 +160,7 @@ def build_tiers(
         pin=kv_cache.is_cuda,
         pace="busy" if lower_on else "hold",
         eviction=config.kv_eviction,  # type: ignore[arg-type]  # checked by EngineConfig
+        memory=memory,
     )
     _claim_default(config, host, host_bytes)
     lower: list[Tier] = []

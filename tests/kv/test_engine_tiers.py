@@ -276,8 +276,11 @@ def test_the_host_tier_grows_while_idle_and_under_eviction_only(
 
     allocated: list[int] = []
 
-    def growing_tier(layout: Any, blocks: int, pin: bool, pace: Pace = "busy") -> HostTier:
+    def growing_tier(
+        layout: Any, blocks: int, pin: bool, pace: Pace = "busy", **kw: Any
+    ) -> HostTier:
         # As on a GPU: grown in the background (the CPU allocates plain memory at once).
+        assert kw.pop("memory") is None  # only a GPU engine starts it early
         return HostTier(
             layout,
             blocks,
@@ -286,6 +289,7 @@ def test_the_host_tier_grows_while_idle_and_under_eviction_only(
             background=True,
             allocate=allocate,
             pace=pace,
+            **kw,
         )
 
     monkeypatch.setattr(kv_tiers, "HostTier", growing_tier)

@@ -21,6 +21,15 @@ def key(i: int) -> bytes:
     return hashlib.sha256(str(i).encode()).digest()
 
 
+def eventually(check, timeout_s: float = 20.0) -> bool:  # noqa: ANN001 - a callable
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def put(host: HostTier, k: bytes, fill: int) -> int:
     (slot,) = host.reserve([k])
     assert slot is not None
@@ -322,3 +331,57 @@ def test_the_growth_goes_at_the_pace_it_is_told(monkeypatch: pytest.MonkeyPatch)
         assert len(rests) == (10 - held) // 2 and all(r > 0 for r in rests)
     finally:
         host.close()
+
+
+def test_a_memory_started_before_its_tier_hands_it_every_row() -> None:
+    """An engine starts the host tier's memory before the tier exists (ember/engine/kv_tiers.py):
+    the tier then counts the rows grown so far, and the chunks that come after."""
+    from ember.kv.tiers.host_memory import HostMemory
+
+    alloc = GatedAllocator(open_first=2)
+    memory = HostMemory(LAYOUT.nbytes, 6, pin=False, chunk_bytes=CHUNK, background=True,
+                        allocate=alloc)  # fmt: skip
+    try:
+        assert eventually(lambda: memory.num_rows == 4)
+        host = HostTier(LAYOUT, 6, pin=False, memory=memory)
+        assert host.capacity_blocks == 4
+        assert sorted(put(host, key(i), i) for i in range(4)) == [0, 1, 2, 3]
+        alloc.gates[2].set()
+        assert memory.wait_full(timeout_s=30)
+        assert host.capacity_blocks == 6 and host.stats().capacity_bytes == 6 * LAYOUT.nbytes
+        assert sorted(put(host, key(i), i) for i in (4, 5)) == [4, 5]
+        assert host.stats().evictions == 0
+        with pytest.raises(ValueError, match="not 5 of"):
+            HostTier(LAYOUT, 5, pin=False, memory=memory)
+    finally:
+        memory.close()
+
+
+def test_pages_are_touched_by_every_thread() -> None:
+    from ember.kv.tiers.host_memory import _advise_huge_pages, _touch
+
+    t = torch.full((3 * (1 << 20) + 7,), 7, dtype=torch.uint8)
+    _advise_huge_pages(t)  # a hint: nothing to see but that it does no harm
+    _touch(t, 3)
+    assert int(t.max()) == 0
+    one = torch.full((5,), 1, dtype=torch.uint8)
+    _touch(one, 4)  # more threads than bytes to share
+    assert int(one.max()) == 0
+
+
+def test_no_early_memory_on_the_cpu_and_a_misfit_one_is_closed(tmp_path) -> None:
+    from ember.engine.config import EngineConfig
+    from ember.engine.kv_tiers import build_tiers, start_host_memory
+    from ember.kv.tiers.host_memory import HostMemory
+
+    config = EngineConfig(model=str(tmp_path), kv_host_gb=0.001)
+    assert start_host_memory(config, torch.device("cpu"), LAYOUT.nbytes, 64) is None
+    cache = torch.zeros(3, 2, 2, 4, 2, 4)  # LAYOUT's blocks
+    wrong = HostMemory(LAYOUT.nbytes + 1, 4, pin=False)
+    tiers = build_tiers(config, cache, "m", 64, wrong)
+    assert tiers is not None
+    try:
+        assert wrong._closed and tiers.host.memory is not wrong
+        assert tiers.host.capacity_blocks == (1 << 30) // 1000 // LAYOUT.nbytes
+    finally:
+        tiers.close()

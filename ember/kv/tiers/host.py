@@ -38,10 +38,12 @@ class HostTier:
         allocate: Allocate | None = None,
         pace: Pace = "busy",
         eviction: Policy = "next-use",
+        memory: HostMemory | None = None,
     ) -> None:
         """`capacity_blocks`: the size it grows to; `pin`, `chunk_bytes`, `background`,
-        `allocate` and `pace`: how its memory is allocated (see HostMemory); `eviction`: which
-        committed entry goes first when room is needed."""
+        `allocate` and `pace`: how its memory is allocated (see HostMemory), unless `memory`
+        (started earlier, of `capacity_blocks` rows of the layout's bytes) is given; `eviction`:
+        which committed entry goes first when room is needed."""
         if capacity_blocks < 1:
             raise ValueError(f"the host tier needs at least 1 block, got {capacity_blocks}")
         self.layout = layout
@@ -56,16 +58,25 @@ class HostTier:
         self._stats = TierStats()
         self.events = EventLog("cpu")
         """Commits ("stored") and evictions ("removed"), when the manager turns them on."""
-        self.memory = HostMemory(
-            layout.nbytes,
-            capacity_blocks,
-            pin,
-            chunk_bytes,
-            background,
-            allocate,
-            self._grown,
-            pace,
-        )
+        if memory is not None:
+            if (memory.row_bytes, memory.target_rows) != (layout.nbytes, capacity_blocks):
+                raise ValueError(
+                    f"the host memory holds {memory.target_rows} rows of {memory.row_bytes} "
+                    f"bytes, not {capacity_blocks} of {layout.nbytes}"
+                )
+            self.memory = memory
+            memory.attach(self._grown)
+        else:
+            self.memory = HostMemory(
+                layout.nbytes,
+                capacity_blocks,
+                pin,
+                chunk_bytes,
+                background,
+                allocate,
+                self._grown,
+                pace,
+            )
 
     @property
     def capacity_blocks(self) -> int:

@@ -3,28 +3,33 @@
 Pinning tens of GiB at once stalls start-up (25 GiB took 17 s on an H100 machine), so on a GPU
 the first chunk is pinned at once and a background thread pins the rest one chunk at a time: the
 tier is usable at once and its capacity counts only the chunks already there. A slot (row id) is
-`chunk * rows_per_chunk + row`; every chunk but the last holds `rows_per_chunk` rows.
+`chunk * rows_per_chunk + row`; every chunk but the last holds `rows_per_chunk` rows. An engine
+starts the memory when it starts (`ember/engine/kv_tiers.py`), so that it grows while the weights
+load and the kernels compile, and is whole by the time the first request comes.
 
-How a chunk is pinned, measured on an H100 machine (4 GiB in 64 MiB chunks, in a thread, while
-the main thread ran tiny steps of a kernel, a 2 MiB copy and a sync; steps alone: p50 0.06 ms):
+How a chunk is pinned: plain memory, its pages touched first by the CPU (`memset` through ctypes,
+no driver call, the GIL released), then cudaHostRegister through ctypes, one short driver call a
+chunk; the chunks are unregistered at `close`. Measured on an H200 machine
+(`benchmarks/probes/host_pinning.py`, 16 GiB in 64 MiB chunks in a thread while the main thread
+ran tiny steps of a kernel, a 2 MiB copy and a sync; steps alone: p50 0.07 ms):
 
-- `torch.empty(pin_memory=True)`: 0.5 s/GiB, and every step waited out a whole chunk (p50 63 ms,
-  16 MiB chunks: 18 ms); torch also rounds each request up to a power of two (5 GiB took 8).
-- cudaHostAlloc through ctypes (no GIL held): steps p50 0.06 ms but p99 181 ms, max 812 ms.
-- plain memory, its pages touched first (`fill_`, no driver call), then cudaHostRegister through
-  ctypes: 0.17 s/GiB and steps p99 4 ms, max 13 ms (as without growth): this is what we do.
+- `torch.empty(pin_memory=True)`: 0.43 s/GiB, and every step waited out a whole chunk (p50
+  90 ms); torch also rounds each request up to a power of two.
+- 4 KiB pages touched by one thread: 0.74 s/GiB (25 GiB: 18 s), steps p99 0.09 ms.
+- transparent huge pages (`madvise`, 2 MiB pages: 512 times fewer faults), one thread: 0.21
+  s/GiB, steps p99 0.11 ms; four threads: 0.12 s/GiB (25 GiB: 3 s), steps p99 2.0 ms, max 4 ms;
+  eight threads and 1 GiB chunks: 0.10 s/GiB but a step waited 42 ms for one registration.
 
-So pages are faulted in by the CPU and only locked and mapped by the driver, one short call per
-chunk, with the GIL released (ctypes); the chunks are unregistered at `close`. `paused()` keeps
-the thread off the driver while the engine captures CUDA graphs (another thread's driver calls
-would invalidate the capture).
+So the pages are huge where the kernel allows, touched by `FAULT_THREADS` threads while the
+engine has no work and by one beside requests. `paused()` keeps the thread off the driver while
+the engine captures CUDA graphs (another thread's driver calls would invalidate the capture).
 
 Growing beside requests costs them: on an H200 the 8B shape's decode steps took 24% longer
-(inter-token p50 20.3 against 16.4 ms) while the tier pinned, even resting twice each chunk's
-time, and a fresh server's first mixed load ran 2-13% slower. So an engine sets the growth's
-`pace` (ember/engine/core.py): "idle" while it has no work (no rests), "busy" once its GPU cache
-evicts, when the tier starts to matter (rests), "hold" otherwise: a tier that only duplicates
-what the GPU still holds waits for the next idle moment.
+(inter-token p50 20.3 against 16.4 ms) while the tier pinned 4 KiB pages, even resting twice each
+chunk's time, and a fresh server's first mixed load ran 2-13% slower. So an engine sets the
+growth's `pace` (ember/engine/core.py): "idle" while it has no work (no rests, several threads),
+"busy" once its GPU cache evicts, when the tier starts to matter (rests, one thread), "hold"
+otherwise: a tier that only duplicates what the GPU still holds waits for the next idle moment.
 """
 
 from __future__ import annotations
@@ -44,6 +49,10 @@ import torch
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 64 << 20
+FAULT_THREADS = 4
+"""Threads that touch a chunk's pages at the "idle" pace (one at "busy")."""
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
 GROWTH_IDLE_RATIO = 2.0
 """At the "busy" pace the growth rests this many times as long as each chunk took."""
 Pace = Literal["hold", "idle", "busy"]
@@ -112,13 +121,47 @@ def _unpin_released() -> None:
             _host_unregister(chunk)
 
 
-def _pinned(nbytes: int) -> torch.Tensor:
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+def _advise_huge_pages(t: torch.Tensor) -> None:
+    """Ask for transparent huge pages over the aligned part of `t` (a hint: where the kernel's
+    setting is "never", or on another OS, the pages stay 4 KiB)."""
+    libc = _libc()
+    begin = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    end = (t.data_ptr() + t.numel()) // HUGE_PAGE * HUGE_PAGE
+    if libc is not None and end > begin:
+        libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), MADV_HUGEPAGE)
+
+
+def _touch(t: torch.Tensor, threads: int) -> None:
+    """Fault `t`'s pages in on the CPU, outside the driver, on `threads` threads (ctypes releases
+    the GIL; torch's fill_ would spread over every core of the intra-op pool, beside the
+    engine's own host work)."""
+    n = t.numel()
+    step = -(-n // max(threads, 1))
+    parts = [(t.data_ptr() + i, min(step, n - i)) for i in range(0, n, step)]
+    if len(parts) == 1:
+        ctypes.memset(parts[0][0], 0, parts[0][1])
+        return
+    workers = [threading.Thread(target=ctypes.memset, args=(p, 0, k)) for p, k in parts[1:]]
+    for w in workers:
+        w.start()
+    ctypes.memset(parts[0][0], 0, parts[0][1])
+    for w in workers:
+        w.join()
+
+
+def _pinned(nbytes: int, threads: int = 1) -> torch.Tensor:
     _unpin_released()  # a dropped memory's pages may come back from the allocator now
     t = torch.empty(nbytes, dtype=torch.uint8)
-    # Fault the pages in on the CPU, outside the driver, on this thread alone: torch's fill_
-    # would spread over every core of the intra-op pool, beside the engine's own host work.
-    # ctypes releases the GIL for the call.
-    ctypes.memset(t.data_ptr(), 0, nbytes)
+    _advise_huge_pages(t)
+    _touch(t, threads)
     _host_register(t)
     return t
 
@@ -171,6 +214,7 @@ class HostMemory:
         self._on_grow = on_grow
         self._pace: Pace = pace
         self._num_rows = 0
+        self._rows_lock = threading.Lock()  # a chunk's arrival against `attach`
         self._closed = False
         self._thread: threading.Thread | None = None
         # A memory dropped without close() (an engine never closed) must still be unpinned
@@ -200,6 +244,14 @@ class HostMemory:
             with _Growth.cond:
                 self._pace = pace
                 _Growth.cond.notify_all()
+
+    def attach(self, on_grow: Callable[[int, int], None]) -> None:
+        """Call `on_grow(first_row, num_rows)` for the rows allocated so far and for every chunk
+        from now on (a memory started before its tier)."""
+        with self._rows_lock:
+            self._on_grow = on_grow
+            if self._num_rows:
+                on_grow(0, self._num_rows)
 
     @property
     def num_rows(self) -> int:
@@ -280,12 +332,18 @@ class HostMemory:
 
     def _add_chunk(self) -> None:
         rows = min(self.rows_per_chunk, self.target_rows - self._num_rows)
-        chunk = self._allocate(rows * self.row_bytes).view(rows, self.row_bytes)
-        first = self._num_rows
-        self.chunks.append(chunk)  # before the rows are counted, so they are there once handed out
-        self._num_rows += rows
-        if self._on_grow is not None:
-            self._on_grow(first, rows)
+        if self._allocate is _pinned:
+            threads = FAULT_THREADS if self._pace == "idle" else 1
+            flat = _pinned(rows * self.row_bytes, threads)
+        else:
+            flat = self._allocate(rows * self.row_bytes)
+        chunk = flat.view(rows, self.row_bytes)
+        with self._rows_lock:
+            first = self._num_rows
+            self.chunks.append(chunk)  # before the rows count, so they are there once handed out
+            self._num_rows += rows
+            if self._on_grow is not None:
+                self._on_grow(first, rows)
 
     def _grow(self) -> None:
         t0 = time.perf_counter()
