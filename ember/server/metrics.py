@@ -41,8 +41,12 @@ _TIER_GAUGES = (
     ("capacity_bytes", "Bytes of KV the tier may hold."),
 )
 _TIER_COUNTERS = (
-    ("hits", "Blocks found in the tier by loads."),
-    ("misses", "Blocks looked for in the tier and not found (or found corrupt)."),
+    ("hits", "Blocks read out of the tier by loads."),
+    (
+        "misses",
+        "Blocks an admitted request looked for in the tier (past its GPU hit and the tiers above) "
+        "and did not find, or found corrupt on read.",
+    ),
     ("blocks_in", "Blocks written into the tier."),
     ("bytes_in", "Bytes written into the tier."),
     ("blocks_out", "Blocks read out of the tier."),
@@ -88,13 +92,25 @@ class _EngineCollector(Collector):
             g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric([self.model], value)
             yield g
+        g = GaugeMetricFamily(
+            "ember:prefix_cache_hit_ratio",
+            "Prompt tokens found cached (on the GPU or loaded from a tier) over those looked up, "
+            "since start.",
+            labels=labels,
+        )
+        g.add_metric([self.model], s.prefix_hits / max(s.prefix_queries, 1))
+        yield g
         for name, doc, value in (
             (
                 "ember:prefix_cache_queries",
                 "Prompt tokens looked up in the prefix cache.",
                 s.prefix_queries,
             ),
-            ("ember:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_hits),
+            (
+                "ember:prefix_cache_hits",
+                "Prompt tokens found in the prefix cache (the GPU's, and the tiers' loads).",
+                s.prefix_hits,
+            ),
             (
                 "ember:num_preemptions",
                 "Requests preempted for lack of KV blocks.",
@@ -168,6 +184,14 @@ class _EngineCollector(Collector):
             labels=["model_name"],
         )
         g.add_metric([self.model], s.prefill_tok_s)
+        yield g
+        g = GaugeMetricFamily(
+            "ember:kv_tier_hit_ratio",
+            "Hits over hits and misses of the tier since start (0 before any lookup).",
+            labels=labels,
+        )
+        for medium, t in s.kv_tiers.items():
+            g.add_metric([self.model, medium], t.hits / max(t.hits + t.misses, 1))
         yield g
         for field, doc in _TIER_COUNTERS:
             c = CounterMetricFamily(f"ember:kv_tier_{field}", doc, labels=labels)

@@ -63,7 +63,17 @@ def test_an_evicted_session_is_served_from_host_and_shows_in_load_metrics_events
     assert tiers["cpu"]["blocks"] >= 2 * 50 - 2 and tiers["cpu"]["capacity_bytes"] > 0
 
     metrics = internal(server, "/metrics").text
-    assert metric(metrics, "ember:kv_tier_hits_total", "cpu") > 0
+    hits = metric(metrics, "ember:kv_tier_hits_total", "cpu")
+    # b's lookup found nothing past the GPU hit: a miss each of its blocks (a's first turn
+    # found the pool empty and the tier too: more).
+    misses = metric(metrics, "ember:kv_tier_misses_total", "cpu")
+    assert hits > 0 and misses >= 49
+    ratio = metric(metrics, "ember:kv_tier_hit_ratio", "cpu")
+    assert ratio == pytest.approx(hits / (hits + misses))
+    overall = [
+        line for line in metrics.splitlines() if line.startswith("ember:prefix_cache_hit_ratio{")
+    ]
+    assert len(overall) == 1 and 0 < float(overall[0].split()[-1]) < 1
     assert metric(metrics, "ember:kv_tier_occupancy_blocks", "cpu") == tiers["cpu"]["blocks"]
 
     plain = internal(server, "/kv_events", since="0").json()["events"]
