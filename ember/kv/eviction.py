@@ -12,8 +12,9 @@ the sessions and hits on them every round; `NextUse` approximates it from each b
   past its time is likely dead (its session ended), one just used by a round-robin session is
   needed last.
 - A block used once has no interval yet: it is given the cache's typical one (the median of the
-  known ones), so a new session stands like the others, and a one-off prompt that never comes
-  back ages out of its time.
+  known ones; while none is known, twice the median time since the blocks' last use, which is
+  a round-robin's period), so a new session stands like the others, and a one-off prompt that
+  never comes back ages out of its time.
 - A session's blocks are used together and so share their times; among blocks predicted alike
   (within `QUANTUM_SHARE` of the typical interval), the deepest in its prompt goes first, so that
   what stays is whole prefixes from their start, the only part a later request can hit; then
@@ -44,7 +45,7 @@ SAME_USE_S = 0.5
 """Uses of a block closer than this count as one (a request looked up, loaded and admitted over a
 few steps, or two requests of one turn); its interval is learned from uses further apart."""
 DEFAULT_INTERVAL_S = 30.0
-"""The interval given to blocks used once while no block's interval is known."""
+"""The typical interval of an empty cache."""
 QUANTUM_SHARE = 0.05
 """Predictions closer than this share of the typical interval count as equal (then deepest first)."""
 REFRESH_SHARE = 0.02
@@ -185,11 +186,17 @@ class EvictionPolicy:
                 break
         return out
 
-    def typical_interval(self) -> float:
-        """The median of the resident blocks' known intervals (`DEFAULT_INTERVAL_S` if none)."""
-        known = self._interval[self._resident]
-        known = known[~np.isnan(known)]
-        return float(np.median(known)) if len(known) else DEFAULT_INTERVAL_S
+    def typical_interval(self, now: float | None = None) -> float:
+        """The median of the resident blocks' known intervals; if none is known, twice the
+        median time since their last use (`DEFAULT_INTERVAL_S` for an empty cache)."""
+        interval = self._interval[self._resident]
+        known = interval[~np.isnan(interval)]
+        if len(known):
+            return float(np.median(known))
+        if not len(interval):
+            return DEFAULT_INTERVAL_S
+        now = self.clock() if now is None else now
+        return max(2.0 * float(np.median(now - self._last[self._resident])), 1e-3)
 
     def _scores(self, slots: np.ndarray, now: float) -> np.ndarray:
         """Larger is evicted first; equal ones deepest first, then oldest first."""
@@ -201,7 +208,7 @@ class EvictionPolicy:
     def _order(self, k: int, now: float) -> list[tuple[int, int]]:
         """(slot, generation) of at least the k resident slots to evict first, the first last
         (to pop); all of a tie at the k-th are in."""
-        self._typical = self.typical_interval()
+        self._typical = self.typical_interval(now)
         slots = np.flatnonzero(self._resident)
         if not len(slots):
             return []

@@ -195,3 +195,15 @@ def test_unknown_policy_is_refused() -> None:
         make_policy("fifo")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="shrink"):
         NextUse(4).resize(2)
+
+
+def test_with_no_interval_known_the_typical_one_is_twice_the_median_age() -> None:
+    clock = Clock()
+    policy = NextUse(4, clock)
+    assert policy.typical_interval() == 30.0  # empty: the default
+    for slot in range(3):
+        policy.place(slot, b"k%d" % slot)
+        clock.t += 1.0
+    # Ages 3, 2 and 1 s: a round-robin of period ~4 s, where the most recent goes first.
+    assert policy.typical_interval() == pytest.approx(4.0)
+    assert policy.victims(1) == [2]
