@@ -74,7 +74,7 @@ def command(
             extra += ["--kv-host-gb", str(host_gb)]
         return cmd + [
             "--block-size", "16", "--num-kv-blocks", str(pool_tokens // 16),
-            "--port", str(port), "--served-model-name", "m", *extra,
+            "--port", str(port), "--served-model-name", "m", "--public-metrics", *extra,
         ]  # fmt: skip
     return [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
@@ -82,6 +82,31 @@ def command(
         "--num-gpu-blocks-override", str(pool_tokens // 16), "--enable-prompt-tokens-details",
         "--port", str(port), "--served-model-name", "m", *extra,
     ]  # fmt: skip
+
+
+def host_tier(url: str, wait_s: float = 3.0) -> dict[str, float]:
+    """ember's host tier from /metrics: its capacity (GiB) and hit ratio so far; {} when the
+    server shows none within `wait_s` (the engine's first figures reach the API process a moment
+    after ready)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+                text = r.read().decode()
+        except OSError:
+            text = ""
+        if "ember:kv_tier_capacity_bytes{" in text or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    out = {}
+    for line in text.splitlines():
+        if 'medium="cpu"' not in line:
+            continue
+        if line.startswith("ember:kv_tier_capacity_bytes{"):
+            out["capacity_gib"] = float(line.split()[-1]) / (1 << 30)
+        elif line.startswith("ember:kv_tier_hit_ratio{"):
+            out["hit_ratio"] = float(line.split()[-1])
+    return out
 
 
 def turn(url: str, prompt: list[int]) -> tuple[float, int]:
@@ -175,7 +200,10 @@ def main() -> None:
                 try:
                     if when == "after-idle":
                         time.sleep(args.idle_s)
+                    tier_at_start = host_tier(url) if engine.startswith("ember") else {}
                     run = sessions_load(url, n, args.context, args.new, args.rounds, shared, vocab)
+                    run["host_tier_at_start"] = tier_at_start
+                    run["host_tier_at_end"] = host_tier(url) if tier_at_start else {}
                 finally:
                     stop_processes([proc], 30.0)
                 run |= {"engine": engine, "sessions": n, "start": when, "ready_s": ready_s}
@@ -197,13 +225,16 @@ def print_table(report: dict) -> None:
         f"{load['new']} more a turn, round-robin over a {load['pool_tokens']}-token GPU pool\n"
     )
     print(
-        "| server | sessions | load starts | hit ratio, rounds 2+ | first turn (s) | next turn (s) |"
+        "| server | sessions | load starts | hit ratio, rounds 2+ | first turn (s) | "
+        "next turn (s) | host tier at the load's start (GiB) |"
     )
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in report["runs"]:
+        gib = r.get("host_tier_at_start", {}).get("capacity_gib")
         print(
             f"| {r['engine']} | {r['sessions']} | {r['start']} | {r['hit_ratio']:.0%} | "
-            f"{r['first_turn_s']:.3f} | {r['next_turn_s']:.3f} |"
+            f"{r['first_turn_s']:.3f} | {r['next_turn_s']:.3f} | "
+            + (f"{gib:.2f} |" if gib is not None else "- |")
         )
 
 

@@ -34,3 +34,4 @@ def test_agent_sessions_on_the_cpu(tmp_path: Path) -> None:
     assert runs["ember-lru"]["hit_ratio"] < 0.2
     assert runs["ember"]["hit_ratio"] > runs["ember-lru"]["hit_ratio"] + 0.2
     assert "| ember | 6 | at-ready |" in done.stdout
+    assert runs["ember"]["host_tier_at_start"]["capacity_gib"] > 0  # whole before the load
