@@ -65,7 +65,7 @@ class EngineConfig:
     kv_events: bool = False
     """Record the prefix cache's stored/evicted block hashes for the router's prefix index."""
     kv_eviction: str = "next-use"
-    """Which cached block the GPU prefix cache and the host tier evict first: "next-use" (each
+    """Which cached block the GPU prefix cache, the host and the disk tier evict first: "next-use" (each
     block's predicted next use from its reuse so far, farthest first: keeps hits when agent
     sessions taking turns outnumber the cache) or "lru" (ember/kv/eviction.py)."""
     kv_host_gb: float | None = None

@@ -166,7 +166,14 @@ def build_tiers(
     lower: list[Tier] = []
     try:
         if config.kv_disk_dir is not None:
-            lower.append(DiskTier(config.kv_disk_dir, int(config.kv_disk_gb * GiB), layout))
+            lower.append(
+                DiskTier(
+                    config.kv_disk_dir,
+                    int(config.kv_disk_gb * GiB),
+                    layout,
+                    config.kv_eviction,  # type: ignore[arg-type]  # checked by EngineConfig
+                )
+            )
         if config.kv_store is not None:
             from ember.kv.tiers.store import StoreTier
 

@@ -131,14 +131,17 @@ class EvictionPolicy:
                 self._ghosts[key] = (*self._used(ghost[0], ghost[1], now), depth)
             self._trim_history()
 
-    def place(self, slot: int, key: bytes, depth: int | None = None) -> None:
+    def place(
+        self, slot: int, key: bytes, depth: int | None = None, last: float | None = None
+    ) -> None:
         """`key` is now held in `slot`: its history (if any) comes with it, else it counts as used
-        now; `depth` (its block's position in a prompt) when known, else its history's or 0."""
+        `last` (default now); `depth` (its block's position in a prompt) when known, else its
+        history's or 0."""
         if self._resident[slot]:
             raise ValueError(f"slot {slot} already holds a block")
         ghost = self._ghosts.pop(key, None)
         if ghost is None:
-            last, interval, known_depth = self.clock(), np.nan, 0
+            last, interval, known_depth = self.clock() if last is None else last, np.nan, 0
         else:
             last, interval, known_depth = ghost
         self._fresh[slot] = ghost is None

@@ -253,7 +253,7 @@ def add_kv_tier_args(p: Group) -> None:
         "--kv-eviction",
         choices=POLICIES,
         default="next-use",
-        help="which cached KV block the GPU prefix cache and the host tier evict first: "
+        help="which cached KV block the GPU prefix cache, the host and the disk tier evict first: "
         "next-use (the one whose next use, predicted from its reuse so far, is farthest: keeps "
         "hits when agent sessions outnumber the cache) or lru (default: %(default)s)",
     )

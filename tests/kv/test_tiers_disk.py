@@ -1,4 +1,5 @@
-"""The disk tier: round trips, LRU within capacity, restarts, other layouts, corrupt entries."""
+"""The disk tier: round trips, eviction within capacity, restarts, other layouts, corrupt
+entries."""
 
 from __future__ import annotations
 
@@ -65,9 +66,9 @@ def test_rows_forms_read_and_write_in_place(tmp_path: Path) -> None:
 
 
 def test_lru_by_last_use_within_capacity(tmp_path: Path) -> None:
-    disk = DiskTier(tmp_path, 3 * ENTRY, LAYOUT)
+    disk = DiskTier(tmp_path, 3 * ENTRY, LAYOUT, eviction="lru")
     disk.put([key(i) for i in range(3)], blocks(3))
-    disk.get_into([key(0)], torch.empty(1, LAYOUT.nbytes, dtype=torch.uint8))  # 1 is now LRU
+    disk.touch([key(0)])  # a request used it: 1 is now LRU
     disk.put([key(3)], blocks(1, seed=3))
     assert disk.contains_prefix([key(1)]) == 0 and not disk.path_of(key(1)).exists()
     assert all(disk.contains_prefix([key(i)]) for i in (0, 2, 3))
@@ -77,19 +78,19 @@ def test_lru_by_last_use_within_capacity(tmp_path: Path) -> None:
 
 
 def test_index_is_rebuilt_after_restart_in_lru_order(tmp_path: Path) -> None:
-    disk = DiskTier(tmp_path, 3 * ENTRY, LAYOUT)
+    disk = DiskTier(tmp_path, 3 * ENTRY, LAYOUT, eviction="lru")
     src = blocks(3)
     keys = [key(i) for i in range(3)]
     disk.put(keys, src)
     for i, k in enumerate(keys):  # make the order plain to the file system: 0 oldest
         os.utime(disk.path_of(k), (1000 + i, 1000 + i))
     disk.close()
-    again = DiskTier(tmp_path, 3 * ENTRY, LAYOUT)
+    again = DiskTier(tmp_path, 3 * ENTRY, LAYOUT, eviction="lru")
     assert again.contains_prefix(keys) == 3
     assert again.stats().occupancy_blocks == 3
     dst = torch.zeros_like(src)
     assert again.get_into(keys, dst) == [True] * 3 and torch.equal(dst, src)
-    os.utime(again.path_of(keys[0]), (1000, 1000))
+    again.touch(keys[1:])  # used since: 0 is the oldest
     again.put([key(9)], blocks(1, seed=9))  # evicts the oldest by last use
     assert again.contains_prefix([keys[0]]) == 0
 
@@ -100,7 +101,7 @@ def test_restart_with_less_capacity_evicts_the_oldest(tmp_path: Path) -> None:
     disk.put(keys, blocks(3))
     for i, k in enumerate(keys):
         os.utime(disk.path_of(k), (1000 + i, 1000 + i))
-    small = DiskTier(tmp_path, 2 * ENTRY, LAYOUT)
+    small = DiskTier(tmp_path, 2 * ENTRY, LAYOUT, eviction="lru")
     assert [small.contains_prefix([k]) for k in keys] == [0, 1, 1]
     assert not disk.path_of(keys[0]).exists()
 
@@ -258,3 +259,25 @@ def test_bad_shapes_are_refused(tmp_path: Path) -> None:
         disk.put([key(0)], torch.zeros(1, LAYOUT.nbytes - 1, dtype=torch.uint8))
     with pytest.raises(ValueError, match="uint8"):
         disk.get_into([key(0)], torch.zeros(1, LAYOUT.nbytes))
+
+
+def test_round_robin_sessions_keep_most_of_their_blocks_on_disk(tmp_path: Path) -> None:
+    """Sessions taking turns over a disk tier that holds fewer than all of them: next-use keeps
+    a fixed share of them (LRU would keep none)."""
+    for policy, low, high in (("next-use", 0.45, 1.0), ("lru", 0.0, 0.05)):
+        root = tmp_path / policy
+        disk = DiskTier(root, 24 * ENTRY, LAYOUT, eviction=policy)
+        now = [1000.0]
+        disk.policy.clock = lambda now=now: now[0]
+        sessions = [[key(100 * s + i) for i in range(8)] for s in range(4)]  # 32 blocks
+        hit = asked = 0
+        for r in range(5):
+            for chain in sessions:
+                now[0] += 2.0
+                found = disk.contains_prefix(chain)
+                if r:
+                    hit, asked = hit + found, asked + len(chain)
+                disk.put(chain[found:], blocks(len(chain) - found, seed=r))
+                disk.touch(chain)
+        assert low <= hit / asked <= high, (policy, hit / asked)
+        assert sum(1 for _ in root.rglob("*.kv")) == disk.stats().occupancy_blocks <= 24

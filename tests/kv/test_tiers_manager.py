@@ -96,7 +96,8 @@ def make(
 ) -> TierManager:
     cost = CostModel(LAYOUT, bandwidth={"cpu": 1.0, "disk": 1.0, "store": 1.0})
     # Two blocks a chunk: every copy between GPU and host crosses chunks of the host's memory.
-    host = HostTier(LAYOUT, host_blocks, pin=True, chunk_bytes=2 * NBYTES)
+    # LRU: these tests name which block an eviction takes (the policies have tests of their own).
+    host = HostTier(LAYOUT, host_blocks, pin=True, chunk_bytes=2 * NBYTES, eviction="lru")
     m = TierManager(LAYOUT, gpu_blocks, host, lower, cost, **kw)  # type: ignore[arg-type]
     made.append(m)
     return m
@@ -432,7 +433,7 @@ def test_cuda_fence_orders_a_write_after_the_copy_out() -> None:
 
 
 def test_tier_events_follow_host_and_disk(managers: list[TierManager], tmp_path: Path) -> None:
-    disk = DiskTier(tmp_path, 2 * (HEADER.size + 32 + NBYTES), LAYOUT)
+    disk = DiskTier(tmp_path, 2 * (HEADER.size + 32 + NBYTES), LAYOUT, eviction="lru")
     m = make(managers, gpu(), [disk], host_blocks=2, record_events=True, max_pending_writes=8)
     m.offload([(0, key(0)), (1, key(1))])
     m.flush()

@@ -262,6 +262,10 @@ class Tier(ABC):
                 memory.row(slots[i]).copy_(staging[i])
         return found
 
+    def touch(self, keys: Sequence[bytes]) -> None:  # noqa: B027 - optional: the store evicts by its own rules
+        """A request that ended used these blocks (in prompt order): what a tier that chooses
+        its own victims learns reuse from (ember/kv/eviction.py); the default ignores it."""
+
     @abstractmethod
     def stats(self) -> TierStats:
         """A copy of this tier's counters."""

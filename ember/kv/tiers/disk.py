@@ -27,13 +27,13 @@ import struct
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from ember.kv.eviction import Policy, make_policy
 from ember.kv.tiers.base import BlockLayout, EventLog, Medium, Tier, TierStats, check_rows
 
 if TYPE_CHECKING:
@@ -111,7 +111,15 @@ def _row_bytes(row: torch.Tensor) -> memoryview:
 class DiskTier(Tier):
     medium: Medium = "disk"
 
-    def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, layout: BlockLayout):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        capacity_bytes: int,
+        layout: BlockLayout,
+        eviction: Policy = "next-use",
+    ):
+        """`eviction`: which entry goes first when room is needed (ember/kv/eviction.py); every
+        entry has the same size, so each is a slot of the policy."""
         self.root = Path(path)
         self._secret = claim_directory(self.root)
         self.layout = layout
@@ -124,7 +132,10 @@ class DiskTier(Tier):
         self._failed_writes = 0
         """Write failures not yet logged (logged at most once per ERROR_LOG_INTERVAL_S)."""
         self._last_error_log = -ERROR_LOG_INTERVAL_S
-        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size; front = LRU
+        self._index: dict[bytes, int] = {}  # key -> file size
+        self.policy = make_policy(eviction)
+        self._slots: dict[bytes, int] = {}  # key -> the policy's slot
+        self._free_slots: list[int] = []
         self._used = 0
         self._stats = TierStats(capacity_bytes=capacity_bytes)
         self.events = EventLog("disk")
@@ -179,7 +190,6 @@ class DiskTier(Tier):
         size = self._entry_size(key)
         with self._lock:
             if key in self._index:
-                self._index.move_to_end(key)
                 return True
             if size > self._usable_bytes():
                 self._stats.drops += 1
@@ -207,7 +217,7 @@ class DiskTier(Tier):
             self._log_write_failure(path, e)
             return False
         with self._lock:
-            self._index[key] = size
+            self._add(key, size)
             self._stats.blocks_in += 1
             self._stats.bytes_in += len(payload)
         self.events.record("stored", [key])
@@ -247,23 +257,49 @@ class DiskTier(Tier):
         )
 
     def _make_room(self, size: int) -> list[bytes]:
-        """Drop least recently used entries from the index until `size` more bytes fit, and
-        count the bytes as used; the caller deletes the victims' files. Under the lock."""
+        """Drop entries from the index, in the policy's order, until `size` more bytes fit,
+        and count the bytes as used; the caller deletes the victims' files. Under the lock."""
         victims = []
         limit = self._usable_bytes()
         while self._used + size > limit and self._index:
-            key, freed = self._index.popitem(last=False)
-            self._used -= freed
-            self._stats.evictions += 1
-            victims.append(key)
+            over = self._used + size - limit
+            entry = self._entry_size(next(iter(self._index)))
+            slots = self.policy.victims(-(-over // entry))
+            if not slots:
+                break
+            for slot in slots:
+                key = self.policy.key_of(slot)
+                self._used -= self._remove(key)
+                self._stats.evictions += 1
+                victims.append(key)
         self._used += size
         return victims
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            self.policy.touch(keys)
+
+    def _add(self, key: bytes, size: int, last: float | None = None) -> None:
+        """Index an entry and give it a slot of the policy. Under the lock."""
+        self._index[key] = size
+        if self._free_slots:
+            slot = self._free_slots.pop()
+        else:
+            slot = self.policy.num_slots
+            self.policy.resize(slot + 1)
+        self._slots[key] = slot
+        self.policy.place(slot, key, last=last)
+
+    def _remove(self, key: bytes) -> int:
+        """Take an entry out of the index and its slot back; its size. Under the lock."""
+        slot = self._slots.pop(key)
+        self.policy.clear(slot)
+        self._free_slots.append(slot)
+        return self._index.pop(key)
 
     def _get_one(self, key: bytes, row: torch.Tensor) -> bool:
         with self._lock:
             known = key in self._index
-            if known:
-                self._index.move_to_end(key)
         if not known:
             self._count_read(False)
             return False
@@ -302,7 +338,7 @@ class DiskTier(Tier):
     def _drop_corrupt(self, key: bytes, path: Path) -> None:
         log.warning("disk tier: dropping a truncated or corrupt entry %s", path)
         with self._lock:
-            size = self._index.pop(key, None)
+            size = self._remove(key) if key in self._index else None
             if size is not None:
                 self._used -= size
             self._stats.corrupt += 1
@@ -345,8 +381,10 @@ class DiskTier(Tier):
                     if entry is not None:
                         found.append(entry)
         found.sort()
-        for _, key, size in found:
-            self._index[key] = size
+        # Their last uses as the files' times say, on the policy's clock.
+        now_wall, now = time.time(), self.policy.clock()
+        for mtime, key, size in found:
+            self._add(key, size, last=now - max(now_wall - mtime, 0.0))
             self._used += size
         for victim in self._make_room(0):
             self._unlink(self.path_of(victim))

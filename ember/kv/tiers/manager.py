@@ -249,6 +249,8 @@ class TierManager:
         the eviction policy learns each block's reuse from, whichever tier holds it."""
         if keys:
             self.host.touch(keys)
+            for tier in self.lower.tiers:
+                tier.touch(keys)
 
     def count_decision(self, hit: TierHit, chosen: TierHit) -> None:
         """Count, per tier of the hit, one decision to load (`chosen` takes blocks of that tier)
