@@ -19,6 +19,7 @@ from ember.bench.fit import (
     warn,
 )
 from ember.bench.spec_counters import SpecProbe
+from ember.bench.tier_counters import TierProbe
 
 USAGE = """ember bench --url URL --workload agentic|trace|random [options]
        ember bench compare A.json B.json"""
@@ -37,7 +38,8 @@ def run_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         metavar="URL",
-        help="servers whose /metrics count speculative decoding, summed (default: --url; behind "
+        help="servers whose /metrics count speculative decoding and the KV cache's hits, summed "
+        "(default: --url; behind "
         "a router, which counts none, give the engines' URLs); ember's needs the cluster secret: "
         "EMBER_CLUSTER_SECRET, else a local ember up's own",
     )
@@ -135,6 +137,7 @@ def run_once(
     seed: int,
     size: AgenticSize | None,
     probe: SpecProbe,
+    tiers: TierProbe,
 ) -> dict[str, Any]:
     from ember.bench import workloads as w
     from ember.bench.metrics import summarize
@@ -167,6 +170,7 @@ def run_once(
             model=model,
         )
         probe.start()
+        tiers.start()
         records, duration = asyncio.run(run_sessions(args.url, workload, limits))
     else:
         if args.workload == "trace":
@@ -205,6 +209,7 @@ def run_once(
             )
         planned = fit_requests(planned, info.max_model_len)
         probe.start()
+        tiers.start()
         records, duration = asyncio.run(run_open_loop(args.url, planned, limits))
     summary = summarize(
         records,
@@ -213,6 +218,7 @@ def run_once(
         slo_tpot_s=args.slo_tpot / 1e3 if args.slo_tpot else None,
     )
     summary["speculative"] = probe.finish()
+    summary["kv_tiers"] = tiers.finish()
     return {"rate": rate, "records": records, "summary": summary}
 
 
@@ -238,12 +244,13 @@ def cmd_run(argv: list[str]) -> int:
         )
     rates = [float(r) for r in args.rates.split(",")] if args.rates else [args.rate]
     probe = SpecProbe(args.metrics_url or [args.url])
+    tiers = TierProbe(args.metrics_url or [args.url])
     runs = []
     for i, rate in enumerate(rates):
         if len(rates) > 1:
             print(f"rate {rate}/s ...", file=sys.stderr)
         # Each rate of a sweep gets prompts of its own: the last rate's would all be cached.
-        runs.append(run_once(args, info, rate, args.seed + i, size, probe))
+        runs.append(run_once(args, info, rate, args.seed + i, size, probe, tiers))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = args.name or f"{args.workload}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -117,6 +117,7 @@ def markdown_table(summary: Mapping[str, Any]) -> str:
     detail = "; ".join(f"{n} x `{' '.join(kind.split())}`" for kind, n in ranked)
     lines.append(f"- errors: {summary['errors']}" + (f" ({detail})" if detail else ""))
     lines += _cache_lines(summary)
+    lines += _tier_lines(summary.get("kv_tiers"))
     lines += _spec_lines(summary.get("speculative"))
     per_request = summary.get("mean_accepted_length_per_request")
     if per_request is not None:
@@ -142,6 +143,27 @@ def _cache_lines(summary: Mapping[str, Any]) -> list[str]:
         f"{failed} failed, counted as misses",
         f"- cache hit over the {sent - failed} completed: {measured} "
         f"(ideal {format_percent(summary['completed_ideal_cache_hit_ratio'])})",
+    ]
+
+
+TIER_NAMES = {"cpu": "host"}
+"""The tiers as the report names them (metrics label the host tier by its medium, `cpu`)."""
+
+
+def _tier_lines(tiers: Mapping[str, Any] | None) -> list[str]:
+    """Where the hits were, as the server counted them over the run
+    (`tier_counters.tier_summary`); nothing when the server reports none."""
+    if tiers is None:
+        return []
+    parts = [
+        f"{ {'cpu': 'host'}.get(medium, medium) } {format_percent(t['hit_ratio'])} of "
+        f"{t['hits'] + t['misses']} blocks"
+        for medium, t in tiers["tiers"].items()
+    ]
+    return [
+        f"- server-counted prefix cache hit: {format_percent(tiers['prefix_hit_ratio'])} of "
+        f"{tiers['prefix_queries']} prompt tokens"
+        + (f"; KV tiers, of the blocks the GPU missed: {', '.join(parts)}" if parts else "")
     ]
 
 
