@@ -9,7 +9,7 @@ master. Reports the hit ratio (cached / prompt tokens), its share of the slice's
 unbounded prefix cache over the trace's hash_ids), TTFT p50/p90 and the blocks each tier served;
 prints a table, writes JSON.
 
-    python benchmarks/tiers_cpu.py [--window-min 6 --sessions 0.5 --span-s 150]
+    python benchmarks/tiers_cpu.py [--window-min 6 --sessions 0.5 --span-s 150] [--eviction next-use,lru]
 
 The slice: the trace's first `--window-min` minutes, whole conversations sampled (`--sessions`, a
 share; a row continues the conversation whose earlier row its hash_ids extend), each hash id
@@ -196,8 +196,11 @@ def run_bench(url: str, slice_path: Path, args: argparse.Namespace, out_dir: Pat
     return json.loads((out_dir / "run.json").read_text())["summary"]
 
 
-def run_config(cfg: Config, model: str, slice_path: Path, args: argparse.Namespace) -> dict:
-    """A fresh engine (and disk directory and master) with `cfg`'s tiers, the slice replayed."""
+def run_config(
+    cfg: Config, model: str, slice_path: Path, args: argparse.Namespace, eviction: str
+) -> dict:
+    """A fresh engine (and disk directory and master) with `cfg`'s tiers and `eviction`, the
+    slice replayed."""
     secret = new_secret()
     port = free_port(HOST)
     url = f"http://{HOST}:{port}"
@@ -210,6 +213,7 @@ def run_config(cfg: Config, model: str, slice_path: Path, args: argparse.Namespa
             "--served-model-name", "tiny", "--max-model-len", str(args.max_model_len),
             "--num-kv-blocks", str(args.gpu_blocks), "--cpu-threads", str(args.cpu_threads),
             "--log-level", "warning", "--kv-host-gb", str(cfg.host_gb),
+            "--kv-eviction", eviction,
         ]  # fmt: skip
         if cfg.disk_gb is not None:
             flags += ["--kv-disk-dir", str(Path(tmp) / "kv"), "--kv-disk-gb", str(cfg.disk_gb)]
@@ -225,7 +229,13 @@ def run_config(cfg: Config, model: str, slice_path: Path, args: argparse.Namespa
             tiers = tier_counters(url, secret)
         finally:
             stop_cluster([engine], 30)
-    return {"config": asdict(cfg), "wall_s": wall, "summary": summary, "tiers": tiers}
+    return {
+        "config": asdict(cfg),
+        "eviction": eviction,
+        "wall_s": wall,
+        "summary": summary,
+        "tiers": tiers,
+    }
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -247,7 +257,7 @@ def table(results: list[dict], block_size: int) -> str:
         share = sent / ideal if ideal and sent is not None else None
         served = " / ".join(str(served_tokens(r, m, block_size)) for m in MEDIA)
         lines.append(
-            f"| {r['config']['name']} | {format_percent(s['cache_hit_ratio'])} "
+            f"| {r['config']['name']}, {r['eviction']} | {format_percent(s['cache_hit_ratio'])} "
             f"| {format_percent(share)} | {format_number(s['ttft_ms']['p50'], 1)} "
             f"| {format_number(s['ttft_ms']['p90'], 1)} | {served} | {s['errors']} |"
         )
@@ -270,6 +280,11 @@ def main() -> None:
     ap.add_argument("--store-gb", type=float, default=0.25)
     ap.add_argument("--cpu-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--configs", default="0,1,2,3", help="which of the four to run, by index")
+    ap.add_argument(
+        "--eviction",
+        default="next-use",
+        help="the engines' --kv-eviction; several (next-use,lru) run each config under each",
+    )
     args = ap.parse_args()
     if not 0 < args.sessions <= 1 or args.tokens_per_hash < 1 or args.span_s <= 0:
         ap.error("--sessions must lie in (0, 1], --tokens-per-hash >= 1, --span-s > 0")
@@ -290,9 +305,10 @@ def main() -> None:
             file=sys.stderr,
         )
         for i in (int(x) for x in args.configs.split(",")):
-            cfg = configs(args)[i]
-            print(f"{cfg.name} ...", file=sys.stderr, flush=True)
-            results.append(run_config(cfg, model, slice_path, args))
+            for eviction in args.eviction.split(","):
+                cfg = configs(args)[i]
+                print(f"{cfg.name}, {eviction} ...", file=sys.stderr, flush=True)
+                results.append(run_config(cfg, model, slice_path, args, eviction))
 
     summary = results[0]["summary"]
     cpu = f"cpu-{platform.machine()}-{os.cpu_count()}cores"

@@ -48,3 +48,16 @@ def test_piecewise_graphs_flag() -> None:
     assert engine_config_from_args(parse("--max-piecewise-tokens", "0")).max_piecewise_tokens == 0
     with pytest.raises(ValueError, match="max_piecewise_tokens"):
         engine_config_from_args(parse("--max-piecewise-tokens", "-5"))
+
+
+def test_kv_eviction_flag_and_a_bad_policy() -> None:
+    import pytest
+
+    from ember.engine.config import EngineConfig
+
+    assert engine_config_from_args(parse()).kv_eviction == "next-use"
+    assert engine_config_from_args(parse("--kv-eviction", "lru")).kv_eviction == "lru"
+    with pytest.raises(SystemExit):  # argparse names the choices
+        parse("--kv-eviction", "fifo")
+    with pytest.raises(ValueError, match="kv_eviction must be one of next-use, lru"):
+        EngineConfig(model="m", kv_eviction="fifo")
