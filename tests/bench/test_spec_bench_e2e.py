@@ -50,7 +50,7 @@ def test_without_the_secret_it_says_why_once(server: Server, tmp_path: Path) -> 
     ]
     assert len(said) == 1 and "HTTP 401" in said[0] and SECRET_ENV in said[0]
     summary = json.loads((tmp_path / "run.json").read_text())["summary"]
-    assert summary["speculative"] is None
+    assert summary["speculative"] is None and summary["kv_tiers"] is None
     assert "per verification step" not in r.stdout
     # Each answer's usage still says what speculation did for it, secret or not.
     assert summary["requests_with_accepted_length"] == 4
@@ -63,7 +63,12 @@ def test_the_run_reports_the_servers_drafts(server: Server, tmp_path: Path) -> N
     r = bench(server.url, tmp_path, SECRET, output_len=48)
     assert r.returncode == 0, r.stderr
     assert "speculative decoding is not reported" not in r.stderr
-    spec = json.loads((tmp_path / "run.json").read_text())["summary"]["speculative"]
+    summary = json.loads((tmp_path / "run.json").read_text())["summary"]
+    # The same scrape's prefix-cache counters: the run's prompts, looked up once each.
+    tiers = summary["kv_tiers"]
+    assert tiers["prefix_queries"] >= 4 * 32 and 0 <= tiers["prefix_hit_ratio"] <= 1
+    assert "server-counted prefix cache hit" in r.stdout
+    spec = summary["speculative"]
     assert spec["drafts"] > 0 and 0 < spec["draft_tokens"] <= K * spec["drafts"]
     mean = spec["mean_accepted_length_per_step"]
     assert mean == pytest.approx(1 + spec["accepted_tokens"] / spec["drafts"])
