@@ -385,3 +385,25 @@ def test_no_early_memory_on_the_cpu_and_a_misfit_one_is_closed(tmp_path) -> None
         assert tiers.host.capacity_blocks == (1 << 30) // 1000 // LAYOUT.nbytes
     finally:
         tiers.close()
+
+
+def test_the_engines_early_memory_is_the_tiers(tmp_path) -> None:
+    """What a GPU engine starts before its weights load (ember/engine/kv_tiers.py) is the memory
+    its host tier then uses: the same rows, not a second allocation. (On this CPU machine the
+    memory is plain and allocated at once; on a GPU it is pinned in the background.)"""
+    from ember.engine.config import EngineConfig
+    from ember.engine.kv_tiers import build_tiers, start_host_memory
+
+    config = EngineConfig(model=str(tmp_path), kv_host_gb=0.001)
+    memory = start_host_memory(config, torch.device("cuda"), LAYOUT.nbytes, 64)
+    assert memory is not None and memory.target_rows == (1 << 30) // 1000 // LAYOUT.nbytes
+    assert memory.pace == "idle"  # grows while the engine starts
+    tiers = build_tiers(config, torch.zeros(3, 2, 2, 4, 2, 4), "m", 64, memory)
+    assert tiers is not None
+    try:
+        assert tiers.host.memory is memory and not memory._closed
+        assert tiers.host.capacity_blocks == memory.num_rows == memory.target_rows
+    finally:
+        tiers.close()
+    off = EngineConfig(model=str(tmp_path), kv_host_gb=0)
+    assert start_host_memory(off, torch.device("cuda"), LAYOUT.nbytes, 64) is None
