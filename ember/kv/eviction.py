@@ -6,8 +6,9 @@ round-robin over more sessions than the cache holds is always the one needed nex
 hits at all. Belady's rule, evict the block needed farthest in the future, keeps a fixed share of
 the sessions and hits on them every round; `NextUse` approximates it from each block's own past:
 
-- A block's reuse interval is learned from its uses (the mean of the last intervals, uses closer
-  than `SAME_USE_S` being one), and its next use is predicted one interval after its last.
+- A block's reuse interval is learned from its uses (a running mean of the intervals between
+  them, uses closer than `SAME_USE_S` being one), and its next use is predicted one interval
+  after its last. A request that ends is a use of each of its blocks.
 - The block whose predicted next use is farthest from now goes first, either way: a block long
   past its time is likely dead (its session ended), one just used by a round-robin session is
   needed last.
@@ -42,8 +43,9 @@ Policy = Literal["next-use", "lru"]
 POLICIES: tuple[Policy, ...] = ("next-use", "lru")
 
 SAME_USE_S = 0.5
-"""Uses of a block closer than this count as one (a request looked up, loaded and admitted over a
-few steps, or two requests of one turn); its interval is learned from uses further apart."""
+"""Uses of a block closer than this count as one (requests of one turn ending together: an
+agent's parallel tool calls, a shared system prompt); its interval is learned from uses further
+apart."""
 DEFAULT_INTERVAL_S = 30.0
 """The typical interval of an empty cache."""
 QUANTUM_SHARE = 0.05

@@ -282,11 +282,11 @@ class DiskTier(Tier):
     def _add(self, key: bytes, size: int, last: float | None = None) -> None:
         """Index an entry and give it a slot of the policy. Under the lock."""
         self._index[key] = size
-        if self._free_slots:
-            slot = self._free_slots.pop()
-        else:
-            slot = self.policy.num_slots
-            self.policy.resize(slot + 1)
+        if not self._free_slots:  # twice as many slots: growing one at a time copies quadratically
+            first = self.policy.num_slots
+            self.policy.resize(max(64, 2 * first))
+            self._free_slots.extend(range(self.policy.num_slots - 1, first - 1, -1))
+        slot = self._free_slots.pop()
         self._slots[key] = slot
         self.policy.place(slot, key, last=last)
 
