@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, Self, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -107,6 +107,17 @@ def parse_spec_counters(text: str) -> SpecCounters | None:
     )
 
 
+class Counters(Protocol):
+    """Cumulative counters: summed over servers, and differenced over a run."""
+
+    def __add__(self, other: Self, /) -> Self: ...
+
+    def since(self, before: Self, /) -> Self | None: ...
+
+
+C = TypeVar("C", bound=Counters)
+
+
 class ScrapeError(Exception):
     """A /metrics that should have answered and did not (refused, unreachable)."""
 
@@ -146,9 +157,9 @@ def _get(target: str, headers: dict[str, str], timeout_s: float) -> str:
         return r.read().decode("utf-8", errors="replace")
 
 
-def scrape(urls: Sequence[str]) -> SpecCounters | None:
-    """The counters of all `urls` summed; None when none of them has any."""
-    found = [c for url in urls if (text := fetch_metrics(url)) and (c := parse_spec_counters(text))]
+def scrape(urls: Sequence[str], parse: Callable[[str], C | None] = parse_spec_counters) -> C | None:
+    """The counters `parse` reads, of all `urls` summed; None when none of them has any."""
+    found = [c for url in urls if (text := fetch_metrics(url)) and (c := parse(text))]
     return sum(found[1:], found[0]) if found else None
 
 
@@ -172,20 +183,30 @@ def spec_summary(delta: SpecCounters) -> dict[str, Any]:
     }
 
 
-@dataclass(slots=True)
-class SpecProbe:
-    """Reads the counters before a run (`start`) and after it (`finish`); a scrape that fails is
-    said once per reason, and that run then reports nothing."""
+class CounterProbe(Generic[C]):
+    """Counters read from the servers' /metrics before a run (`start`) and after it (`finish`),
+    their difference summed up by `summary`; a scrape that fails is said once per reason, and
+    that run then reports nothing. A subclass names what it counts (`what`), how to read it from
+    a Prometheus text (`parse`) and how to sum it up (`summary`)."""
 
-    urls: list[str]
-    before: SpecCounters | None = None
-    warned: set[str] = field(default_factory=set)
+    what: str
+
+    def __init__(self, urls: Sequence[str]) -> None:
+        self.urls = list(urls)
+        self.before: C | None = None
+        self.warned: set[str] = set()
+
+    def parse(self, text: str) -> C | None:
+        raise NotImplementedError
+
+    def summary(self, delta: C) -> dict[str, Any]:
+        raise NotImplementedError
 
     def start(self) -> None:
         self.before = self._read()
 
     def finish(self) -> dict[str, Any] | None:
-        """`spec_summary` of what the run counted; None when not measured."""
+        """`summary` of what the run counted; None when not measured."""
         after = self._read()
         if self.before is None or after is None:
             return None
@@ -193,11 +214,11 @@ class SpecProbe:
         if delta is None:
             self._warn("its counters went back during the run (a server restarted)")
             return None
-        return spec_summary(delta)
+        return self.summary(delta)
 
-    def _read(self) -> SpecCounters | None:
+    def _read(self) -> C | None:
         try:
-            return scrape(self.urls)
+            return scrape(self.urls, self.parse)
         except ScrapeError as e:
             self._warn(str(e))
             return None
@@ -205,4 +226,16 @@ class SpecProbe:
     def _warn(self, why: str) -> None:
         if why not in self.warned:
             self.warned.add(why)
-            warn(f"speculative decoding is not reported: {why}")
+            warn(f"{self.what} is not reported: {why}")
+
+
+class SpecProbe(CounterProbe[SpecCounters]):
+    """Speculative decoding's counters over a run (`spec_summary`)."""
+
+    what = "speculative decoding"
+
+    def parse(self, text: str) -> SpecCounters | None:
+        return parse_spec_counters(text)
+
+    def summary(self, delta: SpecCounters) -> dict[str, Any]:
+        return spec_summary(delta)

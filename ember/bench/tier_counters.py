@@ -9,14 +9,12 @@ nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ember.bench.fit import warn
-from ember.bench.spec_counters import ScrapeError, fetch_metrics
+from ember.bench.spec_counters import CounterProbe
 
 PREFIX_QUERIES = "ember:prefix_cache_queries"
 PREFIX_HITS = "ember:prefix_cache_hits"
@@ -94,12 +92,6 @@ def parse_tier_counters(text: str) -> TierCounters | None:
     )
 
 
-def scrape_tiers(urls: Sequence[str]) -> TierCounters | None:
-    """The counters of all `urls` summed; None when none of them has any."""
-    found = [c for url in urls if (text := fetch_metrics(url)) and (c := parse_tier_counters(text))]
-    return sum(found[1:], found[0]) if found else None
-
-
 def tier_summary(delta: TierCounters) -> dict[str, Any]:
     """A run's counts for the report: the prefix cache's hit ratio in tokens, and each tier's in
     blocks (hits over hits and misses; None where it was never asked)."""
@@ -119,37 +111,13 @@ def tier_summary(delta: TierCounters) -> dict[str, Any]:
     }
 
 
-@dataclass(slots=True)
-class TierProbe:
-    """Reads the counters before a run (`start`) and after it (`finish`); a scrape that fails is
-    said once per reason, and that run then reports nothing."""
+class TierProbe(CounterProbe[TierCounters]):
+    """The prefix cache's and the KV tiers' counters over a run (`tier_summary`)."""
 
-    urls: list[str]
-    before: TierCounters | None = None
-    warned: set[str] = field(default_factory=set)
+    what = "the KV tiers' hits"
 
-    def start(self) -> None:
-        self.before = self._read()
+    def parse(self, text: str) -> TierCounters | None:
+        return parse_tier_counters(text)
 
-    def finish(self) -> dict[str, Any] | None:
-        """`tier_summary` of what the run counted; None when not measured."""
-        after = self._read()
-        if self.before is None or after is None:
-            return None
-        delta = after.since(self.before)
-        if delta is None:
-            self._warn("its counters went back during the run (a server restarted)")
-            return None
+    def summary(self, delta: TierCounters) -> dict[str, Any]:
         return tier_summary(delta)
-
-    def _read(self) -> TierCounters | None:
-        try:
-            return scrape_tiers(self.urls)
-        except ScrapeError as e:
-            self._warn(str(e))
-            return None
-
-    def _warn(self, why: str) -> None:
-        if why not in self.warned:
-            self.warned.add(why)
-            warn(f"the KV tiers' hits are not reported: {why}")

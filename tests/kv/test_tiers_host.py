@@ -11,6 +11,7 @@ import torch
 
 from ember.kv.tiers.base import BlockLayout, TierHit
 from ember.kv.tiers.host import HostTier
+from tests.kv.test_tiers_prefetch import eventually
 
 LAYOUT = BlockLayout(
     num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32", model="m"
@@ -19,15 +20,6 @@ LAYOUT = BlockLayout(
 
 def key(i: int) -> bytes:
     return hashlib.sha256(str(i).encode()).digest()
-
-
-def eventually(check, timeout_s: float = 20.0) -> bool:  # noqa: ANN001 - a callable
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def put(host: HostTier, k: bytes, fill: int) -> int:
