@@ -13,13 +13,11 @@ Prints a table and writes host_pinning-<GPU>-<date>.json to $OUT (or benchmarks/
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import statistics
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -29,47 +27,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from result_names import result_path  # noqa: E402
 
-from ember.kv.tiers.host_memory import _cudart, _host_register, _host_unregister  # noqa: E402
+from ember.kv.tiers.host_memory import (  # noqa: E402
+    _advise_huge_pages,
+    _cudart,
+    _host_register,
+    _host_unregister,
+    _touch,
+)
 
-MADV_HUGEPAGE = 14
-LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
 
-
-def fault(t: torch.Tensor, threads: int, huge: bool, pool: ThreadPoolExecutor | None) -> None:
-    """Touch every page of `t` (memset through ctypes: no GIL), on `threads` threads."""
+def fault(t: torch.Tensor, threads: int, huge: bool) -> None:
+    """Touch every page of `t` as the host tier does (its `_touch`, after `_advise_huge_pages`
+    when `huge`)."""
     if huge:
-        page = 2 << 20
-        start = -(-t.data_ptr() // page) * page
-        end = (t.data_ptr() + t.numel()) // page * page
-        if end > start:
-            LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)
-    n = t.numel()
-    if threads == 1 or pool is None:
-        ctypes.memset(t.data_ptr(), 0, n)
-        return
-    step = -(-n // threads)
-    parts = [(t.data_ptr() + i, min(step, n - i)) for i in range(0, n, step)]
-    list(pool.map(lambda p: ctypes.memset(p[0], 0, p[1]), parts))
+        _advise_huge_pages(t)
+    _touch(t, threads)
 
 
 def pin_all(
     total: int, chunk: int, threads: int, huge: bool, torch_pin: bool
 ) -> tuple[float, list[torch.Tensor]]:
     chunks = []
-    pool = ThreadPoolExecutor(threads) if threads > 1 else None
     t0 = time.perf_counter()
     for _ in range(total // chunk):
         if torch_pin:
             chunks.append(torch.empty(chunk, dtype=torch.uint8, pin_memory=True))
             continue
         t = torch.empty(chunk, dtype=torch.uint8)
-        fault(t, threads, huge, pool)
+        fault(t, threads, huge)
         _host_register(t)
         chunks.append(t)
-    took = time.perf_counter() - t0
-    if pool is not None:
-        pool.shutdown()
-    return took, chunks
+    return time.perf_counter() - t0, chunks
 
 
 def steps_beside(work: threading.Thread) -> list[float]:
