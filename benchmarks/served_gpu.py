@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import re
 import subprocess
@@ -53,6 +54,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -332,7 +334,9 @@ def command(engine: str, model: str, port: int, device: str, dummy: bool = True)
         cmd = [sys.executable, "-P", "-m", "ember.cli", "serve", model, "--device", device]
         if device == "cuda":
             cmd += load
-        return cmd + EMBER_VARIANTS[variant] + ["--port", str(port), "--served-model-name", "m"]
+        # --public-metrics: `ember bench` reads the KV-hit and speculative counters there.
+        named = ["--port", str(port), "--served-model-name", "m", "--public-metrics"]
+        return cmd + EMBER_VARIANTS[variant] + named
     if engine == "vllm":
         return [
             sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
@@ -553,7 +557,12 @@ def main() -> None:
         model, loads, gpu = str(model_dir(args.shape, cfg)), GPU_LOADS, torch.cuda.get_device_name()
         if args.weights == "files":
             t = time.perf_counter()
-            size = write_weights(Path(model), cfg, "cuda")
+            # In a child process: the host memory its safetensors serialization took (a MoE
+            # layer's, tens of GB for Kimi K2) goes back to the OS before the servers start;
+            # kept in this process, it got this process killed for memory.
+            spawn = multiprocessing.get_context("spawn")
+            with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+                size = pool.submit(write_weights, Path(model), cfg, "cuda").result()
             print(f"wrote {size / 1e9:.1f} GB of weights in {time.perf_counter() - t:.0f} s")
     work = Path(tempfile.mkdtemp(prefix="served-gpu-"))
     shape = "tiny-qwen3" if args.device == "cpu" else args.shape
