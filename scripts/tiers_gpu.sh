@@ -4,7 +4,10 @@
 # with the host tier on and off (its pinning runs beside weight loading and the first requests);
 # probe: start-up work beside the pinning (benchmarks/probes/pinning_beside_start.py); agents:
 # agent sessions over a capped pool (ember with a 32 GiB host tier, as vLLM's offload, and with
-# no tier). Usage: bash scripts/tiers_gpu.sh [tests,served,probe,agents]
+# no tier). SERVED_ENGINES: served_gpu.py's engines (variants VARIANT@DIR included); AGENT_RUNS:
+# agent_sessions.py's runs, `;` between them (each: engine and options); AGENT_TREE: a tree whose
+# ember package they run (as a VARIANT@DIR's).
+# Usage: bash scripts/tiers_gpu.sh [tests,served,probe,agents]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/device_env.sh
@@ -19,7 +22,7 @@ fi
 if [[ $what == *served* ]]; then
   mkdir -p "$OUT/served"
   OUT=$OUT/served timeout "${SERVED_TIMEOUT:-240}" python3 benchmarks/served_gpu.py \
-    --engines ember,ember-no-host-tier --loads b1,batches --starts fresh --weights files \
+    --engines "${SERVED_ENGINES:-ember,ember-no-host-tier}" --loads b1,batches --starts fresh --weights files \
     > "$OUT/served_host_tier.log" 2>&1
   status=$(( status || $? ))
   grep -a -A20 "^## " "$OUT/served_host_tier.log" || tail -30 "$OUT/served_host_tier.log"
@@ -33,11 +36,12 @@ if [[ $what == *probe* ]]; then
   tail -8 "$OUT/pinning_beside_start.log"
 fi
 if [[ $what == *agents* ]]; then
-  for run in "ember --host-gb 32 --sessions 16" "ember-no-tier --sessions 8,16"; do
+  IFS=';' read -ra runs <<< "${AGENT_RUNS:-ember --host-gb 32 --sessions 16;ember-no-tier --sessions 8,16}"
+  for run in "${runs[@]}"; do
     name=${run%% *}
     mkdir -p "$OUT/$name"
     # shellcheck disable=SC2086
-    OUT=$OUT/$name timeout "${AGENTS_TIMEOUT:-200}" python3 benchmarks/agent_sessions.py \
+    PYTHONPATH=${AGENT_TREE:+$PWD/$AGENT_TREE:}$PYTHONPATH OUT=$OUT/$name timeout "${AGENTS_TIMEOUT:-200}" python3 benchmarks/agent_sessions.py \
       --engines $run > "$OUT/agents_$name.log" 2>&1
     status=$(( status || $? ))
     tail -12 "$OUT/agents_$name.log"

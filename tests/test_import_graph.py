@@ -67,6 +67,7 @@ LAYERS: dict[str, int] = {
     "outputs": LEAVES,
     # the process group and its collectives (torch alone), under models and engine
     "distributed": 1,
+    "host_pages": 1,  # madvise on host buffers (torch alone), under kv and models
     # the model floor and the KV packages
     "kernels": 1,
     "tokenizer": 1,

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from result_names import result_path  # noqa: E402
 
+from ember.host_pages import advise_huge_pages  # noqa: E402
 from ember.kv.tiers.host_memory import (  # noqa: E402
-    _advise_huge_pages,
     _cudart,
     _host_register,
     _host_unregister,
@@ -37,10 +37,10 @@ from ember.kv.tiers.host_memory import (  # noqa: E402
 
 
 def fault(t: torch.Tensor, threads: int, huge: bool) -> None:
-    """Touch every page of `t` as the host tier does (its `_touch`, after `_advise_huge_pages`
+    """Touch every page of `t` as the host tier does (its `_touch`, after `advise_huge_pages`
     when `huge`)."""
     if huge:
-        _advise_huge_pages(t)
+        advise_huge_pages(t)
     _touch(t, threads)
 
 

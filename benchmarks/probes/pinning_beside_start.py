@@ -1,13 +1,14 @@
 """What the host tier's pinning costs an engine's start-up work beside it: a start whose tier
-grew during start-up reached ready 5.5 s after one without a tier (H200, 8B shape, 16.6 against
-11.1 s), its weights loading in 5.0 against 1.6 s and its dry run in 5.0 against 1.9 s. Each
-kind of start-up work is timed alone, beside the tier's growth (4 fault threads, then 1; huge
-pages; 64 MiB chunks, as `ember/kv/tiers/host_memory.py` grows it) and with the pinned memory
-held and no growth:
+grew during start-up reached ready 2.8-5.5 s after one without a tier (H200, 8B shape), its
+weights loading in 5.0 against 1.6 s and its dry run in 5.0 against 1.9 s. Each kind of
+start-up work is timed alone, beside the tier's growth (4 fault threads, then 1; huge pages;
+kept from forks; 64 MiB chunks, as `ember/kv/tiers/host_memory.py` grows it) and with 4 GiB
+pinned and held, marked MADV_DONTFORK as the tier's now is, or not:
 
 - h2d: copies from a pinned staging buffer to the GPU, as the weight loader does (GB/s);
 - compile: a fresh Triton kernel compiled (s);
-- spawn: `subprocess.run(["true"])` (ms; a fork copies a process's pinned anonymous pages);
+- fork: a child forked and reaped (ms; Linux copies a process's pinned anonymous pages into
+  the child at the fork, unless they are marked MADV_DONTFORK);
 - faults: 1 GiB of fresh pageable memory touched by the main thread (s; the process's memory
   map is shared with the faulting threads);
 - cuda_alloc: `torch.empty` of 1 GiB on the GPU and its release, uncached (ms).
@@ -22,8 +23,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -38,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from result_names import result_path  # noqa: E402
 
+from ember.host_pages import advise_huge_pages, keep_from_forks  # noqa: E402
 from ember.kv.tiers.host_memory import (  # noqa: E402
-    _advise_huge_pages,
     _host_register,
     _host_unregister,
     _touch,
@@ -85,11 +86,14 @@ def compile_once() -> float:
         return time.perf_counter() - t
 
 
-def spawn() -> float:
+def fork() -> float:
+    """A child forked and reaped, as the engine forks its Triton compile workers (ms)."""
     t = time.perf_counter()
-    for _ in range(5):
-        subprocess.run(["true"], check=True)
-    return (time.perf_counter() - t) / 5 * 1e3
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return (time.perf_counter() - t) * 1e3
 
 
 def faults() -> float:
@@ -112,18 +116,22 @@ def cuda_alloc() -> float:
 WORK: dict[str, tuple[Callable[[], float], str]] = {
     "h2d": (h2d, "GB/s"),
     "compile": (compile_once, "s"),
-    "spawn": (spawn, "ms"),
+    "fork": (fork, "ms"),
     "faults": (faults, "s"),
     "cuda_alloc": (cuda_alloc, "ms"),
 }
 
 
-def grow(total: int, threads: int, chunks: list[torch.Tensor], stop: threading.Event) -> None:
+def grow(
+    total: int, threads: int, chunks: list[torch.Tensor], stop: threading.Event, no_fork: bool
+) -> None:
     for _ in range(total // (64 << 20)):
         if stop.is_set():
             return
         t = torch.empty(64 << 20, dtype=torch.uint8)
-        _advise_huge_pages(t)
+        advise_huge_pages(t)
+        if no_fork:
+            keep_from_forks(t)
         _touch(t, threads)
         _host_register(t)
         chunks.append(t)
@@ -141,7 +149,14 @@ def main() -> None:
     for fn, _ in WORK.values():
         fn()  # first-call costs (CUDA context, Triton's imports) out of the way
     rows = []
-    for cond in ("alone", "beside growth, 4 threads", "beside growth, 1 thread", "pinned held"):
+    conditions = (
+        "alone",
+        "beside growth, 4 threads",
+        "beside growth, 1 thread",
+        "4 GiB pinned held",
+        "4 GiB pinned held, kept from forks",
+    )
+    for cond in conditions:
         row: dict = {"condition": cond}
         for name, (fn, unit) in WORK.items():
             chunks: list[torch.Tensor] = []
@@ -152,8 +167,8 @@ def main() -> None:
                 thread = threading.Thread(target=grow, args=(args.gib << 30, threads, chunks, stop))
                 thread.start()
                 time.sleep(0.2)
-            elif cond == "pinned held":
-                grow(args.gib << 30, 4, chunks, stop)
+            elif "held" in cond:
+                grow(4 << 30, 4, chunks, stop, no_fork="kept" in cond)
             row[name] = measure(fn)
             row[f"{name}_unit"] = unit
             if thread is not None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ember.kv.tiers import BlockLayout, CostModel, DiskTier, HostTier, Tier, TierManager
-from ember.kv.tiers.host_memory import HostMemory
+from ember.kv.tiers.host_memory import HostMemory, Pace
 from ember.models.checkpoint_files import safetensors_files
 
 if TYPE_CHECKING:
@@ -32,6 +32,8 @@ KV per 10 GiB, while weights loading, pinned staging and the OS keep the rest. P
 time (25 GiB took 17 s on an H100 machine with 128 GiB of RAM): it grows in the background, one
 chunk at a time, usable from the first, while the engine is idle or its GPU cache evicts
 (ember/kv/tiers/host_memory.py, EngineCore._pace_host_tier)."""
+START_PACE: Pace = "idle"
+"""The host tier's growth while the engine starts (until its KV cache is sized)."""
 MIN_DEFAULT_HOST_BYTES = 1 * GiB
 """Less than this left of the process's default host-tier budget: the default tier is off."""
 STAGING_BYTES = (64 << 20, 4 * GiB)
@@ -124,7 +126,7 @@ def start_host_memory(
     num_blocks = host_tier_blocks(config, device, block_bytes, max_len)
     if not num_blocks:
         return None
-    return HostMemory(block_bytes, num_blocks, pin=True, pace="idle")
+    return HostMemory(block_bytes, num_blocks, pin=True, pace=START_PACE)
 
 
 def build_tiers(

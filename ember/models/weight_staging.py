@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from ember.host_pages import keep_from_forks
+
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -146,6 +148,9 @@ class _Buffers:
 
     def __init__(self, count: int, size: int, pin: bool) -> None:
         self._free = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(count)]
+        if pin:
+            for buf in self._free:  # pinned: a forked compile worker would copy it
+                keep_from_forks(buf)
         self._ready = threading.Condition()
         self._next = 0  # the piece whose turn it is to take a buffer
         self._closed = False

@@ -350,10 +350,11 @@ def test_a_memory_started_before_its_tier_hands_it_every_row() -> None:
 
 
 def test_pages_are_touched_by_every_thread() -> None:
-    from ember.kv.tiers.host_memory import _advise_huge_pages, _touch
+    from ember.host_pages import advise_huge_pages
+    from ember.kv.tiers.host_memory import _touch
 
     t = torch.full((3 * (1 << 20) + 7,), 7, dtype=torch.uint8)
-    _advise_huge_pages(t)  # a hint: nothing to see but that it does no harm
+    advise_huge_pages(t)  # a hint: nothing to see but that it does no harm
     _touch(t, 3)
     assert int(t.max()) == 0
     one = torch.full((5,), 1, dtype=torch.uint8)

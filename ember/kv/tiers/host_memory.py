@@ -7,9 +7,11 @@ tier is usable at once and its capacity counts only the chunks already there. A 
 starts the memory when it starts (`ember/engine/kv_tiers.py`), so that it grows while the weights
 load and the kernels compile, and is whole by the time the first request comes.
 
-How a chunk is pinned: plain memory, its pages touched first by the CPU (`memset` through ctypes,
-no driver call, the GIL released), then cudaHostRegister through ctypes, one short driver call a
-chunk; the chunks are unregistered at `close`. Measured on an H200 machine
+How a chunk is pinned: plain memory, kept out of forked children (MADV_DONTFORK: a fork copies
+pinned pages at once, and the engine forks its Triton compile workers while the tier grows:
+ember/host_pages.py), its pages touched first by the CPU (`memset` through ctypes, no driver
+call, the GIL released), then cudaHostRegister through ctypes, one short driver call a chunk;
+the chunks are unregistered at `close`. Measured on an H200 machine
 (`benchmarks/probes/host_pinning.py`, 16 GiB in 64 MiB chunks in a thread while the main thread
 ran tiny steps of a kernel, a 2 MiB copy and a sync; steps alone: p50 0.07 ms):
 
@@ -46,13 +48,13 @@ from typing import Literal
 
 import torch
 
+from ember.host_pages import advise_huge_pages, keep_from_forks
+
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 64 << 20
 FAULT_THREADS = 4
 """Threads that touch a chunk's pages at the "idle" pace (one at "busy")."""
-HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14
 GROWTH_IDLE_RATIO = 2.0
 """At the "busy" pace the growth rests this many times as long as each chunk took."""
 Pace = Literal["hold", "idle", "busy"]
@@ -121,24 +123,6 @@ def _unpin_released() -> None:
             _host_unregister(chunk)
 
 
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
-        return None
-
-
-def _advise_huge_pages(t: torch.Tensor) -> None:
-    """Ask for transparent huge pages over the aligned part of `t` (a hint: where the kernel's
-    setting is "never", or on another OS, the pages stay 4 KiB)."""
-    libc = _libc()
-    begin = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-    end = (t.data_ptr() + t.numel()) // HUGE_PAGE * HUGE_PAGE
-    if libc is not None and end > begin:
-        libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), MADV_HUGEPAGE)
-
-
 def _touch(t: torch.Tensor, threads: int) -> None:
     """Fault `t`'s pages in on the CPU, outside the driver, on `threads` threads (ctypes releases
     the GIL; torch's fill_ would spread over every core of the intra-op pool, beside the
@@ -160,7 +144,8 @@ def _touch(t: torch.Tensor, threads: int) -> None:
 def _pinned(nbytes: int, threads: int = 1) -> torch.Tensor:
     _unpin_released()  # a dropped memory's pages may come back from the allocator now
     t = torch.empty(nbytes, dtype=torch.uint8)
-    _advise_huge_pages(t)
+    advise_huge_pages(t)
+    keep_from_forks(t)  # a forked compile worker would copy it (ember/host_pages.py)
     _touch(t, threads)
     _host_register(t)
     return t
