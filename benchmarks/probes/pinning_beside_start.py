@@ -164,7 +164,9 @@ def main() -> None:
             thread = None
             if cond.startswith("beside"):
                 threads = 4 if "4" in cond else 1
-                thread = threading.Thread(target=grow, args=(args.gib << 30, threads, chunks, stop))
+                thread = threading.Thread(
+                    target=grow, args=(args.gib << 30, threads, chunks, stop, True)
+                )
                 thread.start()
                 time.sleep(0.2)
             elif "held" in cond:
