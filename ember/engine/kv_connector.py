@@ -17,7 +17,8 @@ of the KV heads, so each rank reads its own heads of every block (`ShardReader`,
 `read` of narrower regions). Rank 0 sends the workers a `LoadKV` with the read's parameters, reads
 its share, and counts the load good only once every worker reported success; then it releases
 the lease as a single rank does. Any rank's failure, or a worker's end, and the prompt is prefilled
-here instead.
+here instead. A load's bytes and seconds (the engine's `remote_kv_bytes`, `remote_kv_seconds`)
+are every rank's, until the last one has read.
 """
 
 from __future__ import annotations
@@ -51,9 +52,9 @@ log = logging.getLogger(__name__)
 
 RELEASE_TIMEOUT_S = 5.0
 
-Verdict = tuple[threading.Event, list[bool]]
+Verdict = tuple[threading.Event, list[tuple[bool, int]]]
 """The workers' outcome of one load: the event is set once they all said (or one cannot), and
-the list then holds whether every one read its share."""
+the list then holds whether every one read its share, and the bytes they read together."""
 
 
 def shard_layout(
@@ -248,13 +249,13 @@ class KVConnector:
             self.workers.send(msg)
         except Exception as e:
             log.warning("could not ask the workers to read KV for %s: %s", params.lease_id, e)
-            self._decide(load_id, False)
+            self._decide(load_id, (False, 0))
         return verdict
 
-    def _decide(self, load_id: int, ok: bool) -> None:
+    def _decide(self, load_id: int, said: tuple[bool, int]) -> None:
         verdict = self._ranks.pop(load_id, None)
         if verdict is not None:
-            verdict[1].append(ok)
+            verdict[1].append(said)
             verdict[0].set()
 
     def _hear_workers(self) -> None:
@@ -263,9 +264,9 @@ class KVConnector:
         if self.workers is None:
             return
         for load_id in list(self._ranks):
-            ok = self.workers.kv_load_done(load_id)
-            if ok is not None:
-                self._decide(load_id, ok)
+            said = self.workers.kv_load_done(load_id)
+            if said is not None:
+                self._decide(load_id, said)
 
     def poll_loads(self) -> list[tuple[Request, bool]]:
         """Loads that ended since the last call, with whether their KV can be trusted."""
@@ -294,7 +295,7 @@ class KVConnector:
         verdict: Verdict | None = None,
     ) -> bool:
         remote = params.block_ids
-        ok = False
+        ok, nbytes, seconds, t0 = False, 0, 0.0, time.perf_counter()
         try:
             if len(remote) != len(local):
                 raise ValueError(f"{len(remote)} remote blocks for {len(local)} local ones")
@@ -306,9 +307,7 @@ class KVConnector:
                 remote[skip:],
                 local[skip:],
             )
-            if nbytes:
-                self.load_seconds += time.perf_counter() - t0
-                self.load_bytes += nbytes
+            seconds = time.perf_counter() - t0
             if self.tagger is not None and not self.tagger.verify(
                 local[skip:], params.lease_id, params.block_tags[skip:], first=skip
             ):
@@ -317,21 +316,29 @@ class KVConnector:
             ok = True
         except Exception as e:
             log.warning("KV read for lease %s failed: %s", params.lease_id, e)
-        if verdict is not None and not self._workers_read(verdict):
-            log.warning("KV read for lease %s failed on a worker", params.lease_id)
-            ok = False
+        if verdict is not None:
+            workers_ok, worker_bytes = self._workers_read(verdict)
+            if not workers_ok:
+                log.warning("KV read for lease %s failed on a worker", params.lease_id)
+                ok = False
+            elif ok:
+                nbytes += worker_bytes
+                seconds = time.perf_counter() - t0  # until the last rank has read
+        if ok and nbytes:
+            self.load_seconds += seconds
+            self.load_bytes += nbytes
         # Release either way; the read counts only if the lease was still held after it.
         return self._release_remote(params) and ok
 
-    def _workers_read(self, verdict: Verdict) -> bool:
+    def _workers_read(self, verdict: Verdict) -> tuple[bool, int]:
         """Wait for every worker's verdict on a load (heard by `poll_loads`): the blocks stay
         this load's until then, since a worker may still be writing them. Their reads are
         bounded by the transport; a worker's end or the connector's close decides at once."""
         event, said = verdict
         while not event.wait(0.1):
             if self._closing:
-                return False
-        return bool(said) and said[0]
+                return False, 0
+        return said[0] if said else (False, 0)
 
     def _release_remote(self, params: KVTransferParams) -> bool:
         if not params.release_url.startswith(("http://", "https://")):

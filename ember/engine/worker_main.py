@@ -64,7 +64,7 @@ def main() -> None:
     # KV reads run on a thread beside the steps; their outcomes go out from this loop (a ZeroMQ
     # socket belongs to one thread).
     reads = ThreadPoolExecutor(2, "ember-kv-load")
-    loading: dict[int, Future[bool]] = {}
+    loading: dict[int, Future[int | None]] = {}
     try:
         while True:
             # Idle a second at most (the expert load's last figure still goes out); while KV
@@ -78,8 +78,9 @@ def main() -> None:
                 else:
                     runner.run(msg, None)
             for load_id in [i for i, f in loading.items() if f.done()]:
-                ok = int(loading.pop(load_id).result())
-                report.send(f"kv {rank} {load_id} {ok}".encode())
+                nbytes = loading.pop(load_id).result()
+                ok, nbytes = (0, 0) if nbytes is None else (1, nbytes)
+                report.send(f"kv {rank} {load_id} {ok} {nbytes}".encode())
             load = meter.poll()
             if load is not None and load != reported:
                 report.send(f"expert {rank} {load}".encode(), zmq.NOBLOCK)
@@ -93,20 +94,19 @@ def main() -> None:
         state.close()
 
 
-def _read_kv(reader: ShardReader | None, load: LoadKV) -> bool:
-    """This rank's heads of a load's blocks, read into its cache; False (logged) on any
-    failure: rank 0 then prefills the prompt itself."""
+def _read_kv(reader: ShardReader | None, load: LoadKV) -> int | None:
+    """This rank's heads of a load's blocks, read into its cache: the bytes read, or None
+    (logged) on any failure: rank 0 then prefills the prompt itself."""
     if reader is None:
         logging.getLogger(__name__).warning("a KV read, but this engine reads none (kv_role)")
-        return False
+        return None
     try:
-        reader.read(
+        return reader.read(
             load.peer, load.remote_base, load.remote_block_bytes, load.remote_ids, load.local_ids
         )
     except Exception as e:
         logging.getLogger(__name__).warning("KV read %d failed: %s", load.load_id, e)
-        return False
-    return True
+        return None
 
 
 if __name__ == "__main__":

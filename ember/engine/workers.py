@@ -73,8 +73,9 @@ class Workers:
         self.reports.bind(reports)
         self.expert_loads: dict[int, int] = {}
         """Each worker's last reported expert load (ember/engine/expert_load.py), by rank."""
-        self.kv_loads: dict[int, dict[int, bool]] = {}
-        """The workers' reports of their KV reads (`LoadKV`): load id -> rank -> succeeded."""
+        self.kv_loads: dict[int, dict[int, tuple[bool, int]]] = {}
+        """The workers' reports of their KV reads (`LoadKV`): load id -> rank -> (succeeded,
+        bytes read)."""
         try:
             for rank in range(1, size):
                 sock = self.ctx.socket(zmq.PUSH)
@@ -135,7 +136,7 @@ class Workers:
     def read_reports(self) -> dict[int, int]:
         """The workers' expert loads, with whatever they reported since the last call (their
         KV reads' outcomes go to `kv_loads`). A report is one line, its kind first:
-        `expert RANK LOAD` or `kv RANK LOAD_ID OK` (OK: 1 or 0)."""
+        `expert RANK LOAD` or `kv RANK LOAD_ID OK BYTES` (OK: 1 or 0; BYTES: what it read)."""
         while True:
             try:
                 line = self.reports.recv(zmq.NOBLOCK).decode()
@@ -146,23 +147,24 @@ class Workers:
                 rank, value = (int(x) for x in fields)
                 self.expert_loads[rank] = value
             elif kind == "kv":
-                rank, load_id, ok = (int(x) for x in fields)
-                self.kv_loads.setdefault(load_id, {})[rank] = bool(ok)
+                rank, load_id, ok, nbytes = (int(x) for x in fields)
+                self.kv_loads.setdefault(load_id, {})[rank] = (bool(ok), nbytes)
             else:
                 log.warning("unknown report from a worker: %r", line[:80])
 
-    def kv_load_done(self, load_id: int) -> bool | None:
-        """Whether every worker read its share of load `load_id`; None while some have not
-        said. A worker's end fails every load (its part can never land)."""
+    def kv_load_done(self, load_id: int) -> tuple[bool, int] | None:
+        """Whether every worker read its share of load `load_id`, and the bytes they read
+        together; None while some have not said. A worker's end fails every load (its part can
+        never land)."""
         self.read_reports()
         if self.failure is not None:
             self.kv_loads.pop(load_id, None)
-            return False
+            return False, 0
         got = self.kv_loads.get(load_id, {})
         if len(got) < self.size - 1:
             return None
         del self.kv_loads[load_id]
-        return all(got.values())
+        return all(ok for ok, _ in got.values()), sum(n for _, n in got.values())
 
     def explain(self, err: BaseException, wait_s: float = 2.0) -> None:
         """After rank 0's step raised `err`: raise WorkerFailed from it if a worker ended (a

@@ -34,6 +34,8 @@ PROMPTS = [
 NEW_TOKENS = 8
 LEASES: dict[str, KVTransferParams] = {}
 """The prefill engine's answers' params, by request id."""
+LEASED_BYTES: dict[str, int] = {}
+"""The bytes of the blocks each run's leases offered, by its tag (every rank's heads)."""
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +145,7 @@ def _disaggregated(
     assert pcore.stats().num_leases == len(PROMPTS)
     for i, p in enumerate(PROMPTS):
         lease = LEASES.pop(f"{tag}{i}")
+        LEASED_BYTES[tag] = LEASED_BYTES.get(tag, 0) + len(lease.block_ids) * lease.block_bytes
         kv = msgspec.structs.replace(
             lease, do_remote_prefill=True, do_remote_decode=False, release_url=releases.url
         )
@@ -182,7 +185,9 @@ def test_two_rank_decode_engine_reads_its_heads_and_matches_one_engine(
     after = decode.stats()
     assert after.remote_kv_loads - before.remote_kv_loads == len(PROMPTS)
     assert after.remote_kv_failures == before.remote_kv_failures
-    assert after.remote_kv_bytes > before.remote_kv_bytes
+    # every rank's share counted, not rank 0's alone: the whole blocks, once
+    assert after.remote_kv_bytes - before.remote_kv_bytes == LEASED_BYTES["ok"]
+    assert after.remote_kv_seconds > before.remote_kv_seconds
 
 
 def test_a_read_failed_on_a_worker_is_prefilled_here(
@@ -209,6 +214,7 @@ def test_a_read_failed_on_a_worker_is_prefilled_here(
     after = decode.stats()
     assert after.remote_kv_failures - before.remote_kv_failures == len(PROMPTS)
     assert after.remote_kv_loads == before.remote_kv_loads
+    assert after.remote_kv_bytes == before.remote_kv_bytes  # a failed load moved nothing usable
     assert workers.kv_loads == {}  # every rank's verdict heard
 
 
