@@ -295,11 +295,11 @@ class KVConnector:
         verdict: Verdict | None = None,
     ) -> bool:
         remote = params.block_ids
-        ok, nbytes, seconds, t0 = False, 0, 0.0, time.perf_counter()
+        ok, nbytes, seconds = False, 0, 0.0
+        t0 = time.perf_counter()
         try:
             if len(remote) != len(local):
                 raise ValueError(f"{len(remote)} remote blocks for {len(local)} local ones")
-            t0 = time.perf_counter()
             nbytes = self.reader.read(
                 params.transfer_address,
                 params.kv_base_addr,
