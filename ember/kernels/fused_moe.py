@@ -404,6 +404,7 @@ def _moe_gemm_kernel(
     BLOCK_SN: tl.constexpr,
     HW_CAST: tl.constexpr,
     A_FP8: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -414,6 +415,9 @@ def _moe_gemm_kernel(
     # scale, SPT scale groups a K tile. FP8_BLOCK: b is e4m3 [E, N, K], s [E, N / BLOCK_SN,
     # K / BLOCK_K]: BLOCK_K is the block's (and the activation group's) width. A_FP8: a is
     # already e4m3, its scales at as_ptr [rows, K / BLOCK_K]; otherwise a is quantized here.
+    # SWAP_AB (FP8_BLOCK): each dot is W x^T, [BLOCK_N, BLOCK_M], so that a few rows an expert
+    # sit in the MMA's narrow side: on sm_90 an fp8 wgmma (64+ weight rows by 16 token columns)
+    # where x W^T with 16 token rows is an mma.sync with every fp8 weight unpacked to fp16.
     # Grouped launch order: GROUP_M row blocks (usually one expert's) sweep the column tiles
     # together, so an expert's weight tile is fetched from HBM once and served from L2 after.
     pid = tl.program_id(0)
@@ -441,9 +445,15 @@ def _moe_gemm_kernel(
 
     a_base = a_ptr + a_rows[:, None] * a_sm
     b_base = b_ptr + expert.to(tl.int64) * b_se + cols[None, :].to(tl.int64) * b_sn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if GATED:
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        b_base_t = b_ptr + expert.to(tl.int64) * b_se + cols[:, None].to(tl.int64) * b_sn
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        if GATED:
+            acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if GATED:
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if KIND == _PACKED_INT:
         per_word: tl.constexpr = 32 // BITS
         spt = tl.arange(0, SPT)
@@ -535,18 +545,36 @@ def _moe_gemm_kernel(
                 a_scale = tl.load(as_ptr + a_rows * as_sm + k0 // BLOCK_K, mask=valid, other=0.0)
             else:
                 a_q, a_scale = _quantize_rows(a, HW_CAST)
-            b_mask = k_ok[:, None] & col_ok[None, :]
-            b = tl.load(b_base + ks[:, None] * b_sk, mask=b_mask, other=0.0)
             k_block = k0 // BLOCK_K
             b_scale = tl.load(s_cols + k_block * s_sk, mask=col_ok, other=0.0)
             # A fresh dot a K tile, scaled into the fp32 accumulator: each tile has its own
             # scales, and sm_90's fp8 MMA accumulates in reduced precision within a dot.
-            acc += tl.dot(a_q, b) * (a_scale[:, None] * b_scale[None, :])
-            if GATED:
-                b_up = tl.load(b_base + n_out * b_sn + ks[:, None] * b_sk, mask=b_mask, other=0.0)
-                b_scale = tl.load(s_cols_up + k_block * s_sk, mask=col_ok, other=0.0)
-                acc_up += tl.dot(a_q, b_up) * (a_scale[:, None] * b_scale[None, :])
+            if SWAP_AB:
+                a_t = tl.trans(a_q)
+                b_mask = col_ok[:, None] & k_ok[None, :]
+                b = tl.load(b_base_t + ks[None, :] * b_sk, mask=b_mask, other=0.0)
+                acc += tl.dot(b, a_t) * (b_scale[:, None] * a_scale[None, :])
+                if GATED:
+                    b_up = tl.load(
+                        b_base_t + n_out * b_sn + ks[None, :] * b_sk, mask=b_mask, other=0.0
+                    )
+                    b_scale = tl.load(s_cols_up + k_block * s_sk, mask=col_ok, other=0.0)
+                    acc_up += tl.dot(b_up, a_t) * (b_scale[:, None] * a_scale[None, :])
+            else:
+                b_mask = k_ok[:, None] & col_ok[None, :]
+                b = tl.load(b_base + ks[:, None] * b_sk, mask=b_mask, other=0.0)
+                acc += tl.dot(a_q, b) * (a_scale[:, None] * b_scale[None, :])
+                if GATED:
+                    b_up = tl.load(
+                        b_base + n_out * b_sn + ks[:, None] * b_sk, mask=b_mask, other=0.0
+                    )
+                    b_scale = tl.load(s_cols_up + k_block * s_sk, mask=col_ok, other=0.0)
+                    acc_up += tl.dot(a_q, b_up) * (a_scale[:, None] * b_scale[None, :])
 
+    if SWAP_AB:
+        acc = tl.trans(acc)
+        if GATED:
+            acc_up = tl.trans(acc_up)
     if GATED:
         # As silu_and_mul: each projection rounded to the activations' dtype, silu(gate) rounded
         # again before the multiply, so bf16 results match the unfused reference.
@@ -637,18 +665,34 @@ def tile_config_int(
 
 def tile_config_fp8(num_pairs: int, num_experts: int, block: tuple[int, int]) -> dict[str, int]:
     """Tile sizes for FP8 block experts, by rows per expert; BLOCK_K is the block's width (each
-    K tile one scale per row and column). Tunables, not yet swept on an H200: the decode tiles
-    are vLLM's tuned block-FP8 MoE tiles for an H200 up to ~8 rows an expert (16 x 128 x 128,
-    4 warps); Kimi K2 at batch 256 has ~6. Below 64 rows Triton runs fp8 dots as fp16 MMAs
-    (mma.sync, each fp8 operand unpacked in registers: exact); 64 and up it uses fp8 wgmma.
-    The larger tiles are the ones an offline sm_90 build compiles without spills (two fp32
-    accumulators for gate and up: 128 x 128 over 8 warps spills, 128 x 64 does not)."""
+    K tile one scale per row and column). Swept on an H200 at Kimi K2's expert dims (384
+    experts, top 8; benchmarks/probes/moe_fp8_batches.py): up to ~12 rows an expert (Kimi K2 at
+    16-1,024 tokens) 16-row tiles with SWAP_AB (each dot W x^T, an fp8 wgmma of 64 weight rows
+    by 16 token columns) and 64 columns won (64 tokens: 2.91 ms for 12.5 GB, vLLM's Triton MoE
+    2.87; 256 tokens: 3.99 against 4.58), 32 rows at 1,024 tokens (21 an expert: 4.35 ms
+    against 64 x 128 over 8 warps' 5.06). The prefill tiles are the ones an offline sm_90
+    build compiles without spills (two fp32 accumulators for gate and up: 128 x 128 over 8
+    warps spills, 128 x 64 does not)."""
     per_expert = num_pairs / num_experts
     block_k = block[1]
     if per_expert < 12:
-        return {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 4}
+        return {
+            "BLOCK_M": 16,
+            "BLOCK_N": 64,
+            "BLOCK_K": block_k,
+            "num_warps": 4,
+            "num_stages": 4,
+            "SWAP_AB": 1,
+        }
     if per_expert <= 64:
-        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": block_k, "num_warps": 8, "num_stages": 4}
+        return {
+            "BLOCK_M": 32,
+            "BLOCK_N": 128,
+            "BLOCK_K": block_k,
+            "num_warps": 4,
+            "num_stages": 3,
+            "SWAP_AB": 1,
+        }
     return {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": block_k, "num_warps": 8, "num_stages": 4}
 
 
@@ -710,6 +754,7 @@ def _gemm(
     config = dict(config)
     # config["INT4_PAIRS"] 0 keeps the general unpacking (to measure one against the other).
     pairs = config.pop("INT4_PAIRS", 1) == 1 and int4_pairs(b, a.dtype)
+    swap_ab = config.pop("SWAP_AB", 0) == 1 and b.kind == FP8_BLOCK
     if pairs:  # the scales read as int32 words, two a word (_int4_tile)
         scale = scale.view(torch.int32)
     _moe_gemm_kernel[(num_blocks * tiles_n,)](
@@ -752,6 +797,7 @@ def _gemm(
         # The e4m3 cast in integer ops where the hardware's is missing (Triton's interpreter).
         HW_CAST=b.kind == FP8_BLOCK and a.is_cuda,
         A_FP8=a_scale is not None,
+        SWAP_AB=swap_ab,
         **{"GROUP_M": 8, **config},
     )
 
@@ -952,13 +998,12 @@ def fused_moe_fp8(
     (fused_moe_decode.moe_fp8_decode, tiles decode_config_fp8's); a config with BLOCK_M keeps
     those tokens on the tensor cores.
 
-    Where: config["QUANT_A"] 1 quantizes in the K loop (each tile's rows are whole groups), 0 in
-    a launch of its own before each GEMM (fp8_gemm.quantize_fp8_groups); by default 1 below
-    BLOCK_M 64. In the loop saves two launches and a write and read of the quantized
-    activations, and at decode its cost (~20 instructions an element of a 16-row A tile, the
-    division correctly rounded, beside a 128 x 128 weight tile) hides under the weight loads;
-    but every column tile repeats it, so at 64+ rows a tile (prefill, wgmma) it would outweigh
-    the tensor cores' work, and one pass over the activations is cheaper.
+    Where: config["QUANT_A"] 0 (the default) quantizes x and h in a launch of their own before
+    each GEMM (fp8_gemm.quantize_fp8_groups), 1 in the K loop (each tile's rows are whole
+    groups). In the loop saves two launches and a write and read of the activations, but every
+    column tile repeats it: at Kimi K2's expert dims on an H200 (benchmarks/probes/
+    moe_fp8_batches.py) 16-row tiles took 6.86 ms for 64 tokens quantizing in the loop and
+    3.02 ms reading them quantized.
 
     x [T, H]; w13 float8_e4m3fn [E, 2I, H], w13_scale float32 [E, ceil(2I / bn), ceil(H / bk)];
     w2 [E, H, I], w2_scale [E, ceil(H / bn), ceil(I / bk)]; I a multiple of bn (a block holds
@@ -1013,7 +1058,7 @@ def fused_moe_fp8(
         # every dot: Kimi K2's FP8 layer ran at 0.27 of its bytes at batch 1.
         return moe_fp8_decode(x, b13, b2, weights, experts, config, foreign)
     config = dict(config or tile_config_fp8(t * experts.shape[1], num_experts, block))
-    quant_in_loop = config.pop("QUANT_A", int(config["BLOCK_M"] < 64))
+    quant_in_loop = config.pop("QUANT_A", 0)
     if config["BLOCK_K"] != block_k:
         raise ValueError(
             f"fused_moe_fp8: BLOCK_K {config['BLOCK_K']} must be the block's cols ({block_k}): "

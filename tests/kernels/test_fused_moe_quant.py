@@ -410,16 +410,32 @@ def test_fused_moe_fp8_block_shapes(
 
 @pytest.mark.parametrize(
     "config",
-    [{**FP8_SMALL, "QUANT_A": 0}, {**FP8_SMALL, "BLOCK_M": 64}],
-    ids=["16-rows", "64-rows-by-default"],
+    [{**FP8_SMALL, "QUANT_A": 1}, {**FP8_SMALL, "BLOCK_M": 64, "QUANT_A": 1}, FP8_SMALL],
+    ids=["16-rows-in-loop", "64-rows-in-loop", "before-by-default"],
 )
 @pytest.mark.parametrize("tokens", [2, 40])
-def test_fused_moe_fp8_activations_quantized_before_the_gemms(
+def test_fused_moe_fp8_activations_quantized_in_the_loop_or_before(
     config: dict, tokens: int, device: str
 ) -> None:
-    """QUANT_A 0 (the default from BLOCK_M 64): x and h quantized by fp8_gemm's launch, the
-    GEMMs read e4m3 activations and their scales."""
+    """QUANT_A 1: each K tile's rows quantized in the GEMM's loop; 0 (the default): x and h
+    quantized by fp8_gemm's launch, the GEMMs read e4m3 activations and their scales."""
     _check_fp8(tokens, 8, 3, 64, 32, (16, 32), "random", torch.float32, device, 11, config, 1e-5)
+
+
+@pytest.mark.parametrize(
+    "hidden,inter,block,quant_a",
+    [(64, 32, (16, 32), 1), (40, 32, (16, 32), 1), (64, 48, (8, 32), 0)],
+    ids=["in-loop", "partial-blocks", "rect-blocks-quantized-before"],
+)
+@pytest.mark.parametrize("kind", ["random", "one-expert"])
+@pytest.mark.parametrize("tokens", [2, 40])
+def test_fused_moe_fp8_swapped_dots(
+    hidden: int, inter: int, block, quant_a: int, kind: str, tokens: int, device: str
+) -> None:
+    """SWAP_AB 1: each dot is W x^T (the few rows an expert as the MMA's narrow side), the same
+    sums as x W^T."""
+    config = {**FP8_SMALL, "SWAP_AB": 1, "QUANT_A": quant_a}
+    _check_fp8(tokens, 8, 3, hidden, inter, block, kind, torch.float32, device, 21, config, 1e-5)
 
 
 def test_fused_moe_fp8_gate_up_scales_one_a_row(device: str) -> None:
@@ -653,6 +669,12 @@ def test_quantized_tile_configs() -> None:
     assert tile_config_int(6144, 64, 4, pairs=True)["BLOCK_M"] == 128
     for pairs in (9, 256 * 9, 8192 * 9):
         assert tile_config_fp8(pairs, 385, (128, 128))["BLOCK_K"] == 128
+    # FP8: the few rows an expert as the dots' narrow side (W x^T) up to 64 rows an expert.
+    assert [tile_config_fp8(p, 384, (128, 128)).get("SWAP_AB", 0) for p in (512, 8192, 65536)] == [
+        1,
+        1,
+        0,
+    ]
 
 
 # Moonlight's routed experts (H 2048, I 1408, 64 experts top 6) plus its 2 shared ones.
@@ -712,7 +734,7 @@ def test_fused_moe_fp8_bf16_at_kimi_k2s_dims(tokens: int) -> None:
 
 @needs_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["int4", "fp8", "fp8-quantized-first"])
+@pytest.mark.parametrize("kind", ["int4", "fp8", "fp8-quantized-in-loop"])
 def test_fused_moe_quant_is_captured_in_a_cuda_graph(kind: str) -> None:
     g = torch.Generator().manual_seed(13)
     experts, hidden, inter = 16, 256, 128
@@ -728,8 +750,8 @@ def test_fused_moe_quant_is_captured_in_a_cuda_graph(kind: str) -> None:
         w2, s2 = _fp8_experts(experts, hidden, inter, (128, 128), g)
         tensors = [t.cuda() for t in (w13, s13, w2, s2)]
         config = None
-        if kind == "fp8-quantized-first":  # activations quantized by a launch of their own
-            config = {**tile_config_fp8(32, experts, (128, 128)), "QUANT_A": 0}
+        if kind == "fp8-quantized-in-loop":  # activations quantized in the K loop
+            config = {**tile_config_fp8(32, experts, (128, 128)), "QUANT_A": 1}
 
         def run(x, weights, chosen):
             return fused_moe_fp8(x, *tensors, weights, chosen, (128, 128), config=config)
