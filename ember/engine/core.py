@@ -26,8 +26,11 @@ from ember.engine.expert_load import ExpertLoadMeter
 from ember.engine.kv_connector import KVConnector, ShardReader, shard_layout
 from ember.engine.kv_tiers import (
     PrefillClock,
+    WorkerReplicas,
+    build_replica,
     build_tiers,
     model_fingerprint,
+    parallel_tier_config,
     start_host_memory,
 )
 from ember.engine.memory import log_memory, size_kv_cache
@@ -64,6 +67,7 @@ from ember.models.loader import WeightsLoading, build_model, describe_weights, f
 
 if TYPE_CHECKING:
     from ember.kernels.compile_workers import CompileWorkers
+    from ember.kv.tiers.replica import HostReplica
 
 log = logging.getLogger(__name__)
 steps_log = logging.getLogger("ember.engine.steps")
@@ -142,11 +146,12 @@ class EngineCore:
             early = compile_probes_early(stand_in, self._warmup_batches()[:PROBES])
         loading = None
         # The host tier's memory grows from now on, beside the load and the compile.
-        self._host_memory = None
-        if self.parallel.size == 1:
-            self._host_memory = start_host_memory(
-                config, self.device, r.kv_block_bytes, r.max_model_len
-            )
+        # Every rank's: a tensor-parallel engine's workers repeat rank 0's tier copies on their
+        # own heads (ember/kv/tiers/replica.py).
+        self._host_memory = start_host_memory(
+            parallel_tier_config(config), self.device, r.kv_block_bytes, r.max_model_len
+        )
+        self.replica: HostReplica | None = None
         try:
             # With the start-up compile to come, the weights load on a thread beside it, and
             # beside the KV sizing and the graphs' capture after it (none of them needs the
@@ -160,7 +165,8 @@ class EngineCore:
             self._kv_and_scheduler(clock, total - free0, total)
             if on_gpu and not config.enforce_eager:
                 # The host tier pins its memory in the background: not while graphs are captured.
-                paused = self.tiers.growth_paused() if self.tiers else contextlib.nullcontext()
+                memory = self.tiers.host.memory if self.tiers else self._host_memory
+                paused = memory.paused() if memory is not None else contextlib.nullcontext()
                 with paused:
                     self.runner.capture_cuda_graphs(*self._graph_plan())
                 clock.mark("cuda graphs")
@@ -173,8 +179,14 @@ class EngineCore:
             if self.workers is not None:  # a start that failed: no worker is left behind
                 self.workers.close()
                 parallel_state.close()
-            if self._host_memory is not None and getattr(self, "tiers", None) is None:
+            if (
+                self._host_memory is not None
+                and getattr(self, "tiers", None) is None
+                and self.replica is None
+            ):
                 self._host_memory.close()  # its growth stops with the start
+            if self.replica is not None:
+                self.replica.close()
             raise
         finally:
             if early is not None:
@@ -298,6 +310,15 @@ class EngineCore:
             self.tiers, self.connector = None, None
             if transport is not None and layout is not None:
                 self.kv_reader = ShardReader(transport, self.runner.kv_cache, layout)
+            if config.enable_prefix_caching:
+                self.replica = build_replica(
+                    parallel_tier_config(config),
+                    self.runner.kv_cache,
+                    r.max_model_len,
+                    self._host_memory,
+                )
+            elif self._host_memory is not None:
+                self._host_memory.close()
             return
         if self.runner.drafter is not None:
             self.runner.drafter.allocate_kv_cache(num_blocks)
@@ -307,14 +328,15 @@ class EngineCore:
         namespace = (
             f"{self.model_config.architecture}|{fingerprint}|{r.dtype}|bs={config.block_size}"
         )
-        self.tiers = None
-        if self.parallel.is_parallel:
-            if config.kv_host_gb or config.kv_disk_dir or config.kv_store:
-                log.warning("KV tiers are off with tensor_parallel_size > 1")
-        else:
-            self.tiers = build_tiers(
-                config, self.runner.kv_cache, fingerprint, r.max_model_len, self._host_memory
-            )
+        self._replicas = WorkerReplicas(self.workers) if self.workers is not None else None
+        self.tiers = build_tiers(
+            parallel_tier_config(config),
+            self.runner.kv_cache,
+            fingerprint,
+            r.max_model_len,
+            self._host_memory,
+            self._replicas,
+        )
         self.kv = KVCacheManager(
             num_blocks,
             config.block_size,
@@ -626,6 +648,8 @@ class EngineCore:
             self.kv_reader.close()
         if self.tiers is not None:
             self.tiers.close()  # after the writes queued so far: a restart finds them on disk
+        if self.replica is not None:
+            self.replica.close()
         if self.workers is not None:
             self.workers.close()
             self.workers = None
@@ -801,6 +825,8 @@ class EngineCore:
             t.host.memory.pace = "busy"
         else:
             t.host.memory.pace = "hold"
+        if self._replicas is not None:
+            self._replicas.pace(t.host.memory.pace)
 
     def _offloading(self) -> bool:
         return self.tiers is not None and self.tiers.pending_offloads > 0

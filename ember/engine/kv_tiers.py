@@ -3,6 +3,7 @@ same on every node, and the TierManager built from the engine's settings."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -13,14 +14,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ember.engine.step_plan import TierCopy, TierFence, TierPace
 from ember.kv.tiers import BlockLayout, CostModel, DiskTier, HostTier, Tier, TierManager
 from ember.kv.tiers.host_memory import HostMemory, Pace
+from ember.kv.tiers.replica import HostReplica, Replicas
 from ember.models.checkpoint_files import safetensors_files
 
 if TYPE_CHECKING:
     from ember.engine.config import EngineConfig
     from ember.engine.model_runner import PendingStep
     from ember.engine.scheduler import SchedulerOutput
+    from ember.engine.workers import Workers
 
 log = logging.getLogger(__name__)
 
@@ -71,16 +75,19 @@ _default_claims: dict[int, int] = {}
 
 
 def host_tier_bytes(config: EngineConfig, device: torch.device) -> int:
-    """The host tier's size: `kv_host_gb`, else the default for the device (0 on the CPU).
+    """This rank's host tier size: `kv_host_gb`, else the default for the device (0 on the
+    CPU), over the engine's tensor-parallel ranks (each holds its heads of every block: the
+    same blocks in 1/N of the bytes each, so the engine holds as many as one device would).
 
     The default, min(32 GiB, 20% of RAM), is one budget for the whole process, shared by the
     default-sized tiers of its engines: three engines in one process each pinning 20% of RAM
     (a test with three `LLM`s on an H200 machine) were killed for memory."""
+    ranks = max(config.tensor_parallel_size, 1)
     if config.kv_host_gb is not None:
-        return int(config.kv_host_gb * GiB)
+        return int(config.kv_host_gb * GiB) // ranks
     if device.type != "cuda":
         return 0
-    budget = min(HOST_TIER_MAX_BYTES, int(physical_memory_bytes() * HOST_TIER_RAM_SHARE))
+    budget = min(HOST_TIER_MAX_BYTES, int(physical_memory_bytes() * HOST_TIER_RAM_SHARE)) // ranks
     left = budget - sum(_default_claims.values())
     if left < MIN_DEFAULT_HOST_BYTES:
         log.info("KV host tier off: this process's other engines hold its default budget")
@@ -134,16 +141,65 @@ def start_host_memory(
     return HostMemory(block_bytes, num_blocks, pin=True, pace=START_PACE)
 
 
+def parallel_tier_config(config: EngineConfig) -> EngineConfig:
+    """The settings a tensor-parallel engine's tiers are built from: the host tier only (each
+    rank's blocks hold its heads; disk and store keep whole blocks of one rank)."""
+    if config.tensor_parallel_size <= 1 or (config.kv_disk_dir is None and config.kv_store is None):
+        return config
+    log.warning(
+        "KV disk and store tiers are off with tensor_parallel_size > 1 (the host tier is on)"
+    )
+    return dataclasses.replace(config, kv_disk_dir=None, kv_store=None)
+
+
+class WorkerReplicas:
+    """Rank 0's tier copies and fences, sent to the other ranks after the steps they follow
+    (ember/kv/tiers/replica.py)."""
+
+    def __init__(self, workers: Workers) -> None:
+        self.workers = workers
+        self._pace: str | None = None
+
+    def copy(self, up: bool, slots: list[int], gpu_ids: list[int]) -> None:
+        self.workers.send(TierCopy(up, list(slots), list(gpu_ids)))
+
+    def fence(self, block_ids: list[int]) -> None:
+        self.workers.send(TierFence(list(block_ids)))
+
+    def pace(self, pace: str) -> None:
+        if pace != self._pace:
+            self._pace = pace
+            self.workers.send(TierPace(pace))
+
+
+def build_replica(
+    config: EngineConfig, kv_cache: torch.Tensor, max_model_len: int, memory: HostMemory | None
+) -> HostReplica | None:
+    """A tensor-parallel worker's copy of rank 0's host tier over its `kv_cache`, in `memory`
+    (started with the engine) when it fits; None when the engine has no host tier."""
+    gpu_blocks = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
+    rows = host_tier_blocks(config, kv_cache.device, gpu_blocks.shape[1], max_model_len)
+    if memory is not None and (memory.row_bytes, memory.target_rows) != (gpu_blocks.shape[1], rows):
+        memory.close()
+        memory = None
+    if not rows:
+        return None
+    if memory is None:
+        memory = HostMemory(gpu_blocks.shape[1], rows, pin=kv_cache.is_cuda, pace="hold")
+    return HostReplica(memory, gpu_blocks)
+
+
 def build_tiers(
     config: EngineConfig,
     kv_cache: torch.Tensor,
     model: str,
     max_model_len: int,
     memory: HostMemory | None = None,
+    replicas: Replicas | None = None,
 ) -> TierManager | None:
     """The TierManager over `kv_cache` (block-major), or None when no tier is on. `model` is the
     model fingerprint that disk entries and store keys carry; `memory` the host tier's, started
-    with the engine (`start_host_memory`)."""
+    with the engine (`start_host_memory`); `replicas` a tensor-parallel engine's other ranks."""
     layout = BlockLayout.from_kv_cache(kv_cache, model)
     num_blocks = host_tier_blocks(config, kv_cache.device, layout.nbytes, max_model_len)
     if memory is not None and (memory.row_bytes, memory.target_rows) != (
@@ -206,7 +262,13 @@ def build_tiers(
         f", store {config.kv_store}" if config.kv_store else "",
     )
     return TierManager(
-        layout, gpu_blocks, host, lower, CostModel(layout), record_events=config.kv_events
+        layout,
+        gpu_blocks,
+        host,
+        lower,
+        CostModel(layout),
+        record_events=config.kv_events,
+        replicas=replicas,
     )
 
 

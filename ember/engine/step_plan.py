@@ -83,7 +83,32 @@ class LoadKV(msgspec.Struct, tag="load_kv", array_like=True):
     """Block ids there and here, pairwise (the blocks cached here already left out)."""
 
 
-Message = StepPlan | StopWorkers | LoadKV
+class TierCopy(msgspec.Struct, tag="tier_copy", array_like=True):
+    """Rank 0's KV host tier copied blocks between its cache and its host memory: every rank
+    makes the same copy of its own heads, between its cache and its own host memory (the same
+    slots), after what it was sent before (ember/kv/tiers/replica.py)."""
+
+    up: bool
+    """Host -> cache (a load); else cache -> host (an offload)."""
+    slots: list[int]
+    gpu_ids: list[int]
+
+
+class TierFence(msgspec.Struct, tag="tier_fence", array_like=True):
+    """The next step reads blocks just loaded, or writes blocks handed out again: each rank's
+    device waits first for its tier copies still under way that touch them."""
+
+    block_ids: list[int]
+
+
+class TierPace(msgspec.Struct, tag="tier_pace", array_like=True):
+    """How each rank's host tier memory grows from now on (ember/kv/tiers/host_memory.py)."""
+
+    pace: str
+
+
+TierMessage = TierCopy | TierFence | TierPace
+Message = StepPlan | StopWorkers | LoadKV | TierCopy | TierFence | TierPace
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -4,7 +4,9 @@ It reads (config, rank, size, rendezvous, plan address, hello address, reports a
 pid) from its stdin, dies with
 the engine core that started it, joins the process group, builds the engine's start-up for its
 rank, and runs every step plan rank 0 sends until told to stop. A decode engine's worker also
-reads its heads of a prompt's KV when rank 0 says (`LoadKV`), and reports how that went."""
+reads its heads of a prompt's KV when rank 0 says (`LoadKV`), and reports how that went; with a
+host tier it repeats rank 0's copies between its cache and host memory (`TierCopy`, `TierFence`,
+`TierPace`: ember/kv/tiers/replica.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ember.engine.kv_connector import ShardReader
-    from ember.engine.step_plan import LoadKV
+    from ember.engine.step_plan import LoadKV, TierMessage
+    from ember.kv.tiers.replica import HostReplica
 
 
 def main() -> None:
@@ -39,7 +42,7 @@ def main() -> None:
     from ember.distributed import state
     from ember.engine.core import EngineCore
     from ember.engine.expert_load import ExpertLoadMeter
-    from ember.engine.step_plan import LoadKV, StopWorkers, decode
+    from ember.engine.step_plan import LoadKV, StopWorkers, TierCopy, TierFence, TierPace, decode
 
     if config.device == "cpu":
         torch.set_num_threads(config.cpu_threads or 1)
@@ -75,6 +78,8 @@ def main() -> None:
                     break
                 if isinstance(msg, LoadKV):
                     loading[msg.load_id] = reads.submit(_read_kv, core.kv_reader, msg)
+                elif isinstance(msg, TierCopy | TierFence | TierPace):
+                    _tier(core.replica, msg)
                 else:
                     runner.run(msg, None)
             for load_id in [i for i, f in loading.items() if f.done()]:
@@ -92,6 +97,20 @@ def main() -> None:
         ctx.term()
         core.close()
         state.close()
+
+
+def _tier(replica: HostReplica | None, msg: TierMessage) -> None:
+    """Rank 0's host tier copy, fence or pace, on this rank's heads."""
+    from ember.engine.step_plan import TierCopy, TierFence
+
+    if replica is None:
+        raise RuntimeError("rank 0 sent a KV tier copy, but this rank has no host tier")
+    if isinstance(msg, TierCopy):
+        replica.copy(msg.up, msg.slots, msg.gpu_ids)
+    elif isinstance(msg, TierFence):
+        replica.fence(msg.block_ids)
+    else:
+        replica.set_pace(msg.pace)  # type: ignore[arg-type]  # rank 0 sends a Pace
 
 
 def _read_kv(reader: ShardReader | None, load: LoadKV) -> int | None:

@@ -200,6 +200,7 @@ class HostMemory:
         self._pace: Pace = pace
         self._num_rows = 0
         self._rows_lock = threading.Lock()  # a chunk's arrival against `attach`
+        self._adding = threading.Lock()  # one chunk at a time: the growth thread or `grow_to`
         self._closed = False
         self._thread: threading.Thread | None = None
         # A memory dropped without close() (an engine never closed) must still be unpinned
@@ -278,6 +279,21 @@ class HostMemory:
             last_c = c
         return out
 
+    def copy_in(
+        self, slots: Sequence[int], src: torch.Tensor, ids: Sequence[int], non_blocking: bool
+    ) -> None:
+        """Rows `ids` of `src` (a KV cache as uint8 [blocks, row_bytes]) into `slots`: one copy
+        per run of rows both sides have in a row (within a chunk)."""
+        for chunk, r, g, n in self.runs(slots, ids):
+            chunk[r : r + n].copy_(src[g : g + n], non_blocking=non_blocking)
+
+    def copy_out(
+        self, slots: Sequence[int], dst: torch.Tensor, ids: Sequence[int], non_blocking: bool
+    ) -> None:
+        """`slots` into rows `ids` of `dst`, one copy per run (see `copy_in`)."""
+        for chunk, r, g, n in self.runs(slots, ids):
+            dst[g : g + n].copy_(chunk[r : r + n], non_blocking=non_blocking)
+
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """No allocation runs inside this block, in any host tier of the process (one under way
@@ -292,6 +308,13 @@ class HostMemory:
             with _Growth.cond:
                 _Growth.paused -= 1
                 _Growth.cond.notify_all()
+
+    def grow_to(self, rows: int) -> None:
+        """Allocate chunks now, on this thread, until `rows` rows (at most `target_rows`) are
+        there: a tensor-parallel worker's copy of rank 0's tier, asked for a slot that its own
+        growth has not reached yet (ember/kv/tiers/replica.py)."""
+        while self._num_rows < min(rows, self.target_rows) and not self._closed:
+            self._add_chunk()
 
     def wait_full(self, timeout_s: float | None = None) -> bool:
         """Whether every row is allocated (waiting up to `timeout_s`); False if growth stopped.
@@ -316,6 +339,11 @@ class HostMemory:
         _unpin_released()
 
     def _add_chunk(self) -> None:
+        with self._adding:
+            if self._num_rows < self.target_rows:
+                self._add_chunk_now()
+
+    def _add_chunk_now(self) -> None:
         rows = min(self.rows_per_chunk, self.target_rows - self._num_rows)
         if self._allocate is _pinned:
             threads = FAULT_THREADS if self._pace == "idle" else 1

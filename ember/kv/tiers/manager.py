@@ -55,6 +55,7 @@ from ember.kv.tiers.cost import CostModel
 from ember.kv.tiers.host import HostTier
 from ember.kv.tiers.lower import Fetch, LowerTiers
 from ember.kv.tiers.prefetch import GRACE_S, Found, LookupPrefetch
+from ember.kv.tiers.replica import Replicas
 
 log = logging.getLogger(__name__)
 
@@ -90,23 +91,6 @@ class _Load:
         return self.fetch is None or self.fetch.done.is_set()
 
 
-def _to_host(
-    host: HostTier, slots: Sequence[int], gpu: torch.Tensor, ids: Sequence[int], non_blocking: bool
-) -> None:
-    """GPU rows `ids` into host slots `slots`: one copy per run of rows both sides have in a row
-    (within a chunk of the host's memory)."""
-    for chunk, r, g, n in host.memory.runs(slots, ids):
-        chunk[r : r + n].copy_(gpu[g : g + n], non_blocking=non_blocking)
-
-
-def _to_gpu(
-    gpu: torch.Tensor, ids: Sequence[int], host: HostTier, slots: Sequence[int], non_blocking: bool
-) -> None:
-    """Host slots `slots` into GPU rows `ids`, one copy per run (see `_to_host`)."""
-    for chunk, r, g, n in host.memory.runs(slots, ids):
-        gpu[g : g + n].copy_(chunk[r : r + n], non_blocking=non_blocking)
-
-
 class TierManager:
     """Owns the host tier and the lower tiers; the engine's only door to them."""
 
@@ -121,6 +105,7 @@ class TierManager:
         record_events: bool = False,
         lookup_grace_s: float = GRACE_S,
         max_prefetch_blocks: int | None = None,
+        replicas: Replicas | None = None,
     ) -> None:
         """`gpu_blocks`: the KV cache viewed as uint8 [num_blocks, nbytes]. `lower`: disk and / or
         store, searched in that order. `max_pending_writes`: blocks waiting for the lower tiers
@@ -129,7 +114,9 @@ class TierManager:
         `drain_events` (host and disk, and the store's "stored" events for what this engine wrote).
         `lookup_grace_s`: how long a request's admission may wait for its store lookup.
         `max_prefetch_blocks`: blocks read ahead of admission at once, beyond which prefetches
-        are skipped (default: the write backlog's limit)."""
+        are skipped (default: the write backlog's limit). `replicas`: a tensor-parallel
+        engine's other ranks, which repeat every copy between cache and host on their own heads
+        (ember/kv/tiers/replica.py)."""
         if gpu_blocks.dtype != torch.uint8 or gpu_blocks.dim() != 2:
             raise ValueError(
                 f"gpu_blocks must be uint8 [num_blocks, nbytes], got {gpu_blocks.dtype}"
@@ -141,6 +128,7 @@ class TierManager:
             )
         self.layout = layout
         self.gpu_blocks = gpu_blocks
+        self.replicas = replicas
         self.host = host
         self.cost = cost
         self.counters = Counters(["cpu", *(t.medium for t in lower)])
@@ -308,6 +296,9 @@ class TierManager:
                 continue
             self._end_copy(load)
             del self._loads[load.load_id]
+            if self.replicas is not None and load.num_ok:
+                # The steps that read these blocks come next: the other ranks' too.
+                self.replicas.fence(load.gpu_ids[: load.num_ok])
             out.append((load.load_id, load.num_ok))
         return out
 
@@ -322,6 +313,8 @@ class TierManager:
             load.fetch.cancelled = True
         if load.copy is not None:
             torch.cuda.current_stream(self.gpu_blocks.device).wait_event(load.copy[1])
+        if self.replicas is not None and load.copying and load.num_ok:
+            self.replicas.fence(load.gpu_ids[: load.num_ok])
         self._draining.append(load)
         self._reap_draining()
 
@@ -364,10 +357,12 @@ class TierManager:
                     self._d2h.wait_event(after)
                 else:
                     self._d2h.wait_stream(compute)
-                _to_host(self.host, job.slots, self.gpu_blocks, job.gpu_ids, True)
+                self.host.memory.copy_in(job.slots, self.gpu_blocks, job.gpu_ids, True)
                 job.done = torch.cuda.Event()
                 job.done.record(self._d2h)
         self._offloads.append(job)
+        if self.replicas is not None:
+            self.replicas.copy(False, job.slots, job.gpu_ids)
 
     def step_done(self) -> None:
         """Commit finished GPU -> host copies (on CPU: make them now) and queue them for the lower
@@ -386,6 +381,11 @@ class TierManager:
     def fence(self, block_ids: Iterable[int] | None = None) -> None:
         """Make the GPU's current stream wait for copies still reading `block_ids` (all if None)
         before it runs what comes next; the host does not wait (on CPU, the copies are made now)."""
+        if self.replicas is not None:
+            ids = list(range(self.gpu_blocks.shape[0]) if block_ids is None else block_ids)
+            block_ids = ids
+            if ids:
+                self.replicas.fence(ids)  # theirs may still run when ours have ended
         if self._offloads:
             stream = torch.cuda.current_stream(self.gpu_blocks.device) if self._cuda else None
             self._wait_offloads(block_ids, stream)
@@ -456,7 +456,7 @@ class TierManager:
     def _copy_down(self, job: _Offload) -> None:
         """GPU -> host on CPU, once."""
         if not job.copied:
-            _to_host(self.host, job.slots, self.gpu_blocks, job.gpu_ids, False)
+            self.host.memory.copy_in(job.slots, self.gpu_blocks, job.gpu_ids, False)
             job.copied = True
 
     def _end_fetch(self, load: _Load) -> None:
@@ -477,10 +477,12 @@ class TierManager:
         if load.num_ok == 0:
             return
         gpu_ids = load.gpu_ids[: load.num_ok]
+        if self.replicas is not None:
+            self.replicas.copy(True, load.slots, gpu_ids)
         # A freed block may still be being copied out (offloaded just before its request ended).
         if not self._cuda:
             self._wait_offloads(gpu_ids, None)
-            _to_gpu(self.gpu_blocks, gpu_ids, self.host, load.slots, False)
+            self.host.memory.copy_out(load.slots, self.gpu_blocks, gpu_ids, False)
             return
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         compute = torch.cuda.current_stream(self.gpu_blocks.device)
@@ -488,7 +490,7 @@ class TierManager:
             self._h2d.wait_stream(compute)
             self._wait_offloads(gpu_ids, self._h2d)
             start.record(self._h2d)
-            _to_gpu(self.gpu_blocks, gpu_ids, self.host, load.slots, True)
+            self.host.memory.copy_out(load.slots, self.gpu_blocks, gpu_ids, True)
             end.record(self._h2d)
         load.copy = (start, end)
 

@@ -1,0 +1,109 @@
+"""The KV host tier of a tensor-parallel engine on the CPU (gloo, 2 processes): with a device pool
+too small for two sessions, an agent's next turn is loaded from host memory on every rank (rank 0
+decides, the other repeats its copies on its own heads), and its greedy tokens and logprobs equal
+one process computing everything; disk and store stay off with a warning."""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from ember import LLM, SamplingParams
+from ember.engine.config import EngineConfig
+from ember.engine.kv_tiers import host_tier_bytes, parallel_tier_config
+
+BLOCK = 16
+POOL = 48  # device blocks: one session of ~38 blocks fits, two do not
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, ignore_eos=True)
+
+
+def session(seed: int, n: int = 600) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 3000) for _ in range(n)]
+
+
+A, B = session(1), session(2)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir) -> Path:  # type: ignore[no-untyped-def]
+    return tiny_model_dir("llama")
+
+
+def engine(model: Path, **kwargs: object) -> LLM:
+    return LLM(
+        str(model),
+        dtype="float32",
+        max_model_len=POOL * BLOCK,
+        num_kv_blocks=POOL,
+        cpu_threads=1,
+        **kwargs,
+    )
+
+
+def answer(llm: LLM, prompt: list[int]) -> tuple[list[int], list[dict]]:
+    out = llm.generate([prompt], GREEDY)[0].outputs[0]
+    return list(out.token_ids), list(out.logprobs)
+
+
+def assert_same(got: tuple[list[int], list[dict]], want: tuple[list[int], list[dict]]) -> None:
+    assert got[0] == want[0]
+    for pos_g, pos_w in zip(got[1], want[1], strict=True):
+        assert pos_g.keys() == pos_w.keys()
+        for t in pos_w:
+            assert abs(pos_g[t].logprob - pos_w[t].logprob) <= 1e-4
+
+
+def test_next_turn_of_an_evicted_session_loads_from_host_on_two_ranks(model: Path) -> None:
+    reference = engine(model, enable_prefix_caching=False)
+    try:
+        a1_want = answer(reference, A)
+        a2_prompt = A + a1_want[0] + session(3, 20)
+        a2_want = answer(reference, a2_prompt)
+    finally:
+        reference.close()
+    llm = engine(model, kv_host_gb=0.05, tensor_parallel_size=2)
+    core = llm.engine.core
+    try:
+        assert core.tiers is not None and core.tiers.replicas is not None
+        assert_same(answer(llm, A), a1_want)
+        answer(llm, B)  # takes most of A's device blocks, on both ranks
+        hashes = core.kv.update_block_hashes([], a2_prompt, None)
+        on_device = 0
+        while core.kv.pool.get_cached_block(hashes[on_device]) is not None:
+            on_device += 1
+        known = (len(A) + GREEDY.max_tokens - 1) // BLOCK
+        assert on_device < known - 4, "the device pool kept the session: nothing to show"
+        out = llm.generate([a2_prompt], GREEDY)[0]
+        # Every block turn 1 computed was reused, most of them from host memory: rank 1's heads
+        # of those blocks came back from its own host memory, or its tokens would differ.
+        assert out.num_cached_tokens == known * BLOCK
+        host = core.stats().kv_tiers["cpu"]
+        assert host.hits == known - on_device and host.loads == 1
+        assert_same((list(out.outputs[0].token_ids), list(out.outputs[0].logprobs)), a2_want)
+    finally:
+        llm.close()
+
+
+def test_each_rank_holds_its_share_of_the_host_tier() -> None:
+    one = EngineConfig(model="m", kv_host_gb=8)
+    four = EngineConfig(model="m", kv_host_gb=8, tensor_parallel_size=4)
+    cpu = torch.device("cpu")
+    assert host_tier_bytes(four, cpu) * 4 == host_tier_bytes(one, cpu) == 8 << 30
+
+
+def test_disk_and_store_are_off_on_several_ranks(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = EngineConfig(
+        model="m", kv_host_gb=1, kv_disk_dir=str(tmp_path), tensor_parallel_size=2
+    )
+    with caplog.at_level(logging.WARNING):
+        tiers = parallel_tier_config(config)
+    assert tiers.kv_disk_dir is None and tiers.kv_store is None and tiers.kv_host_gb == 1
+    assert "disk and store tiers are off" in caplog.text
+    assert parallel_tier_config(EngineConfig(model="m", kv_disk_dir=str(tmp_path))).kv_disk_dir
