@@ -246,8 +246,9 @@ def add_kv_tier_args(p: Group) -> None:
         "--kv-host-gb",
         type=float,
         default=None,
-        help="GiB of (pinned) host memory for KV blocks evicted from the device; 0: off "
-        "(default: min(32, 20%% of RAM) on a GPU, off on the CPU)",
+        help="GiB of (pinned) host memory for KV blocks evicted from the device, the engine's "
+        "over all its tensor-parallel ranks; 0: off (default: min(32, 20%% of RAM) on a GPU, "
+        "off on the CPU)",
     )
     p.add_argument(
         "--kv-eviction",
