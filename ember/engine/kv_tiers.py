@@ -253,11 +253,13 @@ def build_tiers(
         host.close()  # stop its growth: the engine is not starting
         raise
     gpu_blocks = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
+    ranks = config.tensor_parallel_size
     log.info(
-        "KV tiers: host %d blocks (%.2f GiB, growing from %.2f GiB)%s%s",
+        "KV tiers: host %d blocks (%.2f GiB, growing from %.2f GiB%s)%s%s",
         num_blocks,
         num_blocks * layout.nbytes / GiB,
         host.capacity_blocks * layout.nbytes / GiB,
+        f"; each of {ranks} ranks its heads' share" if ranks > 1 else "",
         f", disk {config.kv_disk_dir} ({config.kv_disk_gb:g} GiB)" if config.kv_disk_dir else "",
         f", store {config.kv_store}" if config.kv_store else "",
     )
