@@ -259,7 +259,7 @@ def build_tiers(
         num_blocks,
         num_blocks * layout.nbytes / GiB,
         host.capacity_blocks * layout.nbytes / GiB,
-        f"; each of {ranks} ranks its heads' share" if ranks > 1 else "",
+        f"; a rank's, on each of {ranks} ranks" if ranks > 1 else "",
         f", disk {config.kv_disk_dir} ({config.kv_disk_gb:g} GiB)" if config.kv_disk_dir else "",
         f", store {config.kv_store}" if config.kv_store else "",
     )
