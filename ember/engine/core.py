@@ -26,6 +26,7 @@ from ember.engine.expert_load import ExpertLoadMeter
 from ember.engine.kv_connector import KVConnector, ShardReader, shard_layout
 from ember.engine.kv_tiers import (
     PrefillClock,
+    WorkerLowerChannel,
     WorkerReplicas,
     build_replica,
     build_tiers,
@@ -336,6 +337,7 @@ class EngineCore:
             r.max_model_len,
             self._host_memory,
             self._replicas,
+            WorkerLowerChannel(self.workers) if self.workers is not None else None,
         )
         self.kv = KVCacheManager(
             num_blocks,

@@ -14,10 +14,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ember.engine.step_plan import TierCopy, TierFence, TierPace
+from ember.engine.step_plan import TierCopy, TierFence, TierLower, TierPace, TierTouch
 from ember.kv.tiers import BlockLayout, CostModel, DiskTier, HostTier, Tier, TierManager
 from ember.kv.tiers.host_memory import HostMemory, Pace
-from ember.kv.tiers.replica import HostReplica, Replicas
+from ember.kv.tiers.replica import (
+    Ack,
+    HostReplica,
+    LowerChannel,
+    LowerReplica,
+    Replicas,
+    ShardedTier,
+)
 from ember.models.checkpoint_files import safetensors_files
 
 if TYPE_CHECKING:
@@ -142,14 +149,69 @@ def start_host_memory(
 
 
 def parallel_tier_config(config: EngineConfig) -> EngineConfig:
-    """The settings a tensor-parallel engine's tiers are built from: the host tier only (each
-    rank's blocks hold its heads; disk and store keep whole blocks of one rank)."""
-    if config.tensor_parallel_size <= 1 or (config.kv_disk_dir is None and config.kv_store is None):
+    """The settings a tensor-parallel engine's tiers are built from: host and disk (each rank
+    its heads' share of every block), no store (its entries are whole blocks of one rank)."""
+    if config.tensor_parallel_size <= 1 or config.kv_store is None:
         return config
-    log.warning(
-        "KV disk and store tiers are off with tensor_parallel_size > 1 (the host tier is on)"
+    log.warning("the KV store tier is off with tensor_parallel_size > 1 (host and disk are on)")
+    return dataclasses.replace(config, kv_store=None)
+
+
+def rank_disk_dir(config: EngineConfig, rank: int) -> Path:
+    """Where a rank of a tensor-parallel engine keeps its disk tier's blocks: a directory a rank
+    under `kv_disk_dir`, named by the engine's size (another size splits the heads otherwise)."""
+    assert config.kv_disk_dir is not None
+    return Path(config.kv_disk_dir) / f"tp{config.tensor_parallel_size}-rank{rank}"
+
+
+class WorkerLowerChannel:
+    """Rank 0's disk thread's way to the other ranks' disk tiers: jobs out with the step plans
+    (in order after the copies they follow), answers back on a socket only that thread reads."""
+
+    def __init__(self, workers: Workers) -> None:
+        self.workers = workers
+        self._answers: dict[int, dict[int, int]] = {}
+
+    def send(self, job_id: int, write: bool, keys: list[bytes], slots: list[int]) -> None:
+        self.workers.send(TierLower(job_id, write, keys, slots))
+
+    def touch(self, keys: list[bytes]) -> None:
+        self.workers.send(TierTouch(keys))
+
+    def wait(self, job_id: int, timeout_s: float) -> list[int] | None:
+        deadline = time.monotonic() + timeout_s
+        want = self.workers.size - 1
+        while len(self._answers.get(job_id, {})) < want:
+            left = deadline - time.monotonic()
+            if left <= 0 or self.workers.failure is not None:
+                self._answers.pop(job_id, None)
+                return None
+            if self.workers.tier_acks.poll(min(int(left * 1000) + 1, 100)):
+                _, rank, done_id, count = self.workers.tier_acks.recv().decode().split()
+                self._answers.setdefault(int(done_id), {})[int(rank)] = int(count)
+        return list(self._answers.pop(job_id).values())
+
+
+def build_lower_replica(
+    config: EngineConfig,
+    kv_cache: torch.Tensor,
+    model: str,
+    replica: HostReplica | None,
+    rank: int,
+    ack: Ack,
+) -> LowerReplica | None:
+    """A tensor-parallel worker's disk tier, doing rank 0's writes and reads with `replica`'s
+    host memory; None without a disk tier."""
+    if config.kv_disk_dir is None or replica is None:
+        return None
+    layout = BlockLayout.from_kv_cache(kv_cache, model)
+    disk = DiskTier(
+        rank_disk_dir(config, rank),
+        int(config.kv_disk_gb * GiB) // config.tensor_parallel_size,
+        layout,
+        config.kv_eviction,  # type: ignore[arg-type]  # checked by EngineConfig
     )
-    return dataclasses.replace(config, kv_disk_dir=None, kv_store=None)
+    return LowerReplica(replica, disk, ack)
 
 
 class WorkerReplicas:
@@ -196,10 +258,12 @@ def build_tiers(
     max_model_len: int,
     memory: HostMemory | None = None,
     replicas: Replicas | None = None,
+    lower_channel: LowerChannel | None = None,
 ) -> TierManager | None:
     """The TierManager over `kv_cache` (block-major), or None when no tier is on. `model` is the
     model fingerprint that disk entries and store keys carry; `memory` the host tier's, started
-    with the engine (`start_host_memory`); `replicas` a tensor-parallel engine's other ranks."""
+    with the engine (`start_host_memory`); `replicas` and `lower_channel` a tensor-parallel
+    engine's other ranks (their copies, and their disk tiers' jobs)."""
     layout = BlockLayout.from_kv_cache(kv_cache, model)
     num_blocks = host_tier_blocks(config, kv_cache.device, layout.nbytes, max_model_len)
     if memory is not None and (memory.row_bytes, memory.target_rows) != (
@@ -229,14 +293,16 @@ def build_tiers(
     lower: list[Tier] = []
     try:
         if config.kv_disk_dir is not None:
-            lower.append(
-                DiskTier(
-                    config.kv_disk_dir,
-                    int(config.kv_disk_gb * GiB),
-                    layout,
-                    config.kv_eviction,  # type: ignore[arg-type]  # checked by EngineConfig
-                )
+            ranks = config.tensor_parallel_size
+            disk: Tier = DiskTier(
+                rank_disk_dir(config, 0) if ranks > 1 else config.kv_disk_dir,
+                int(config.kv_disk_gb * GiB) // ranks,
+                layout,
+                config.kv_eviction,  # type: ignore[arg-type]  # checked by EngineConfig
             )
+            if lower_channel is not None:
+                disk = ShardedTier(disk, lower_channel)
+            lower.append(disk)
         if config.kv_store is not None:
             from ember.kv.tiers.store import StoreTier
 

@@ -107,8 +107,25 @@ class TierPace(msgspec.Struct, tag="tier_pace", array_like=True):
     pace: str
 
 
-TierMessage = TierCopy | TierFence | TierPace
-Message = StepPlan | StopWorkers | LoadKV | TierCopy | TierFence | TierPace
+class TierLower(msgspec.Struct, tag="tier_lower", array_like=True):
+    """Rank 0's disk tier writes host slots under keys, or reads keys into host slots: each rank
+    does the same with its own host memory and its own disk tier, then reports how many of the
+    keys, from the first, it stored or found (`job_id`)."""
+
+    job_id: int
+    write: bool
+    keys: list[bytes]
+    slots: list[int]
+
+
+class TierTouch(msgspec.Struct, tag="tier_touch", array_like=True):
+    """A request used these blocks: what each rank's disk tier learns reuse from."""
+
+    keys: list[bytes]
+
+
+TierMessage = TierCopy | TierFence | TierPace | TierLower | TierTouch
+Message = StepPlan | StopWorkers | LoadKV | TierCopy | TierFence | TierPace | TierLower | TierTouch
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

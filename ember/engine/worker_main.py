@@ -20,13 +20,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import zmq
+
     from ember.engine.kv_connector import ShardReader
     from ember.engine.step_plan import LoadKV, TierMessage
     from ember.kv.tiers.replica import HostReplica
 
 
 def main() -> None:
-    config, rank, size, init_method, address, hello, reports, parent = pickle.load(sys.stdin.buffer)
+    config, rank, size, init_method, address, hello, reports, acks, parent = pickle.load(
+        sys.stdin.buffer
+    )
     from ember.parent_death import die_with_parent
 
     die_with_parent(parent, signal.SIGKILL)  # no worker outlives its engine core
@@ -42,7 +46,17 @@ def main() -> None:
     from ember.distributed import state
     from ember.engine.core import EngineCore
     from ember.engine.expert_load import ExpertLoadMeter
-    from ember.engine.step_plan import LoadKV, StopWorkers, TierCopy, TierFence, TierPace, decode
+    from ember.engine.kv_tiers import build_lower_replica, model_fingerprint, parallel_tier_config
+    from ember.engine.step_plan import (
+        LoadKV,
+        StopWorkers,
+        TierCopy,
+        TierFence,
+        TierLower,
+        TierPace,
+        TierTouch,
+        decode,
+    )
 
     if config.device == "cpu":
         torch.set_num_threads(config.cpu_threads or 1)
@@ -63,6 +77,14 @@ def main() -> None:
     report = ctx.socket(zmq.PUSH)
     report.connect(reports)
     meter = ExpertLoadMeter(runner.model)
+    lower = build_lower_replica(
+        parallel_tier_config(config),
+        runner.kv_cache,
+        model_fingerprint(config.model, config.load_format, device),
+        core.replica,
+        rank,
+        _Acks(ctx, acks, rank),
+    )
     reported = None
     # KV reads run on a thread beside the steps; their outcomes go out from this loop (a ZeroMQ
     # socket belongs to one thread).
@@ -80,6 +102,13 @@ def main() -> None:
                     loading[msg.load_id] = reads.submit(_read_kv, core.kv_reader, msg)
                 elif isinstance(msg, TierCopy | TierFence | TierPace):
                     _tier(core.replica, msg)
+                elif isinstance(msg, TierLower | TierTouch):
+                    if lower is None:
+                        raise RuntimeError("rank 0 sent a disk tier job, but this rank has none")
+                    if isinstance(msg, TierLower):
+                        lower.submit(msg.job_id, msg.write, msg.keys, msg.slots)
+                    else:
+                        lower.touch(msg.keys)
                 else:
                     runner.run(msg, None)
             for load_id in [i for i, f in loading.items() if f.done()]:
@@ -91,12 +120,37 @@ def main() -> None:
                 report.send(f"expert {rank} {load}".encode(), zmq.NOBLOCK)
                 reported = load
     finally:
+        if lower is not None:
+            lower.close()  # the jobs queued so far first: their blocks on disk for a restart
         reads.shutdown(wait=True, cancel_futures=True)
         report.close(linger=0)
         plans.close(linger=0)
         ctx.term()
         core.close()
         state.close()
+
+
+class _Acks:
+    """How this rank's disk thread answers rank 0 (`lower RANK JOB_ID COUNT`): on a socket of
+    that thread's own, made at its first answer and closed by it at its end."""
+
+    def __init__(self, ctx: zmq.Context, address: str, rank: int) -> None:
+        self.ctx, self.address, self.rank = ctx, address, rank
+        self.sock: zmq.Socket | None = None
+
+    def __call__(self, job_id: int, count: int) -> None:
+        import zmq
+
+        if self.sock is None:
+            self.sock = self.ctx.socket(zmq.PUSH)
+            self.sock.setsockopt(zmq.LINGER, 1000)
+            self.sock.connect(self.address)
+        self.sock.send(f"lower {self.rank} {job_id} {count}".encode())
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
 
 def _tier(replica: HostReplica | None, msg: TierMessage) -> None:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from ember.engine.step_plan import LoadKV, StepPlan, StopWorkers, encode
+from ember.engine.step_plan import Message, StopWorkers, encode
 from ember.kv.tiers.store_master import free_port
 
 if TYPE_CHECKING:
@@ -67,10 +67,16 @@ class Workers:
         self._closing = False
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         hello, reports = f"ipc://{self.dir}/hello", f"ipc://{self.dir}/reports"
+        acks = f"ipc://{self.dir}/tier-acks"
         self.hello = self.ctx.socket(zmq.PULL)
         self.hello.bind(hello)
         self.reports = self.ctx.socket(zmq.PULL)
         self.reports.bind(reports)
+        self.tier_acks = self.ctx.socket(zmq.PULL)
+        """The workers' answers to `TierLower` (`lower RANK JOB_ID COUNT`), read by rank 0's
+        lower-tier thread alone (ember/engine/kv_tiers.WorkerLowerChannel)."""
+        self.tier_acks.bind(acks)
+        self._send_lock = threading.Lock()  # the engine thread's plans, the disk thread's jobs
         self.expert_loads: dict[int, int] = {}
         """Each worker's last reported expert load (ember/engine/expert_load.py), by rank."""
         self.kv_loads: dict[int, dict[int, tuple[bool, int]]] = {}
@@ -91,7 +97,17 @@ class Workers:
                 assert proc.stdin is not None
                 proc.stdin.write(
                     pickle.dumps(
-                        (config, rank, size, self.init_method, address, hello, reports, os.getpid())
+                        (
+                            config,
+                            rank,
+                            size,
+                            self.init_method,
+                            address,
+                            hello,
+                            reports,
+                            acks,
+                            os.getpid(),
+                        )
                     )
                 )
                 proc.stdin.close()
@@ -114,19 +130,22 @@ class Workers:
             if self.hello.poll(100):
                 waiting.discard(int(self.hello.recv()))
 
-    def send(self, plan: StepPlan | LoadKV) -> None:
-        """Every worker's copy of a step's plan, or of a KV read to make (it queues while a
-        worker is not yet reading; raises WorkerFailed rather than wait on one that ended)."""
+    def send(self, plan: Message) -> None:
+        """Every worker's copy of a step's plan, of a KV read to make or of a tier's copy or job
+        (it queues while a worker is not yet reading; raises WorkerFailed rather than wait on one
+        that ended). Any thread: the sockets are used under a lock, so each worker gets the
+        messages in the order they were sent."""
         self.check()
         data = encode(plan)
-        for sock in self.sockets:
-            while True:
-                try:
-                    sock.send(data, zmq.NOBLOCK, copy=False)
-                    break
-                except zmq.Again:
-                    sock.poll(100, zmq.POLLOUT)
-                    self.check()
+        with self._send_lock:
+            for sock in self.sockets:
+                while True:
+                    try:
+                        sock.send(data, zmq.NOBLOCK, copy=False)
+                        break
+                    except zmq.Again:
+                        sock.poll(100, zmq.POLLOUT)
+                        self.check()
 
     def check(self) -> None:
         """Raise WorkerFailed once a worker has ended."""
@@ -211,5 +230,6 @@ class Workers:
             sock.close(linger=0)
         self.hello.close(linger=0)
         self.reports.close(linger=0)
+        self.tier_acks.close(linger=0)
         self.ctx.term()
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,7 +1,8 @@
 """The KV host tier of a tensor-parallel engine on the CPU (gloo, 2 processes): with a device pool
 too small for two sessions, an agent's next turn is loaded from host memory on every rank (rank 0
 decides, the other repeats its copies on its own heads), and its greedy tokens and logprobs equal
-one process computing everything; disk and store stay off with a warning."""
+one process computing everything; after a restart it comes off every rank's own disk, and a rank
+missing its blocks makes them a miss for all; the store stays off with a warning."""
 
 from __future__ import annotations
 
@@ -89,6 +90,62 @@ def test_next_turn_of_an_evicted_session_loads_from_host_on_two_ranks(model: Pat
         llm.close()
 
 
+def test_restarted_engine_answers_the_next_turn_from_every_rank_s_disk(
+    model: Path, tmp_path: Path
+) -> None:
+    reference = engine(model, enable_prefix_caching=False)
+    try:
+        a1_want = answer(reference, A)
+        a2_prompt = A + a1_want[0] + session(3, 20)
+        a2_want = answer(reference, a2_prompt)
+    finally:
+        reference.close()
+    disk = {"kv_disk_dir": str(tmp_path), "kv_disk_gb": 0.1, "tensor_parallel_size": 2}
+    first = engine(model, **disk)
+    assert_same(answer(first, A), a1_want)
+    first.close()  # every rank's disk writes queued so far end before it returns
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tp2-rank0", "tp2-rank1"]
+
+    again = engine(model, **disk)
+    try:
+        out = again.generate([a2_prompt], GREEDY)[0]
+        stats = again.engine.core.stats().kv_tiers
+        known = (len(A) + GREEDY.max_tokens - 1) // BLOCK
+        assert stats["disk"].hits == known  # every block of turn 1 came off disk
+        assert out.num_cached_tokens == known * BLOCK
+        # Rank 1's heads came off its own disk, or its tokens would differ.
+        assert_same((list(out.outputs[0].token_ids), list(out.outputs[0].logprobs)), a2_want)
+    finally:
+        again.close()
+
+
+def test_a_rank_missing_its_blocks_makes_them_a_miss(model: Path, tmp_path: Path) -> None:
+    """Rank 1's disk emptied between two runs: rank 0's index still holds the blocks, but a
+    read counts only what every rank found, so the next turn is computed, and right."""
+    reference = engine(model, enable_prefix_caching=False)
+    try:
+        a1_want = answer(reference, A)
+        a2_prompt = A + a1_want[0] + session(3, 20)
+        a2_want = answer(reference, a2_prompt)
+    finally:
+        reference.close()
+    disk = {"kv_disk_dir": str(tmp_path), "kv_disk_gb": 0.1, "tensor_parallel_size": 2}
+    first = engine(model, **disk)
+    answer(first, A)
+    first.close()
+    blocks = list((tmp_path / "tp2-rank1").rglob("*.kv"))
+    assert len(blocks) >= len(A) // BLOCK
+    for f in blocks:
+        f.unlink()
+    again = engine(model, **disk)
+    try:
+        out = again.generate([a2_prompt], GREEDY)[0]
+        assert again.engine.core.stats().kv_tiers["disk"].hits == 0
+        assert_same((list(out.outputs[0].token_ids), list(out.outputs[0].logprobs)), a2_want)
+    finally:
+        again.close()
+
+
 def test_each_rank_holds_its_share_of_the_host_tier() -> None:
     one = EngineConfig(model="m", kv_host_gb=8)
     four = EngineConfig(model="m", kv_host_gb=8, tensor_parallel_size=4)
@@ -96,14 +153,20 @@ def test_each_rank_holds_its_share_of_the_host_tier() -> None:
     assert host_tier_bytes(four, cpu) * 4 == host_tier_bytes(one, cpu) == 8 << 30
 
 
-def test_disk_and_store_are_off_on_several_ranks(
+def test_the_store_is_off_on_several_ranks(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     config = EngineConfig(
-        model="m", kv_host_gb=1, kv_disk_dir=str(tmp_path), tensor_parallel_size=2
+        model="m",
+        kv_host_gb=1,
+        kv_disk_dir=str(tmp_path),
+        kv_store="127.0.0.1:50051",
+        tensor_parallel_size=2,
     )
     with caplog.at_level(logging.WARNING):
         tiers = parallel_tier_config(config)
-    assert tiers.kv_disk_dir is None and tiers.kv_store is None and tiers.kv_host_gb == 1
-    assert "disk and store tiers are off" in caplog.text
-    assert parallel_tier_config(EngineConfig(model="m", kv_disk_dir=str(tmp_path))).kv_disk_dir
+    assert tiers.kv_store is None and tiers.kv_disk_dir == str(tmp_path)
+    assert tiers.kv_host_gb == 1
+    assert "store tier is off" in caplog.text
+    one = EngineConfig(model="m", kv_store="127.0.0.1:50051")
+    assert parallel_tier_config(one).kv_store == "127.0.0.1:50051"

@@ -113,3 +113,73 @@ def test_bad_copies_are_refused(slots: list[int], ids: list[int], match: str) ->
 def test_rows_of_another_size_are_refused() -> None:
     with pytest.raises(ValueError, match="bytes"):
         HostReplica(HostMemory(NBYTES, 4, pin=False), blocks(4, 3)[:, :8])
+
+
+class FakeChannel:
+    """The other ranks' answers to a sharded tier's jobs, set by the test."""
+
+    def __init__(self, counts: list[int] | None) -> None:
+        self.counts = counts
+        self.sent: list[tuple] = []
+        self.touched: list[bytes] = []
+
+    def send(self, job_id: int, write: bool, keys: list[bytes], slots: list[int]) -> None:
+        self.sent.append((job_id, write, len(keys), list(slots)))
+
+    def wait(self, job_id: int, timeout_s: float) -> list[int] | None:
+        return self.counts
+
+    def touch(self, keys: list[bytes]) -> None:
+        self.touched += keys
+
+
+def test_a_sharded_tier_counts_what_every_rank_got(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from ember.kv.tiers.disk import DiskTier
+    from ember.kv.tiers.replica import ShardedTier
+
+    memory = HostMemory(NBYTES, 8, pin=False)
+    memory.copy_in(range(4), blocks(4, 4), range(4), False)
+    keys = [key(i) for i in range(4)]
+    channel = FakeChannel([4])
+    tier = ShardedTier(DiskTier(tmp_path, 1 << 20, LAYOUT), channel)
+    assert tier.put_rows(keys, memory, [0, 1, 2, 3]) == [True] * 4
+    assert channel.sent[-1][1:] == (True, 4, [0, 1, 2, 3])
+    channel.counts = [2]  # the other rank found the first two only
+    assert tier.get_into_rows(keys, memory, [4, 5, 6, 7]) == [True, True, False, False]
+    assert tier.stats().hits == 2 and tier.stats().misses >= 2
+    channel.counts = None  # a rank that does not answer: nothing counts
+    assert tier.get_into_rows(keys, memory, [4, 5, 6, 7]) == [False] * 4
+    tier.touch(keys[:1])
+    assert channel.touched == keys[:1]
+    tier.close()
+
+
+def test_a_replica_s_disk_jobs_write_and_read_its_own_rows(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from ember.kv.tiers.disk import DiskTier
+    from ember.kv.tiers.replica import LowerReplica
+
+    answers: list[tuple[int, int]] = []
+
+    class Ack:
+        closed = False
+
+        def __call__(self, job_id: int, count: int) -> None:
+            answers.append((job_id, count))
+
+        def close(self) -> None:
+            Ack.closed = True
+
+    cache = blocks(4, 5)
+    replica = HostReplica(HostMemory(NBYTES, 8, pin=False), cache)
+    replica.copy(False, [0, 1], [2, 3])
+    lower = LowerReplica(replica, DiskTier(tmp_path, 1 << 20, LAYOUT), Ack())
+    keys = [key(i) for i in range(3)]
+    lower.submit(1, True, keys[:2], [0, 1])
+    lower.submit(2, False, keys, [5, 6, 7])  # the third was never written
+    lower.submit(3, True, keys[:1], [-1])  # a bad slot: nothing stored, still answered
+    lower.close()
+    assert answers == [(1, 2), (2, 2), (3, 0)] and Ack.closed
+    assert torch.equal(replica.memory.row(5), cache[2]) and torch.equal(
+        replica.memory.row(6), cache[3]
+    )
+    replica.close()

@@ -23,11 +23,22 @@ what it has grown yet is allocated on the spot (`HostMemory.grow_to`).
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
+from ember.kv.tiers.base import Tier, TierStats, leading
 from ember.kv.tiers.host_memory import HostMemory, Pace
+
+log = logging.getLogger(__name__)
+
+LOWER_ACK_TIMEOUT_S = 60.0
+"""How long rank 0's disk thread waits for every rank's part of a write or read before it counts
+the keys as not stored, or missed."""
 
 
 class Replicas(Protocol):
@@ -55,8 +66,9 @@ class HostReplica:
         self.gpu_blocks = gpu_blocks
         self._cuda = gpu_blocks.is_cuda
         self._stream = torch.cuda.Stream(gpu_blocks.device) if self._cuda else None
-        self._pending: list[tuple[torch.cuda.Event, frozenset[int]]] = []
-        """Copies under way on the side stream: their end, and the blocks they touch."""
+        self._pending: list[tuple[torch.cuda.Event, frozenset[int], frozenset[int]]] = []
+        """Copies under way on the side stream: their end, the blocks and the slots they touch."""
+        self._lock = threading.Lock()  # the step loop's copies against the disk thread's waits
         self.copies = 0
         """Copies made (offloads and loads), for tests and logs."""
 
@@ -82,8 +94,9 @@ class HostReplica:
             move(slots, self.gpu_blocks, gpu_ids, True)
             done = torch.cuda.Event()
             done.record(self._stream)
-        self._pending = [p for p in self._pending if not p[0].query()]
-        self._pending.append((done, frozenset(gpu_ids)))
+        with self._lock:
+            self._pending = [p for p in self._pending if not p[0].query()]
+            self._pending.append((done, frozenset(gpu_ids), frozenset(slots)))
 
     def fence(self, block_ids: list[int]) -> None:
         """The device's next work waits for the copies under way that touch `block_ids` (the
@@ -92,16 +105,170 @@ class HostReplica:
             return
         wanted = set(block_ids)
         compute = torch.cuda.current_stream(self.gpu_blocks.device)
-        for done, touched in self._pending:
-            if not wanted.isdisjoint(touched):
-                compute.wait_event(done)
+        with self._lock:
+            for done, touched, _ in self._pending:
+                if not wanted.isdisjoint(touched):
+                    compute.wait_event(done)
+
+    def wait_slots(self, slots: list[int]) -> None:
+        """Wait (this thread) for the copies under way into or out of `slots`: before the disk
+        tier reads them, or writes them (rank 0 may reuse a slot whose copy here still runs)."""
+        wanted = set(slots)
+        with self._lock:
+            waits = [done for done, _, touched in self._pending if not wanted.isdisjoint(touched)]
+        for done in waits:
+            done.synchronize()
 
     def set_pace(self, pace: Pace) -> None:
         self.memory.pace = pace
 
     def close(self) -> None:
         """Wait for the copies under way, then let the memory go."""
-        for done, _ in self._pending:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for done, _, _ in pending:
             done.synchronize()
-        self._pending = []
         self.memory.close()
+
+
+class Ack(Protocol):
+    """A worker's answer to rank 0 for a lower-tier job, called from its disk thread alone."""
+
+    def __call__(self, job_id: int, count: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LowerReplica:
+    """A worker's disk tier, doing rank 0's writes and reads (`TierLower`) with its own host
+    memory, in order, on a thread of its own; `ack(job_id, n)` says how many keys, from the
+    first, it stored or found."""
+
+    def __init__(self, replica: HostReplica, tier: Tier, ack: Ack) -> None:
+        self.replica = replica
+        self.tier = tier
+        self._ack = ack
+        self._jobs: queue.Queue[tuple[int, bool, list[bytes], list[int]] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._work, name="ember-kv-disk", daemon=True)
+        self._thread.start()
+
+    def submit(self, job_id: int, write: bool, keys: list[bytes], slots: list[int]) -> None:
+        self._jobs.put((job_id, write, keys, slots))
+
+    def touch(self, keys: list[bytes]) -> None:
+        self.tier.touch(keys)
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job_id, write, keys, slots = job
+            n = 0
+            try:
+                if len(keys) != len(slots) or min(slots, default=0) < 0:
+                    raise ValueError(f"{len(keys)} keys, {len(slots)} slots")
+                self.replica.memory.grow_to(max(slots, default=-1) + 1)
+                self.replica.wait_slots(slots)
+                if write:
+                    n = leading(self.tier.put_rows(keys, self.replica.memory, slots))
+                else:
+                    n = leading(self.tier.get_into_rows(keys, self.replica.memory, slots))
+            except Exception:
+                log.exception("KV tier %s: this rank's part failed", self.tier.medium)
+            self._ack(job_id, n)
+        self._ack.close()  # this thread's socket, closed by this thread
+
+    def close(self) -> None:
+        """Finish the jobs queued so far, then close the tier."""
+        self._jobs.put(None)
+        self._thread.join(timeout=60.0)
+        self.tier.close()
+
+
+class LowerChannel(Protocol):
+    """Rank 0's way to the other ranks' lower tiers (ember/engine/kv_tiers.WorkerLowerChannel)."""
+
+    def send(self, job_id: int, write: bool, keys: list[bytes], slots: list[int]) -> None: ...
+
+    def wait(self, job_id: int, timeout_s: float) -> list[int] | None:
+        """Each other rank's count for `job_id`, or None if one did not answer in time."""
+        ...
+
+    def touch(self, keys: list[bytes]) -> None: ...
+
+
+class ShardedTier(Tier):
+    """Rank 0's lower tier on a tensor-parallel engine: rank 0's own tier (its heads of every
+    block) decides what is there; each write and read is also made by every other rank on its
+    heads, and counts only as far as every rank got (a block one rank lacks is a miss for all)."""
+
+    def __init__(self, local: Tier, channel: LowerChannel) -> None:
+        self.local = local
+        self.channel = channel
+        self.medium = local.medium
+        self.lookup_may_wait = local.lookup_may_wait
+        self._next_id = 0
+        self._short = 0
+        """Blocks rank 0 read that another rank lacked: misses, not the hits rank 0 counted."""
+
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        return self.local.contains_prefix(keys)
+
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.local.present(keys)
+
+    def put(self, keys: Sequence[bytes], src: torch.Tensor) -> list[bool]:
+        raise NotImplementedError("a sharded tier moves host slots (put_rows)")
+
+    def get_into(self, keys: Sequence[bytes], dst: torch.Tensor) -> list[bool]:
+        raise NotImplementedError("a sharded tier moves host slots (get_into_rows)")
+
+    def put_rows(
+        self, keys: Sequence[bytes], memory: HostMemory, slots: Sequence[int]
+    ) -> list[bool]:
+        return self._both(True, keys, slots, lambda: self.local.put_rows(keys, memory, slots))
+
+    def get_into_rows(
+        self, keys: Sequence[bytes], memory: HostMemory, slots: Sequence[int]
+    ) -> list[bool]:
+        return self._both(False, keys, slots, lambda: self.local.get_into_rows(keys, memory, slots))
+
+    def _both(
+        self,
+        write: bool,
+        keys: Sequence[bytes],
+        slots: Sequence[int],
+        local: Callable[[], list[bool]],
+    ) -> list[bool]:
+        """The other ranks' part sent first (it runs beside rank 0's), then rank 0's; the keys
+        every rank got, from the first on. A write one rank could not make leaves the others'
+        copies unread: a later read counts only what every rank finds."""
+        if not keys:
+            return []
+        self._next_id += 1
+        job_id = self._next_id
+        self.channel.send(job_id, write, list(keys), list(slots))
+        here = leading(local())
+        counts = self.channel.wait(job_id, LOWER_ACK_TIMEOUT_S)
+        if counts is None:
+            log.warning(
+                "KV tier %s: a rank did not answer; its blocks count as missing", self.medium
+            )
+            got = 0
+        else:
+            got = min([here, *counts])
+        if not write:
+            self._short += here - got
+        return [i < got for i in range(len(keys))]
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        self.local.touch(keys)
+        self.channel.touch(list(keys))
+
+    def stats(self) -> TierStats:
+        """Rank 0's tier's counters, its hits only those every rank had."""
+        stats = self.local.stats()
+        stats.hits -= self._short
+        stats.misses += self._short
+        return stats
+
+    def close(self) -> None:
+        self.local.close()
