@@ -31,7 +31,6 @@ from ember.engine.kv_tiers import (
     build_replica,
     build_tiers,
     model_fingerprint,
-    parallel_tier_config,
     start_host_memory,
 )
 from ember.engine.memory import log_memory, size_kv_cache
@@ -150,7 +149,7 @@ class EngineCore:
         # Every rank's: a tensor-parallel engine's workers repeat rank 0's tier copies on their
         # own heads (ember/kv/tiers/replica.py).
         self._host_memory = start_host_memory(
-            parallel_tier_config(config), self.device, r.kv_block_bytes, r.max_model_len
+            config, self.device, r.kv_block_bytes, r.max_model_len
         )
         self.replica: HostReplica | None = None
         try:
@@ -313,7 +312,7 @@ class EngineCore:
                 self.kv_reader = ShardReader(transport, self.runner.kv_cache, layout)
             if config.enable_prefix_caching:
                 self.replica = build_replica(
-                    parallel_tier_config(config),
+                    config,
                     self.runner.kv_cache,
                     r.max_model_len,
                     self._host_memory,
@@ -331,7 +330,7 @@ class EngineCore:
         )
         self._replicas = WorkerReplicas(self.workers) if self.workers is not None else None
         self.tiers = build_tiers(
-            parallel_tier_config(config),
+            config,
             self.runner.kv_cache,
             fingerprint,
             r.max_model_len,

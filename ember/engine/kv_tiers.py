@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import logging
 import os
 import time
@@ -148,13 +149,43 @@ def start_host_memory(
     return HostMemory(block_bytes, num_blocks, pin=True, pace=START_PACE)
 
 
-def parallel_tier_config(config: EngineConfig) -> EngineConfig:
-    """The settings a tensor-parallel engine's tiers are built from: host and disk (each rank
-    its heads' share of every block), no store (its entries are whole blocks of one rank)."""
-    if config.tensor_parallel_size <= 1 or config.kv_store is None:
-        return config
-    log.warning("the KV store tier is off with tensor_parallel_size > 1 (host and disk are on)")
-    return dataclasses.replace(config, kv_store=None)
+def lower_tiers(config: EngineConfig, layout: BlockLayout, rank: int) -> list[Tier]:
+    """A rank's disk and store tiers, as `config` asks. On a tensor-parallel engine each rank's
+    share of the budgets is 1/N, its disk a directory of its own (`rank_disk_dir`), its store
+    names its own (the layout's model names the engine's size and the rank: two ranks' blocks of
+    the same heads count and bytes would otherwise share names)."""
+    ranks = config.tensor_parallel_size
+    tiers: list[Tier] = []
+    try:
+        if config.kv_disk_dir is not None:
+            tiers.append(
+                DiskTier(
+                    rank_disk_dir(config, rank) if ranks > 1 else config.kv_disk_dir,
+                    int(config.kv_disk_gb * GiB) // ranks,
+                    layout,
+                    config.kv_eviction,  # type: ignore[arg-type]  # checked by EngineConfig
+                )
+            )
+        if config.kv_store is not None:
+            from ember.kv.tiers.store import StoreTier
+
+            named = layout
+            if ranks > 1:
+                named = dataclasses.replace(layout, model=f"{layout.model}|tp{ranks}-rank{rank}")
+            tiers.append(
+                StoreTier(
+                    named,
+                    config.kv_store,
+                    host=config.kv_host,
+                    segment_bytes=int(config.kv_store_gb * GiB) // ranks,
+                    secret=config.cluster_secret or None,
+                )
+            )
+    except BaseException:
+        for tier in tiers:
+            tier.close()
+        raise
+    return tiers
 
 
 def rank_disk_dir(config: EngineConfig, rank: int) -> Path:
@@ -171,12 +202,18 @@ class WorkerLowerChannel:
     def __init__(self, workers: Workers) -> None:
         self.workers = workers
         self._answers: dict[int, dict[int, int]] = {}
+        self._ids = itertools.count(1)
 
-    def send(self, job_id: int, write: bool, keys: list[bytes], slots: list[int]) -> None:
-        self.workers.send(TierLower(job_id, write, keys, slots))
+    def new_job_id(self) -> int:
+        return next(self._ids)
 
-    def touch(self, keys: list[bytes]) -> None:
-        self.workers.send(TierTouch(keys))
+    def send(
+        self, job_id: int, medium: str, write: bool, keys: list[bytes], slots: list[int]
+    ) -> None:
+        self.workers.send(TierLower(job_id, medium, write, keys, slots))
+
+    def touch(self, medium: str, keys: list[bytes]) -> None:
+        self.workers.send(TierTouch(medium, keys))
 
     def wait(self, job_id: int, timeout_s: float) -> list[int] | None:
         deadline = time.monotonic() + timeout_s
@@ -200,18 +237,12 @@ def build_lower_replica(
     rank: int,
     ack: Ack,
 ) -> LowerReplica | None:
-    """A tensor-parallel worker's disk tier, doing rank 0's writes and reads with `replica`'s
-    host memory; None without a disk tier."""
-    if config.kv_disk_dir is None or replica is None:
+    """A tensor-parallel worker's disk and store tiers, doing rank 0's writes and reads with
+    `replica`'s host memory; None with neither."""
+    if replica is None or (config.kv_disk_dir is None and config.kv_store is None):
         return None
     layout = BlockLayout.from_kv_cache(kv_cache, model)
-    disk = DiskTier(
-        rank_disk_dir(config, rank),
-        int(config.kv_disk_gb * GiB) // config.tensor_parallel_size,
-        layout,
-        config.kv_eviction,  # type: ignore[arg-type]  # checked by EngineConfig
-    )
-    return LowerReplica(replica, disk, ack)
+    return LowerReplica(replica, lower_tiers(config, layout, rank), ack)
 
 
 class WorkerReplicas:
@@ -292,29 +323,9 @@ def build_tiers(
     _claim_default(config, host, host_bytes)
     lower: list[Tier] = []
     try:
-        if config.kv_disk_dir is not None:
-            ranks = config.tensor_parallel_size
-            disk: Tier = DiskTier(
-                rank_disk_dir(config, 0) if ranks > 1 else config.kv_disk_dir,
-                int(config.kv_disk_gb * GiB) // ranks,
-                layout,
-                config.kv_eviction,  # type: ignore[arg-type]  # checked by EngineConfig
-            )
-            if lower_channel is not None:
-                disk = ShardedTier(disk, lower_channel)
-            lower.append(disk)
-        if config.kv_store is not None:
-            from ember.kv.tiers.store import StoreTier
-
-            lower.append(
-                StoreTier(
-                    layout,
-                    config.kv_store,
-                    host=config.kv_host,
-                    segment_bytes=int(config.kv_store_gb * GiB),
-                    secret=config.cluster_secret or None,
-                )
-            )
+        lower = lower_tiers(config, layout, 0)
+        if lower_channel is not None:
+            lower = [ShardedTier(t, lower_channel) for t in lower]
     except BaseException:
         host.close()  # stop its growth: the engine is not starting
         raise

@@ -108,19 +108,22 @@ class TierPace(msgspec.Struct, tag="tier_pace", array_like=True):
 
 
 class TierLower(msgspec.Struct, tag="tier_lower", array_like=True):
-    """Rank 0's disk tier writes host slots under keys, or reads keys into host slots: each rank
-    does the same with its own host memory and its own disk tier, then reports how many of the
-    keys, from the first, it stored or found (`job_id`)."""
+    """Rank 0's disk or store tier writes host slots under keys, or reads keys into host slots:
+    each rank does the same with its own host memory and its own tier of that medium, then
+    reports how many of the keys, from the first, it stored or found (`job_id`)."""
 
     job_id: int
+    medium: str
+    """"disk" or "store"."""
     write: bool
     keys: list[bytes]
     slots: list[int]
 
 
 class TierTouch(msgspec.Struct, tag="tier_touch", array_like=True):
-    """A request used these blocks: what each rank's disk tier learns reuse from."""
+    """A request used these blocks: what each rank's tier of `medium` learns reuse from."""
 
+    medium: str
     keys: list[bytes]
 
 

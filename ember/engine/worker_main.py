@@ -46,7 +46,7 @@ def main() -> None:
     from ember.distributed import state
     from ember.engine.core import EngineCore
     from ember.engine.expert_load import ExpertLoadMeter
-    from ember.engine.kv_tiers import build_lower_replica, model_fingerprint, parallel_tier_config
+    from ember.engine.kv_tiers import build_lower_replica, model_fingerprint
     from ember.engine.step_plan import (
         LoadKV,
         StopWorkers,
@@ -78,7 +78,7 @@ def main() -> None:
     report.connect(reports)
     meter = ExpertLoadMeter(runner.model)
     lower = build_lower_replica(
-        parallel_tier_config(config),
+        config,
         runner.kv_cache,
         model_fingerprint(config.model, config.load_format, device),
         core.replica,
@@ -104,11 +104,13 @@ def main() -> None:
                     _tier(core.replica, msg)
                 elif isinstance(msg, TierLower | TierTouch):
                     if lower is None:
-                        raise RuntimeError("rank 0 sent a disk tier job, but this rank has none")
+                        raise RuntimeError(
+                            "rank 0 sent a disk or store job, but this rank has none"
+                        )
                     if isinstance(msg, TierLower):
-                        lower.submit(msg.job_id, msg.write, msg.keys, msg.slots)
+                        lower.submit(msg.job_id, msg.medium, msg.write, msg.keys, msg.slots)
                     else:
-                        lower.touch(msg.keys)
+                        lower.touch(msg.medium, msg.keys)
                 else:
                     runner.run(msg, None)
             for load_id in [i for i, f in loading.items() if f.done()]:

@@ -2,20 +2,21 @@
 too small for two sessions, an agent's next turn is loaded from host memory on every rank (rank 0
 decides, the other repeats its copies on its own heads), and its greedy tokens and logprobs equal
 one process computing everything; after a restart it comes off every rank's own disk, and a rank
-missing its blocks makes them a miss for all; the store stays off with a warning."""
+missing its blocks makes them a miss for all; another engine reads them from a shared store."""
 
 from __future__ import annotations
 
-import logging
 import random
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
 from ember import LLM, SamplingParams
 from ember.engine.config import EngineConfig
-from ember.engine.kv_tiers import host_tier_bytes, parallel_tier_config
+from ember.engine.kv_tiers import host_tier_bytes
 
 BLOCK = 16
 POOL = 48  # device blocks: one session of ~38 blocks fits, two do not
@@ -153,20 +154,57 @@ def test_each_rank_holds_its_share_of_the_host_tier() -> None:
     assert host_tier_bytes(four, cpu) * 4 == host_tier_bytes(one, cpu) == 8 << 30
 
 
-def test_the_store_is_off_on_several_ranks(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    config = EngineConfig(
-        model="m",
-        kv_host_gb=1,
-        kv_disk_dir=str(tmp_path),
-        kv_store="127.0.0.1:50051",
-        tensor_parallel_size=2,
-    )
-    with caplog.at_level(logging.WARNING):
-        tiers = parallel_tier_config(config)
-    assert tiers.kv_store is None and tiers.kv_disk_dir == str(tmp_path)
-    assert tiers.kv_host_gb == 1
-    assert "store tier is off" in caplog.text
-    one = EngineConfig(model="m", kv_store="127.0.0.1:50051")
-    assert parallel_tier_config(one).kv_store == "127.0.0.1:50051"
+def test_another_engine_answers_from_every_rank_s_store_blocks(model: Path) -> None:
+    """Two engines of two ranks over one `mooncake_master`: a server that computes A and keeps
+    running (the store's blocks live in the memory its ranks lend), then an engine here that
+    reads them, each rank its own heads under names of its own."""
+    pytest.importorskip("mooncake.store", reason="the Mooncake Store is not installed")
+    from ember.kv.tiers.store_master import start_master
+    from tests.servers import SECRET, start_server
+
+    reference = engine(model, enable_prefix_caching=False)
+    try:
+        want = answer(reference, A)
+    finally:
+        reference.close()
+    master = start_master()
+    writer = None
+    try:
+        common = ("--kv-store", master.address, "--kv-store-gb", "0.06", "-tp", "2")
+        writer = start_server(
+            model, *common, "--dtype", "float32", "--cpu-threads", "1", "--num-kv-blocks", "48",
+            "--max-model-len", str(POOL * BLOCK),
+        )  # fmt: skip
+        body = {"model": "tiny", "prompt": A, "max_tokens": 1, "temperature": 0}
+        r = httpx.post(f"{writer.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        known = len(A) // BLOCK
+        reader = engine(
+            model,
+            kv_store=master.address,
+            kv_store_gb=0.06,
+            tensor_parallel_size=2,
+            cluster_secret=SECRET,
+        )
+        try:
+            (store_tier,) = reader.engine.core.tiers.lower.tiers
+            assert store_tier.local.layout.model.endswith("|tp2-rank0")  # rank 1: "rank1"
+            deadline = time.monotonic() + 30
+            while store_tier.contains_prefix(reader_keys(reader, A)) < known - 1:
+                assert time.monotonic() < deadline, "the writer's blocks never reached the store"
+                time.sleep(0.2)
+            out = reader.generate([A], GREEDY)[0]
+            assert reader.engine.core.stats().kv_tiers["store"].hits >= known - 1
+            assert out.num_cached_tokens >= (known - 1) * BLOCK
+            assert_same((list(out.outputs[0].token_ids), list(out.outputs[0].logprobs)), want)
+        finally:
+            reader.close()
+    finally:
+        if writer is not None:
+            writer.stop()
+        master.stop()
+
+
+def reader_keys(llm: LLM, prompt: list[int]) -> list[bytes]:
+    """The block hashes the engine names the prompt's full blocks by."""
+    return list(llm.engine.core.kv.update_block_hashes([], prompt, None))

@@ -121,16 +121,23 @@ class FakeChannel:
     def __init__(self, counts: list[int] | None) -> None:
         self.counts = counts
         self.sent: list[tuple] = []
-        self.touched: list[bytes] = []
+        self.touched: list[tuple[str, bytes]] = []
+        self.ids = 0
 
-    def send(self, job_id: int, write: bool, keys: list[bytes], slots: list[int]) -> None:
-        self.sent.append((job_id, write, len(keys), list(slots)))
+    def new_job_id(self) -> int:
+        self.ids += 1
+        return self.ids
+
+    def send(
+        self, job_id: int, medium: str, write: bool, keys: list[bytes], slots: list[int]
+    ) -> None:
+        self.sent.append((job_id, medium, write, len(keys), list(slots)))
 
     def wait(self, job_id: int, timeout_s: float) -> list[int] | None:
         return self.counts
 
-    def touch(self, keys: list[bytes]) -> None:
-        self.touched += keys
+    def touch(self, medium: str, keys: list[bytes]) -> None:
+        self.touched += [(medium, k) for k in keys]
 
 
 def test_a_sharded_tier_counts_what_every_rank_got(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -143,14 +150,14 @@ def test_a_sharded_tier_counts_what_every_rank_got(tmp_path) -> None:  # type: i
     channel = FakeChannel([4])
     tier = ShardedTier(DiskTier(tmp_path, 1 << 20, LAYOUT), channel)
     assert tier.put_rows(keys, memory, [0, 1, 2, 3]) == [True] * 4
-    assert channel.sent[-1][1:] == (True, 4, [0, 1, 2, 3])
+    assert channel.sent[-1] == (1, "disk", True, 4, [0, 1, 2, 3])
     channel.counts = [2]  # the other rank found the first two only
     assert tier.get_into_rows(keys, memory, [4, 5, 6, 7]) == [True, True, False, False]
     assert tier.stats().hits == 2 and tier.stats().misses >= 2
     channel.counts = None  # a rank that does not answer: nothing counts
     assert tier.get_into_rows(keys, memory, [4, 5, 6, 7]) == [False] * 4
     tier.touch(keys[:1])
-    assert channel.touched == keys[:1]
+    assert channel.touched == [("disk", keys[0])]
     tier.close()
 
 
@@ -172,13 +179,14 @@ def test_a_replica_s_disk_jobs_write_and_read_its_own_rows(tmp_path) -> None:  #
     cache = blocks(4, 5)
     replica = HostReplica(HostMemory(NBYTES, 8, pin=False), cache)
     replica.copy(False, [0, 1], [2, 3])
-    lower = LowerReplica(replica, DiskTier(tmp_path, 1 << 20, LAYOUT), Ack())
+    lower = LowerReplica(replica, [DiskTier(tmp_path, 1 << 20, LAYOUT)], Ack())
     keys = [key(i) for i in range(3)]
-    lower.submit(1, True, keys[:2], [0, 1])
-    lower.submit(2, False, keys, [5, 6, 7])  # the third was never written
-    lower.submit(3, True, keys[:1], [-1])  # a bad slot: nothing stored, still answered
+    lower.submit(1, "disk", True, keys[:2], [0, 1])
+    lower.submit(2, "disk", False, keys, [5, 6, 7])  # the third was never written
+    lower.submit(3, "disk", True, keys[:1], [-1])  # a bad slot: nothing stored, still answered
+    lower.submit(4, "store", True, keys[:1], [0])  # no store on this rank: nothing stored
     lower.close()
-    assert answers == [(1, 2), (2, 2), (3, 0)] and Ack.closed
+    assert answers == [(1, 2), (2, 2), (3, 0), (4, 0)] and Ack.closed
     assert torch.equal(replica.memory.row(5), cache[2]) and torch.equal(
         replica.memory.row(6), cache[3]
     )

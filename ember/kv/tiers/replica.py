@@ -140,59 +140,74 @@ class Ack(Protocol):
 
 
 class LowerReplica:
-    """A worker's disk tier, doing rank 0's writes and reads (`TierLower`) with its own host
-    memory, in order, on a thread of its own; `ack(job_id, n)` says how many keys, from the
-    first, it stored or found."""
+    """A worker's disk and store tiers, doing rank 0's writes and reads (`TierLower`) with its
+    own host memory, in order, on a thread of its own; `ack(job_id, n)` says how many keys, from
+    the first, it stored or found."""
 
-    def __init__(self, replica: HostReplica, tier: Tier, ack: Ack) -> None:
+    def __init__(self, replica: HostReplica, tiers: Sequence[Tier], ack: Ack) -> None:
         self.replica = replica
-        self.tier = tier
+        self.tiers: dict[str, Tier] = {t.medium: t for t in tiers}
         self._ack = ack
-        self._jobs: queue.Queue[tuple[int, bool, list[bytes], list[int]] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._work, name="ember-kv-disk", daemon=True)
+        self._jobs: queue.Queue[tuple[int, str, bool, list[bytes], list[int]] | None] = (
+            queue.Queue()
+        )
+        self._thread = threading.Thread(target=self._work, name="ember-kv-lower", daemon=True)
         self._thread.start()
 
-    def submit(self, job_id: int, write: bool, keys: list[bytes], slots: list[int]) -> None:
-        self._jobs.put((job_id, write, keys, slots))
+    def submit(
+        self, job_id: int, medium: str, write: bool, keys: list[bytes], slots: list[int]
+    ) -> None:
+        self._jobs.put((job_id, medium, write, keys, slots))
 
-    def touch(self, keys: list[bytes]) -> None:
-        self.tier.touch(keys)
+    def touch(self, medium: str, keys: list[bytes]) -> None:
+        tier = self.tiers.get(medium)
+        if tier is not None:
+            tier.touch(keys)
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
-            job_id, write, keys, slots = job
+            job_id, medium, write, keys, slots = job
             n = 0
             try:
+                tier = self.tiers[medium]
                 if len(keys) != len(slots) or min(slots, default=0) < 0:
                     raise ValueError(f"{len(keys)} keys, {len(slots)} slots")
                 self.replica.memory.grow_to(max(slots, default=-1) + 1)
                 self.replica.wait_slots(slots)
                 if write:
-                    n = leading(self.tier.put_rows(keys, self.replica.memory, slots))
+                    n = leading(tier.put_rows(keys, self.replica.memory, slots))
                 else:
-                    n = leading(self.tier.get_into_rows(keys, self.replica.memory, slots))
+                    n = leading(tier.get_into_rows(keys, self.replica.memory, slots))
             except Exception:
-                log.exception("KV tier %s: this rank's part failed", self.tier.medium)
+                log.exception("KV tier %s: this rank's part failed", medium)
             self._ack(job_id, n)
         self._ack.close()  # this thread's socket, closed by this thread
 
     def close(self) -> None:
-        """Finish the jobs queued so far, then close the tier."""
+        """Finish the jobs queued so far, then close the tiers."""
         self._jobs.put(None)
         self._thread.join(timeout=60.0)
-        self.tier.close()
+        for tier in self.tiers.values():
+            try:
+                tier.close()
+            except Exception:
+                log.exception("KV tier %s: close failed", tier.medium)
 
 
 class LowerChannel(Protocol):
     """Rank 0's way to the other ranks' lower tiers (ember/engine/kv_tiers.WorkerLowerChannel)."""
 
-    def send(self, job_id: int, write: bool, keys: list[bytes], slots: list[int]) -> None: ...
+    def send(
+        self, job_id: int, medium: str, write: bool, keys: list[bytes], slots: list[int]
+    ) -> None: ...
 
     def wait(self, job_id: int, timeout_s: float) -> list[int] | None:
         """Each other rank's count for `job_id`, or None if one did not answer in time."""
         ...
 
-    def touch(self, keys: list[bytes]) -> None: ...
+    def touch(self, medium: str, keys: list[bytes]) -> None: ...
+
+    def new_job_id(self) -> int: ...
 
 
 class ShardedTier(Tier):
@@ -205,7 +220,6 @@ class ShardedTier(Tier):
         self.channel = channel
         self.medium = local.medium
         self.lookup_may_wait = local.lookup_may_wait
-        self._next_id = 0
         self._short = 0
         """Blocks rank 0 read that another rank lacked: misses, not the hits rank 0 counted."""
 
@@ -243,9 +257,8 @@ class ShardedTier(Tier):
         copies unread: a later read counts only what every rank finds."""
         if not keys:
             return []
-        self._next_id += 1
-        job_id = self._next_id
-        self.channel.send(job_id, write, list(keys), list(slots))
+        job_id = self.channel.new_job_id()
+        self.channel.send(job_id, self.medium, write, list(keys), list(slots))
         here = leading(local())
         counts = self.channel.wait(job_id, LOWER_ACK_TIMEOUT_S)
         if counts is None:
@@ -261,7 +274,7 @@ class ShardedTier(Tier):
 
     def touch(self, keys: Sequence[bytes]) -> None:
         self.local.touch(keys)
-        self.channel.touch(list(keys))
+        self.channel.touch(self.medium, list(keys))
 
     def stats(self) -> TierStats:
         """Rank 0's tier's counters, its hits only those every rank had."""
