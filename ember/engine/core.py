@@ -213,9 +213,6 @@ class EngineCore:
         n = config.tensor_parallel_size
         if n == 1 or parallel_state.current().size > 1:
             return None
-        spec = config.speculative
-        if spec is not None and spec.method == "eagle3":
-            raise ValueError("EAGLE-3 drafting is not supported with tensor_parallel_size > 1")
         self._check_parallel_role()
         if self.device.type == "cuda":
             if self.device.index not in (None, 0):
@@ -440,11 +437,12 @@ class EngineCore:
                 loading.close()  # (the caller never sees it)
             raise
         clock.mark("model" if beside else "load")
-        if eagle3:
+        if eagle3 and self.parallel.is_driver:
             from ember.spec_decode.eagle3 import Eagle3Drafter
 
             # Before the KV sizing and the graphs: the head's weights count as weights, and the
-            # target hands out its hidden states in every captured step.
+            # target hands out its hidden states in every captured step. On rank 0 alone: the
+            # head drafts from the hidden states every rank holds whole, with no collective.
             self.runner.drafter = Eagle3Drafter(
                 spec.draft_model,
                 model,
@@ -452,7 +450,9 @@ class EngineCore:
                 r.dtype,
                 self.device,
                 self.runner.backend,
+                target_dir=config.model,
             )
+        if eagle3:  # every rank: the verify steps' shapes (their graphs) follow from it
             self.runner.num_draft_tokens = spec.num_speculative_tokens
         return loading
 

@@ -21,11 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from ember.attention.backend import AttentionBackend
 from ember.attention.context import ForwardContext
 from ember.attention.metadata import AttentionMetadata
+from ember.distributed import state as parallel_state
 from ember.models.checkpoint_files import safetensors_files
 from ember.models.config import ModelConfig
 from ember.models.layers.linear import StackedLinear
@@ -189,26 +191,57 @@ def read_weights(draft_dir: Path) -> dict[str, torch.Tensor]:
         return torch.load(bin_file, map_location="cpu", weights_only=True)
 
 
+TARGET_EMBEDDING = "model.embed_tokens.weight"
+
+
+def target_embedding(target_dir: str | Path) -> torch.Tensor:
+    """The target's whole token embedding, read from its safetensors files: a tensor-parallel
+    target holds 1/N of the vocabulary a rank, and its lookup is a collective the head (run on
+    rank 0 alone) cannot join."""
+    for path in safetensors_files(Path(target_dir)):
+        with safe_open(str(path), framework="pt") as f:
+            if TARGET_EMBEDDING in f.keys():  # noqa: SIM118 - safe_open has no __contains__
+                return f.get_tensor(TARGET_EMBEDDING)
+    raise ValueError(
+        f"an EAGLE-3 head on a tensor-parallel target needs {TARGET_EMBEDDING!r} in the target's "
+        f"safetensors files ({target_dir}) or its own embed_tokens.weight"
+    )
+
+
 def load_eagle3(
-    draft_dir: str | Path, target: nn.Module, dtype: torch.dtype, device: str | torch.device
+    draft_dir: str | Path,
+    target: nn.Module,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    target_dir: str | Path | None = None,
 ) -> Eagle3DraftModel:
-    """The head in `draft_dir`, checked against `target` (a LlamaForCausalLM), on `device`."""
+    """The head in `draft_dir`, checked against `target` (a LlamaForCausalLM), on `device`. A
+    target split by vocabulary across ranks (`target_dir`: its checkpoint) lends the head a copy
+    of its whole embedding instead of its own shard."""
     draft_dir = Path(draft_dir)
     cfg = Eagle3Config.from_dir(draft_dir)
     weights = read_weights(draft_dir)
     own_embedding = "embed_tokens.weight" in weights
     cfg.check_target(target.config, own_embedding)
+    shard = getattr(target.model.embed_tokens, "vocab", None)
+    if not own_embedding and shard is not None and shard.parallel:
+        if target_dir is None:
+            raise ValueError("a tensor-parallel target's EAGLE-3 head needs the target's path")
+        weights["embed_tokens.weight"] = target_embedding(target_dir)
+        own_embedding = True
     embed = None if own_embedding else target.model.embed_tokens
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = Eagle3DraftModel(
-                cfg, embed, max_position=target.model.rotary.cos_cache.shape[0]
-            )
-    finally:
-        torch.set_default_dtype(old)
-    model.load_weights(weights)
+    # Whole layers, whatever the target's split: the head runs on one rank, with no collective.
+    with parallel_state.use(parallel_state.ParallelState()):
+        try:
+            with torch.device(device):
+                model = Eagle3DraftModel(
+                    cfg, embed, max_position=target.model.rotary.cos_cache.shape[0]
+                )
+        finally:
+            torch.set_default_dtype(old)
+        model.load_weights(weights)
     return model.eval()
 
 
@@ -243,8 +276,12 @@ class Eagle3Drafter:
         dtype: torch.dtype,
         device: torch.device,
         backend: AttentionBackend,
+        target_dir: str | Path | None = None,
     ) -> None:
-        self.model = load_eagle3(draft_dir, target, dtype, device)
+        """`target_dir`: the target's checkpoint, read for its whole embedding when the target
+        is split across tensor-parallel ranks (the head runs on rank 0 alone, over the states
+        every rank holds whole)."""
+        self.model = load_eagle3(draft_dir, target, dtype, device, target_dir)
         self.aux_layers: tuple[int, ...] = self.model.config.aux_layers_for(target.config)
         # The target hands these states out from now on; build the drafter before capturing the
         # target's CUDA graphs, so that the graphs record the extra copies too.

@@ -128,3 +128,53 @@ def test_past_the_batch_bound_the_head_costs_nothing(llama: Path, head: Path) ->
     assert len(calls) <= 1  # at most the prefill's, before the batch was seen past the bound
     alone = llm.generate(ps[:1], params)[0].outputs[0].token_ids
     assert alone == want[0] and llm.engine.core.stats().spec_drafts > 0
+
+
+def test_eagle3_on_two_ranks_drafts_as_one(llama: Path, head: Path) -> None:
+    """A tensor-parallel target (gloo, 2 processes): the head runs on rank 0 alone, over the
+    hidden states every rank holds whole, with a copy of the target's whole embedding (rank 0
+    holds half its vocabulary). Greedy output equals one device's without speculation, and the
+    head drafts, step by step, what it drafts beside one device's target."""
+    ps = prompts(4, seed=12)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (17, 9, 24, 3)
+    ]
+    plain = LLM(str(llama), dtype="float32")
+    want = [o.outputs[0].token_ids for o in plain.generate(ps, params)]
+    plain.close()
+
+    def drafting(llm: LLM) -> list[list[list[int]]]:
+        runner, seen = llm.engine.core.runner, []
+        original = runner._draft
+
+        def record(step, result):  # type: ignore[no-untyped-def]
+            drafts = original(step, result)
+            seen.append(drafts)
+            return drafts
+
+        runner._draft = record
+        assert [o.outputs[0].token_ids for o in llm.generate(ps, params)] == want
+        return seen
+
+    one = eagle(llama, head)
+    one_drafts = drafting(one)
+    one.close()
+    two = eagle(llama, head, tensor_parallel_size=2)
+    try:
+        vocab = two.engine.core.model_config.vocab_size
+        assert two.engine.core.runner.drafter.model.embed_tokens.weight.shape[0] == vocab
+        two_drafts = drafting(two)
+        assert sum(len(d) for step in two_drafts for d in step) > 0
+        assert two_drafts == one_drafts
+    finally:
+        two.close()
+
+
+def test_a_split_target_without_its_embedding_in_safetensors_is_refused(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from ember.spec_decode.eagle3 import target_embedding
+
+    save_file({"model.norm.weight": torch.ones(4)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="model.embed_tokens.weight"):
+        target_embedding(tmp_path)
