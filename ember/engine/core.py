@@ -307,15 +307,10 @@ class EngineCore:
             self.tiers, self.connector = None, None
             if transport is not None and layout is not None:
                 self.kv_reader = ShardReader(transport, self.runner.kv_cache, layout)
-            if config.enable_prefix_caching:
-                self.replica = build_replica(
-                    config,
-                    self.runner.kv_cache,
-                    r.max_model_len,
-                    self._host_memory,
-                )
-            elif self._host_memory is not None:
-                self._host_memory.close()
+            # None without prefix caching or a host tier (its memory then closed).
+            self.replica = build_replica(
+                config, self.runner.kv_cache, r.max_model_len, self._host_memory
+            )
             return
         if self.runner.drafter is not None:
             self.runner.drafter.allocate_kv_cache(num_blocks)

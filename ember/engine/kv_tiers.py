@@ -196,8 +196,9 @@ def rank_disk_dir(config: EngineConfig, rank: int) -> Path:
 
 
 class WorkerLowerChannel:
-    """Rank 0's disk thread's way to the other ranks' disk tiers: jobs out with the step plans
-    (in order after the copies they follow), answers back on a socket only that thread reads."""
+    """Rank 0's lower-tier thread's way to the other ranks' disk and store tiers: jobs out with
+    the step plans (in order after the copies they follow), answers back on a socket only that
+    thread reads."""
 
     def __init__(self, workers: Workers) -> None:
         self.workers = workers
@@ -270,16 +271,28 @@ def build_replica(
 ) -> HostReplica | None:
     """A tensor-parallel worker's copy of rank 0's host tier over its `kv_cache`, in `memory`
     (started with the engine) when it fits; None when the engine has no host tier."""
-    gpu_blocks = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
+    gpu_blocks = block_rows(kv_cache)
     rows = host_tier_blocks(config, kv_cache.device, gpu_blocks.shape[1], max_model_len)
-    if memory is not None and (memory.row_bytes, memory.target_rows) != (gpu_blocks.shape[1], rows):
-        memory.close()
-        memory = None
+    memory = _fitting(memory, gpu_blocks.shape[1], rows)
     if not rows:
         return None
     if memory is None:
         memory = HostMemory(gpu_blocks.shape[1], rows, pin=kv_cache.is_cuda, pace="hold")
     return HostReplica(memory, gpu_blocks)
+
+
+def block_rows(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The KV cache (block-major) as uint8 [num_blocks, block bytes]: what the tiers copy."""
+    return kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
+
+
+def _fitting(memory: HostMemory | None, row_bytes: int, rows: int) -> HostMemory | None:
+    """`memory` (started with the engine) if it holds `rows` rows of `row_bytes`; else closed,
+    and None (a fresh one is made, or none is needed)."""
+    if memory is not None and (memory.row_bytes, memory.target_rows) != (row_bytes, rows):
+        memory.close()
+        return None
+    return memory
 
 
 def build_tiers(
@@ -294,15 +307,10 @@ def build_tiers(
     """The TierManager over `kv_cache` (block-major), or None when no tier is on. `model` is the
     model fingerprint that disk entries and store keys carry; `memory` the host tier's, started
     with the engine (`start_host_memory`); `replicas` and `lower_channel` a tensor-parallel
-    engine's other ranks (their copies, and their disk tiers' jobs)."""
+    engine's other ranks (their copies, and their disk and store tiers' jobs)."""
     layout = BlockLayout.from_kv_cache(kv_cache, model)
     num_blocks = host_tier_blocks(config, kv_cache.device, layout.nbytes, max_model_len)
-    if memory is not None and (memory.row_bytes, memory.target_rows) != (
-        layout.nbytes,
-        num_blocks,
-    ):
-        memory.close()  # not this tier's: a fresh one is made
-        memory = None
+    memory = _fitting(memory, layout.nbytes, num_blocks)
     if not num_blocks:
         asked = config.kv_host_gb or config.kv_disk_dir or config.kv_store
         if asked and not config.enable_prefix_caching:
@@ -329,7 +337,7 @@ def build_tiers(
     except BaseException:
         host.close()  # stop its growth: the engine is not starting
         raise
-    gpu_blocks = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
+    gpu_blocks = block_rows(kv_cache)
     ranks = config.tensor_parallel_size
     log.info(
         "KV tiers: host %d blocks (%.2f GiB, growing from %.2f GiB%s)%s%s",

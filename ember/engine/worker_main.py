@@ -6,7 +6,8 @@ the engine core that started it, joins the process group, builds the engine's st
 rank, and runs every step plan rank 0 sends until told to stop. A decode engine's worker also
 reads its heads of a prompt's KV when rank 0 says (`LoadKV`), and reports how that went; with a
 host tier it repeats rank 0's copies between its cache and host memory (`TierCopy`, `TierFence`,
-`TierPace`: ember/kv/tiers/replica.py)."""
+`TierPace`), and with a disk or store tier rank 0's writes and reads in its own (`TierLower`,
+`TierTouch`; ember/kv/tiers/replica.py)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ if TYPE_CHECKING:
     import zmq
 
     from ember.engine.kv_connector import ShardReader
-    from ember.engine.step_plan import LoadKV, TierMessage
-    from ember.kv.tiers.replica import HostReplica
+    from ember.engine.step_plan import LoadKV, TierLower, TierMessage, TierTouch
+    from ember.kv.tiers.replica import HostReplica, LowerReplica
 
 
 def main() -> None:
@@ -103,14 +104,7 @@ def main() -> None:
                 elif isinstance(msg, TierCopy | TierFence | TierPace):
                     _tier(core.replica, msg)
                 elif isinstance(msg, TierLower | TierTouch):
-                    if lower is None:
-                        raise RuntimeError(
-                            "rank 0 sent a disk or store job, but this rank has none"
-                        )
-                    if isinstance(msg, TierLower):
-                        lower.submit(msg.job_id, msg.medium, msg.write, msg.keys, msg.slots)
-                    else:
-                        lower.touch(msg.medium, msg.keys)
+                    _lower(lower, msg)
                 else:
                     runner.run(msg, None)
             for load_id in [i for i, f in loading.items() if f.done()]:
@@ -133,7 +127,7 @@ def main() -> None:
 
 
 class _Acks:
-    """How this rank's disk thread answers rank 0 (`lower RANK JOB_ID COUNT`): on a socket of
+    """How this rank's lower-tier thread answers rank 0 (`lower RANK JOB_ID COUNT`): on a socket of
     that thread's own, made at its first answer and closed by it at its end."""
 
     def __init__(self, ctx: zmq.Context, address: str, rank: int) -> None:
@@ -167,6 +161,18 @@ def _tier(replica: HostReplica | None, msg: TierMessage) -> None:
         replica.fence(msg.block_ids)
     else:
         replica.set_pace(msg.pace)  # type: ignore[arg-type]  # rank 0 sends a Pace
+
+
+def _lower(lower: LowerReplica | None, msg: TierLower | TierTouch) -> None:
+    """Rank 0's disk or store job, or a touch, for this rank's own tiers."""
+    from ember.engine.step_plan import TierLower
+
+    if lower is None:
+        raise RuntimeError("rank 0 sent a disk or store job, but this rank has none")
+    if isinstance(msg, TierLower):
+        lower.submit(msg.job_id, msg.medium, msg.write, msg.keys, msg.slots)
+    else:
+        lower.touch(msg.medium, msg.keys)
 
 
 def _read_kv(reader: ShardReader | None, load: LoadKV) -> int | None:

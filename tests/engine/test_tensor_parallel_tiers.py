@@ -47,12 +47,18 @@ def engine(model: Path, **kwargs: object) -> LLM:
     )
 
 
-def answer(llm: LLM, prompt: list[int]) -> tuple[list[int], list[dict]]:
+Answer = tuple[list[int], list[dict]]
+"""Greedy tokens and their logprobs."""
+Turns = tuple[Answer, list[int], Answer]
+"""Session A's answer, its next turn's prompt, that turn's answer."""
+
+
+def answer(llm: LLM, prompt: list[int]) -> Answer:
     out = llm.generate([prompt], GREEDY)[0].outputs[0]
     return list(out.token_ids), list(out.logprobs)
 
 
-def assert_same(got: tuple[list[int], list[dict]], want: tuple[list[int], list[dict]]) -> None:
+def assert_same(got: Answer, want: Answer) -> None:
     assert got[0] == want[0]
     for pos_g, pos_w in zip(got[1], want[1], strict=True):
         assert pos_g.keys() == pos_w.keys()
@@ -60,14 +66,23 @@ def assert_same(got: tuple[list[int], list[dict]], want: tuple[list[int], list[d
             assert abs(pos_g[t].logprob - pos_w[t].logprob) <= 1e-4
 
 
-def test_next_turn_of_an_evicted_session_loads_from_host_on_two_ranks(model: Path) -> None:
+@pytest.fixture(scope="module")
+def turns(model: Path) -> Turns:
+    """One process, no cache: session A's answer, its next turn's prompt, and that turn's
+    answer (tokens and logprobs), what every engine here must give."""
     reference = engine(model, enable_prefix_caching=False)
     try:
-        a1_want = answer(reference, A)
-        a2_prompt = A + a1_want[0] + session(3, 20)
-        a2_want = answer(reference, a2_prompt)
+        a1 = answer(reference, A)
+        a2_prompt = A + a1[0] + session(3, 20)
+        return a1, a2_prompt, answer(reference, a2_prompt)
     finally:
         reference.close()
+
+
+def test_next_turn_of_an_evicted_session_loads_from_host_on_two_ranks(
+    model: Path, turns: Turns
+) -> None:
+    a1_want, a2_prompt, a2_want = turns
     llm = engine(model, kv_host_gb=0.05, tensor_parallel_size=2)
     core = llm.engine.core
     try:
@@ -92,15 +107,9 @@ def test_next_turn_of_an_evicted_session_loads_from_host_on_two_ranks(model: Pat
 
 
 def test_restarted_engine_answers_the_next_turn_from_every_rank_s_disk(
-    model: Path, tmp_path: Path
+    model: Path, turns: Turns, tmp_path: Path
 ) -> None:
-    reference = engine(model, enable_prefix_caching=False)
-    try:
-        a1_want = answer(reference, A)
-        a2_prompt = A + a1_want[0] + session(3, 20)
-        a2_want = answer(reference, a2_prompt)
-    finally:
-        reference.close()
+    a1_want, a2_prompt, a2_want = turns
     disk = {"kv_disk_dir": str(tmp_path), "kv_disk_gb": 0.1, "tensor_parallel_size": 2}
     first = engine(model, **disk)
     assert_same(answer(first, A), a1_want)
@@ -120,19 +129,15 @@ def test_restarted_engine_answers_the_next_turn_from_every_rank_s_disk(
         again.close()
 
 
-def test_a_rank_missing_its_blocks_makes_them_a_miss(model: Path, tmp_path: Path) -> None:
+def test_a_rank_missing_its_blocks_makes_them_a_miss(
+    model: Path, turns: Turns, tmp_path: Path
+) -> None:
     """Rank 1's disk emptied between two runs: rank 0's index still holds the blocks, but a
     read counts only what every rank found, so the next turn is computed, and right."""
-    reference = engine(model, enable_prefix_caching=False)
-    try:
-        a1_want = answer(reference, A)
-        a2_prompt = A + a1_want[0] + session(3, 20)
-        a2_want = answer(reference, a2_prompt)
-    finally:
-        reference.close()
+    a1_want, a2_prompt, a2_want = turns
     disk = {"kv_disk_dir": str(tmp_path), "kv_disk_gb": 0.1, "tensor_parallel_size": 2}
     first = engine(model, **disk)
-    answer(first, A)
+    assert_same(answer(first, A), a1_want)
     first.close()
     blocks = list((tmp_path / "tp2-rank1").rglob("*.kv"))
     assert len(blocks) >= len(A) // BLOCK
@@ -154,7 +159,7 @@ def test_each_rank_holds_its_share_of_the_host_tier() -> None:
     assert host_tier_bytes(four, cpu) * 4 == host_tier_bytes(one, cpu) == 8 << 30
 
 
-def test_another_engine_answers_from_every_rank_s_store_blocks(model: Path) -> None:
+def test_another_engine_answers_from_every_rank_s_store_blocks(model: Path, turns: Turns) -> None:
     """Two engines of two ranks over one `mooncake_master`: a server that computes A and keeps
     running (the store's blocks live in the memory its ranks lend), then an engine here that
     reads them, each rank its own heads under names of its own."""
@@ -162,11 +167,7 @@ def test_another_engine_answers_from_every_rank_s_store_blocks(model: Path) -> N
     from ember.kv.tiers.store_master import start_master
     from tests.servers import SECRET, start_server
 
-    reference = engine(model, enable_prefix_caching=False)
-    try:
-        want = answer(reference, A)
-    finally:
-        reference.close()
+    want = turns[0]
     master = start_master()
     writer = None
     try:

@@ -1,6 +1,8 @@
-"""The KV host tier of a tensor-parallel engine: rank 0's `TierManager` decides everything (which
+"""The KV tiers of a tensor-parallel engine: rank 0's `TierManager` decides everything (which
 key lives in which host slot, what to offload and load, when), and every other rank repeats its
-copies on its own heads, between its own cache and its own host memory, in the same slots.
+copies on its own heads, between its own cache and its own host memory, in the same slots
+(`HostReplica`), and its disk and store writes and reads with its own tiers (`LowerReplica`,
+answered to rank 0's `ShardedTier`).
 
 Each rank's block holds its share of the heads, so its host memory has the same number of rows
 as rank 0's, each of its own block's bytes. Rank 0 sends each copy after the step plan it follows
@@ -37,8 +39,8 @@ from ember.kv.tiers.host_memory import HostMemory, Pace
 log = logging.getLogger(__name__)
 
 LOWER_ACK_TIMEOUT_S = 60.0
-"""How long rank 0's disk thread waits for every rank's part of a write or read before it counts
-the keys as not stored, or missed."""
+"""How long rank 0's lower-tier thread waits for every rank's part of a disk or store write or
+read before it counts the keys as not stored, or missed."""
 
 
 class Replicas(Protocol):
@@ -132,7 +134,8 @@ class HostReplica:
 
 
 class Ack(Protocol):
-    """A worker's answer to rank 0 for a lower-tier job, called from its disk thread alone."""
+    """A worker's answer to rank 0 for a lower-tier job, called from its lower-tier thread
+    alone."""
 
     def __call__(self, job_id: int, count: int) -> None: ...
 
