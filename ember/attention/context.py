@@ -19,3 +19,7 @@ class ForwardContext:
     metadata: AttentionMetadata
     kv_cache: torch.Tensor  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
     backend: AttentionBackend
+    dp_rows: torch.Tensor | None = None
+    """Data-parallel attention (ember/engine/dp_attention.py): the step's flat rows this rank
+    attends to, its own requests' (int64); `metadata` then describes those rows alone. None:
+    every row is this rank's."""

@@ -23,6 +23,9 @@ class ParallelState:
     """Tensor-parallel size: the engine's devices (one process each)."""
     expert_parallel: bool = False
     """MoE layers hold E / size whole experts a rank (else every expert, 1 / size of its width)."""
+    dp_attention: bool = False
+    """Multi-head latent attention runs data-parallel: each rank holds every head and computes
+    attention for its own requests over its own latent cache (ember/engine/dp_attention.py)."""
     group: dist.ProcessGroup | None = None
     """The ranks' group (None for one rank: no collective runs)."""
 
@@ -49,6 +52,7 @@ def init(
     init_method: str,
     device: torch.device,
     expert_parallel: bool = False,
+    dp_attention: bool = False,
     timeout_s: float = 600.0,
     make_current: bool = True,
 ) -> ParallelState:
@@ -74,7 +78,7 @@ def init(
             **kwargs,
         )
         group = dist.group.WORLD
-    made = ParallelState(rank, size, expert_parallel, group)
+    made = ParallelState(rank, size, expert_parallel, dp_attention, group)
     if make_current:
         _current = made
     return made

@@ -87,6 +87,10 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     """With tensor_parallel_size > 1: MoE layers split whole experts across the devices rather
     than each expert's width."""
+    enable_dp_attention: bool = False
+    """Multi-head latent attention (DeepSeek-V3, Kimi K2) data-parallel: each rank holds every
+    head and attends to its own requests over a latent cache of its own, so N ranks cache N
+    times the tokens (ember/engine/dp_attention.py); the MoE layers stay split as above."""
     cluster_secret: str = field(default="", repr=False)
     """Sent on a decode engine's lease releases (/kv/release is internal); kept out of logs."""
 
@@ -125,6 +129,8 @@ class EngineConfig:
             raise ValueError(f"kv_disk_gb must be > 0, got {self.kv_disk_gb}")
         if not 0 < self.kv_store_gb < 1 << 20:
             raise ValueError(f"kv_store_gb must be > 0, got {self.kv_store_gb}")
+        if self.enable_dp_attention and self.kv_host_gb is None:
+            self.kv_host_gb = 0.0  # no host tier by default: it does not place requests' KV
         if self.kv_store is not None:
             from ember.kv.tiers.store_master import split_address
 

@@ -22,6 +22,7 @@ from ember.distributed import comm
 from ember.distributed import state as parallel_state
 from ember.engine import cuda_context
 from ember.engine.config import EngineConfig, ResolvedConfig
+from ember.engine.dp_attention import DataParallelShare
 from ember.engine.expert_load import ExpertLoadMeter
 from ember.engine.kv_connector import KVConnector, ShardReader, shard_layout
 from ember.engine.kv_tiers import (
@@ -60,6 +61,7 @@ from ember.engine.warmup import (
 )
 from ember.engine.workers import Workers
 from ember.kernels import compile_log, triton_setup
+from ember.kv.data_parallel import DataParallelKV
 from ember.kv.kv_cache_manager import KVCacheManager
 from ember.models import checkpoint_files
 from ember.models.config import ModelConfig
@@ -126,6 +128,10 @@ class EngineCore:
         self.parallel = parallel_state.current()
         """This process's rank of the engine's devices (one of one without tensor parallelism):
         current wherever this engine runs its model (a process may hold other engines)."""
+        self._check_dp_attention()
+        if config.enable_dp_attention and not self.parallel.is_parallel:
+            # One rank runs the data-parallel attention's code too (its one share is the step).
+            self.parallel = dataclasses.replace(self.parallel, dp_attention=True)
         self.workers = self._start_workers()
         with parallel_state.use(self.parallel):
             self._start(clock, backend, free0, total)
@@ -194,11 +200,14 @@ class EngineCore:
             if loading is not None:
                 loading.close()  # a start that failed before its weights were in
         log.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)%s",
             self.num_kv_blocks,
             config.block_size,
             self.num_kv_blocks * config.block_size,
             self.num_kv_blocks * r.kv_block_bytes / 2**20,
+            f" a rank, each its own requests': {self.parallel.size * self.num_kv_blocks} blocks"
+            if self.parallel.dp_attention
+            else "",
         )
         if self.compile_log is not None:
             self.compile_log.ready()
@@ -235,17 +244,46 @@ class EngineCore:
                 workers.init_method,
                 self.device,
                 config.enable_expert_parallel,
+                config.enable_dp_attention,
                 make_current=False,
             )
         except BaseException:
             workers.close()
             raise
         log.info(
-            "tensor parallel: %d ranks (%s)",
+            "tensor parallel: %d ranks (%s%s)",
             n,
             "expert parallel MoE" if config.enable_expert_parallel else "MoE split by width",
+            ", data-parallel attention" if config.enable_dp_attention else "",
         )
         return workers
+
+    def _check_dp_attention(self) -> None:
+        """Data-parallel attention is multi-head latent attention's, and keeps each request's KV
+        on one rank: what moves KV by heads or reads another engine's blocks is refused."""
+        config = self.config
+        if not config.enable_dp_attention:
+            return
+        if not self.model_config.uses_mla:
+            raise ValueError(
+                "enable_dp_attention needs a model with multi-head latent attention (DeepSeek-V3, "
+                "Kimi K2): other models' KV heads split across the ranks already"
+            )
+        refused = {
+            "kv_role": config.kv_role != "both",
+            "kv_host_gb": bool(config.kv_host_gb),
+            "kv_disk_dir": config.kv_disk_dir is not None,
+            "kv_store": config.kv_store is not None,
+            "speculative 'eagle3'": config.speculative is not None
+            and config.speculative.method == "eagle3",
+        }
+        for name, on in refused.items():
+            if on:
+                raise ValueError(
+                    f"{name} is not supported with enable_dp_attention: a request's KV lives "
+                    "on one rank's cache, which the KV tiers, disaggregation and a draft head's "
+                    "cache do not place"
+                )
 
     def _check_parallel_role(self) -> None:
         """A tensor-parallel engine may decode for a prefill engine of one rank over a same-host
@@ -284,6 +322,10 @@ class EngineCore:
         num_blocks = comm.all_reduce_min(num_blocks)
         clock.mark("kv sizing")
         self.num_kv_blocks = num_blocks
+        if self.parallel.dp_attention:  # each rank's blocks, and so its requests
+            self.runner.dp_share = DataParallelShare(
+                self.parallel.rank, num_blocks, config.block_size
+            )
         transport = None
         if config.kv_role != "both":
             from ember.kv.transport import make_transport, resolve_kind
@@ -330,15 +372,28 @@ class EngineCore:
             self._replicas,
             WorkerLowerChannel(self.workers) if self.workers is not None else None,
         )
-        self.kv = KVCacheManager(
-            num_blocks,
-            config.block_size,
-            config.enable_prefix_caching,
-            namespace,
-            config.kv_events,
-            track_writes=self.tiers is not None,
-            eviction=config.kv_eviction,  # type: ignore[arg-type]  # checked by EngineConfig
-        )
+        self.kv: KVCacheManager | DataParallelKV
+        if self.parallel.dp_attention:
+            # Each rank's cache its own requests' (ember/engine/dp_attention.py).
+            self.kv = DataParallelKV(
+                self.parallel.size,
+                num_blocks,
+                config.block_size,
+                config.enable_prefix_caching,
+                namespace,
+                config.kv_events,
+                eviction=config.kv_eviction,  # type: ignore[arg-type]  # checked by EngineConfig
+            )
+        else:
+            self.kv = KVCacheManager(
+                num_blocks,
+                config.block_size,
+                config.enable_prefix_caching,
+                namespace,
+                config.kv_events,
+                track_writes=self.tiers is not None,
+                eviction=config.kv_eviction,  # type: ignore[arg-type]  # checked by EngineConfig
+            )
         self.engine_id = uuid.uuid4().hex[:12]
         self.connector: KVConnector | None = None
         if transport is not None:

@@ -24,6 +24,7 @@ from ember.attention.context import ForwardContext
 from ember.attention.metadata import AttentionMetadata
 from ember.distributed import comm
 from ember.engine.cuda_graphs import DecodeGraphs, feed_input_ids, feed_row
+from ember.engine.dp_attention import DataParallelShare
 from ember.engine.eagle3_step import draft_after_step
 from ember.engine.piecewise_graphs import PiecewiseGraphs
 from ember.engine.prompt_logprobs import PromptScoring, plan_prompt_scoring
@@ -159,6 +160,8 @@ class ModelRunner:
         """The KV sizing's profiled step: bytes beyond the weights (ember/engine/memory.py)."""
         self.send_plan: Callable[[StepPlan], None] | None = None
         """On a tensor-parallel engine's rank 0: hands each step's plan to the other ranks."""
+        self.dp_share: DataParallelShare | None = None
+        """Data-parallel attention: the requests this rank attends to (its blocks)."""
 
     def allocate_kv_cache(self, num_blocks: int, allocate: Allocator | None = None) -> None:
         """`allocate(shape, dtype, device)`: where the cache's memory comes from (a KV
@@ -226,9 +229,23 @@ class ModelRunner:
 
     def tensors(self, e: EagerInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The device's part of `prepare`: input ids, positions and attention metadata."""
+        return self._ids(e), self._tensor(e.positions, torch.int64), self._metadata(e)
+
+    def forward_context(self, e: EagerInputs) -> ForwardContext:
+        """What the forward pass of a step's eager inputs hands down: its attention metadata,
+        or with data-parallel attention this rank's requests' and their rows."""
+        if self.dp_share is None:
+            return ForwardContext(self._metadata(e), self.kv_cache, self.backend)
+        own, rows = self.dp_share.own_rows(e)
+        md = self._metadata(own) if rows else self._metadata(e)  # none of its own: not read
+        return ForwardContext(
+            md, self.kv_cache, self.backend, dp_rows=self._tensor(rows, torch.int64)
+        )
+
+    def _metadata(self, e: EagerInputs) -> AttentionMetadata:
         width = max(len(b) for b in e.block_tables)
         flat = [b + [0] * (width - len(b)) for b in e.block_tables]
-        md = AttentionMetadata(
+        return AttentionMetadata(
             query_start_loc=self._tensor(e.query_start_loc, torch.int32),
             seq_lens=self._tensor(e.seq_lens, torch.int32),
             block_tables=self._tensor(flat, torch.int32),
@@ -239,13 +256,15 @@ class ModelRunner:
             seq_lens_cpu=e.seq_lens,
             num_decodes=e.num_decodes,
         )
+
+    def _ids(self, e: EagerInputs) -> torch.Tensor:
         ids = self._tensor(e.input_ids, torch.int64)
         if e.fed:
             src = [-1] * len(e.input_ids)
             for dst, row in zip(e.fed, e.fed_from, strict=True):
                 src[dst] = row
             ids = feed_input_ids(ids, self._tensor(src, torch.int64), self.prev_tokens)
-        return ids, self._tensor(e.positions, torch.int64), md
+        return ids
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -330,13 +349,13 @@ class ModelRunner:
                 logits = logits[self._tensor(plan.sample_at, torch.int64)]
         else:
             assert plan.eager is not None
-            ids, positions, md = self.tensors(plan.eager)
+            e = plan.eager
+            ids, positions = self._ids(e), self._tensor(e.positions, torch.int64)
             size = self.piecewise.size_for(ids.shape[0])
             if size is not None:
-                hidden = self.piecewise.run(ids, positions, md, size)
+                hidden = self.piecewise.run(ids, positions, self._metadata(e), size)
             else:
-                ctx = ForwardContext(md, self.kv_cache, self.backend)
-                hidden = self.model(ids, positions, ctx)
+                hidden = self.model(ids, positions, self.forward_context(e))
             if plan.score_rows:
                 scores = self._score_prompt(
                     hidden, plan.score_rows, plan.score_targets, plan.score_want

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from ember.engine.request import Request, RequestStatus
 from ember.engine.scheduler_loads import KVLoads, TierLoad
+from ember.kv.data_parallel import DataParallelKV
 from ember.kv.kv_cache_manager import KVCacheManager
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ class Scheduler(KVLoads):
     def __init__(
         self,
         config: SchedulerConfig,
-        kv: KVCacheManager,
+        kv: KVCacheManager | DataParallelKV,
         connector: KVConnector | None = None,
         tiers: TierManager | None = None,
     ) -> None:
@@ -163,7 +164,7 @@ class Scheduler(KVLoads):
                 if drafts:  # no room for the drafts: a plain decode before preempting anyone
                     drafts, num_new = [], ahead
                     continue
-                victim = self.running.pop()
+                victim = self._victim(req)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
@@ -244,6 +245,14 @@ class Scheduler(KVLoads):
             hit_tokens = len(hits) * self.kv.block_size if hits else 0
             self._publish(req, req.num_computed_tokens + hit_tokens + num_new)
         return True
+
+    def _victim(self, req: Request) -> Request:
+        """Whom to preempt for `req`'s room: the last running request whose blocks share it
+        (with data-parallel attention, one on its rank), at worst `req` itself."""
+        for k in range(len(self.running) - 1, -1, -1):
+            if self.kv.shares_room(self.running[k].request_id, req.request_id):
+                return self.running.pop(k)
+        raise RuntimeError(f"request {req.request_id} is not running")
 
     def _publish(self, req: Request, num_tokens: int) -> None:
         self.kv.publish(

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ember.engine.request import Request, RequestStatus
+from ember.kv.data_parallel import DataParallelKV
 from ember.kv.kv_cache_manager import KVCacheManager
 from ember.kv.tiers.base import TierHit
 
@@ -31,7 +32,7 @@ class TierLoad:
 class KVLoads:
     """Remote and tier loads of `Scheduler` (which sets these attributes and the methods used)."""
 
-    kv: KVCacheManager
+    kv: KVCacheManager | DataParallelKV
     connector: KVConnector | None
     tiers: TierManager | None
     waiting: deque[Request]
@@ -42,7 +43,9 @@ class KVLoads:
     prefix_hits: int
 
     def _computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
-        return self.kv.get_computed_blocks(req.block_hashes, req.all_token_ids, req.cache_salt)
+        return self.kv.get_computed_blocks(
+            req.block_hashes, req.all_token_ids, req.cache_salt, req.request_id
+        )
 
     if TYPE_CHECKING:  # Scheduler's own
 

@@ -72,7 +72,14 @@ def main() -> None:
     joining.connect(hello)
     joining.send(str(rank).encode())  # rank 0 waits for this, not a rendezvous, while we start
     joining.close(linger=1000)
-    state.init(rank, size, init_method, device, config.enable_expert_parallel)
+    state.init(
+        rank,
+        size,
+        init_method,
+        device,
+        config.enable_expert_parallel,
+        config.enable_dp_attention,
+    )
     core = EngineCore(config)
     runner = core.runner
     report = ctx.socket(zmq.PUSH)

@@ -58,11 +58,21 @@ class KVCacheManager:
         hashes.extend(hash_blocks(parent, token_ids, self.block_size, n, first_extra_keys=extra))
         return hashes
 
+    def shares_room(self, a: str, b: str) -> bool:
+        """Whether freeing request `a`'s blocks makes room for request `b`'s: always, in one
+        pool (ember/kv/data_parallel.py has several)."""
+        return True
+
     def get_computed_blocks(
-        self, hashes: list[BlockHash], token_ids: Sequence[int], cache_salt: str | None
+        self,
+        hashes: list[BlockHash],
+        token_ids: Sequence[int],
+        cache_salt: str | None,
+        request_id: str = "",
     ) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of `token_ids` in whole blocks, leaving at least one token to
-        compute; `hashes` is extended as `update_block_hashes` does."""
+        compute; `hashes` is extended as `update_block_hashes` does. `request_id`, the request
+        it is for, places the request where a cache has several pools (here, one)."""
         if not self.enable_prefix_caching:
             return [], 0
         self.update_block_hashes(hashes, token_ids, cache_salt)

@@ -25,7 +25,7 @@ from ember.attention.context import ForwardContext
 from ember.attention.mla import mla_attention
 from ember.distributed import comm
 from ember.distributed.shard import shard_size
-from ember.distributed.state import current
+from ember.distributed.state import ParallelState, current, use
 from ember.kernels.dispatch import use_triton
 from ember.models.config import ModelConfig
 from ember.models.layers.linear import make_linear, quant_scheme
@@ -49,11 +49,23 @@ class MLAttention(nn.Module):
     rank's heads' rows, o_proj its heads' columns (row parallel, all-reduced). The latent
     projection (kv_a_proj_with_mqa), q's LoRA down-projection and their norms are replicated:
     every rank computes the same latent row and keeps the whole latent cache, since one latent
-    head, shared by every query head, cannot be split. (Splitting the batch across the ranks'
-    attention instead, data-parallel attention, would divide the cache: a later step.)"""
+    head, shared by every query head, cannot be split.
+
+    Data-parallel attention (`ParallelState.dp_attention`) splits the requests instead: every
+    rank holds every head's weights and attends only to its own requests' rows (`ctx.dp_rows`)
+    over its own latent cache; their outputs, each in its rows of a zeroed [tokens, hidden],
+    are summed over the ranks, so every rank again holds every token for the MLP."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
+        self.data_parallel = current().dp_attention
+        if self.data_parallel:  # every head on every rank: the layers of one rank
+            with use(ParallelState()):
+                self._build(cfg, layer_idx, rotary)
+        else:
+            self._build(cfg, layer_idx, rotary)
+
+    def _build(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         self.layer_idx = layer_idx
         s = current()
         heads = cfg.num_attention_heads
@@ -120,6 +132,18 @@ class MLAttention(nn.Module):
         self.rotary = rotary
 
     def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        if not self.data_parallel or ctx.dp_rows is None:
+            return self._attend(positions, x, ctx)
+        # This rank's requests' rows, attended here; the others' come from their ranks.
+        rows = ctx.dp_rows
+        out = torch.zeros_like(x)
+        if rows.numel():
+            out.index_copy_(0, rows, self._attend(positions[rows], x[rows], ctx))
+        return comm.all_reduce(out)
+
+    def _attend(
         self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         t, h = x.shape[0], self.num_heads

@@ -165,6 +165,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="MoE models: each device holds whole experts (E / N of them) instead of every "
         "expert at 1 / N of its width",
     )
+    g.add_argument(
+        "--enable-dp-attention",
+        action="store_true",
+        help="MLA models (DeepSeek-V3, Kimi K2): each device attends to its own requests over a "
+        "latent KV cache of its own, rather than to every request by heads with the whole cache "
+        "on every device: N devices cache N times the tokens",
+    )
 
     g = p.add_argument_group("GPU", "memory, CUDA graphs and kernel compilation on a GPU")
     g.add_argument(
@@ -428,6 +435,7 @@ def engine_config_from_args(args: argparse.Namespace, cluster_secret: str = "") 
         speculative=speculative_config_from_args(args),
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
+        enable_dp_attention=args.enable_dp_attention,
         cluster_secret=cluster_secret,
     )
 
