@@ -23,3 +23,6 @@ class ForwardContext:
     """Data-parallel attention (ember/engine/dp_attention.py): the step's flat rows this rank
     attends to, its own requests' (int64); `metadata` then describes those rows alone. None:
     every row is this rank's."""
+    dp_foreign: torch.Tensor | None = None
+    """Data-parallel attention in a decode graph: which of the step's rows are not this rank's
+    (bool); `metadata` makes them padding rows, and their outputs are zeroed."""

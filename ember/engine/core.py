@@ -323,8 +323,8 @@ class EngineCore:
         clock.mark("kv sizing")
         self.num_kv_blocks = num_blocks
         if self.parallel.dp_attention:  # each rank's blocks, and so its requests
-            self.runner.dp_share = DataParallelShare(
-                self.parallel.rank, num_blocks, config.block_size
+            self.runner.share_requests(
+                DataParallelShare(self.parallel.rank, num_blocks, config.block_size)
             )
         transport = None
         if config.kv_role != "both":

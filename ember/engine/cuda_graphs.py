@@ -16,6 +16,7 @@ import torch
 
 from ember.attention.context import ForwardContext
 from ember.attention.metadata import AttentionMetadata
+from ember.distributed.state import current
 from ember.engine.startup_clock import StartupClock
 from ember.engine.step_plan import GraphInputs
 from ember.engine.warmup import one_layer_of_each_kind
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from ember.attention.backend import AttentionBackend
+    from ember.engine.dp_attention import DataParallelShare
     from ember.engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -171,7 +173,9 @@ class DecodeGraphs:
         self.compiled_at_capture = 0
         self._width = 1
         """Block-table columns the staged step uses."""
-        """Triton variants the start-up compile left to the capture (none, where it ran dry)."""
+        self.dp_share: DataParallelShare | None = None
+        """Data-parallel attention: this rank's requests, once the KV cache is sized."""
+        self._data_parallel = current().dp_attention
 
     def size_for(self, n: int, verifying: bool = False) -> int | None:
         """The captured size a decode batch (or a verify batch) of `n` rows pads up to; None if
@@ -212,6 +216,9 @@ class DecodeGraphs:
         self._staged.record()
         self._qsl = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self._max_len = max_model_len
+        # Data-parallel attention: the rows that are not this rank's (dp_attention.localize).
+        self._foreign = torch.zeros(max_batch, dtype=torch.bool, device=dev)
+        self._h_foreign = torch.zeros(max_batch, dtype=torch.bool, pin_memory=True)
 
     @torch.inference_mode()
     def capture(
@@ -269,8 +276,7 @@ class DecodeGraphs:
         of host time). Any KV cache of the engine's layout will do (a dry run reads none of it)."""
         for grouped, sizes in ((True, self.verify_sizes), (False, self.sizes)):
             for size in sizes:
-                ctx = ForwardContext(self._metadata(size, grouped), kv_cache, self.backend)
-                self._forward(size, ctx)
+                self._forward(size, self._context(size, grouped, kv_cache))
 
     def _capture(
         self,
@@ -281,7 +287,7 @@ class DecodeGraphs:
         clock: StartupClock,
         eager: bool,
     ) -> _Graph:
-        ctx = ForwardContext(self._metadata(size, grouped), kv_cache, self.backend)
+        ctx = self._context(size, grouped, kv_cache)
         if eager:
             # One run outside the first capture of a kind: lazy set-up (cuBLAS's handles, the
             # allocator's first blocks) must not happen inside it. The Triton variants of every
@@ -308,6 +314,11 @@ class DecodeGraphs:
     def _forward(self, size: int, ctx: ForwardContext) -> torch.Tensor:
         ids = feed_input_ids(self._ids[:size], self._src[:size], self.prev_tokens)
         return self.model.compute_logits(self.model(ids, self._pos[:size], ctx))
+
+    def _context(self, size: int, grouped: bool, kv_cache: torch.Tensor) -> ForwardContext:
+        foreign = self._foreign[:size] if self._data_parallel else None
+        md = self._metadata(size, grouped)
+        return ForwardContext(md, kv_cache, self.backend, dp_foreign=foreign)
 
     def _metadata(self, size: int, grouped: bool) -> AttentionMetadata:
         return AttentionMetadata(
@@ -366,12 +377,24 @@ class DecodeGraphs:
         self._h_rows.numpy()[:, : g.size] = np.frombuffer(g.rows, np.int64).reshape(6, g.size)
         tables = np.frombuffer(g.tables, np.int32).reshape(g.size, g.width)
         self._h_tables.numpy()[: g.size, : g.width] = tables
+        self._width = g.width
+
+    def localize(self, used: int, size: int) -> None:
+        """Data-parallel attention: the staged step (after `staged` took the whole of it for
+        the other ranks) made this rank's (ember/engine/dp_attention.py)."""
+        assert self.dp_share is not None
+        foreign = self.dp_share.localize(
+            self._h_rows.numpy(), self._h_tables.numpy(), used, size, self._width
+        )
+        self._h_foreign.numpy()[:size] = foreign
 
     def launch(self, size: int, verifying: bool = False) -> torch.Tensor:
         """Replay the graph of `size` (a verify graph if `verifying`) on the staged rows; returns
         the graph's logits, one row per position."""
         self._rows.copy_(self._h_rows, non_blocking=True)
         self._tables[:size].copy_(self._h_tables[:size], non_blocking=True)
+        if self._data_parallel:
+            self._foreign[:size].copy_(self._h_foreign[:size], non_blocking=True)
         self._staged.record()
         g = (self.verify_graphs if verifying else self.graphs)[size]
         g.graph.replay()

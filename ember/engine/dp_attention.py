@@ -11,11 +11,17 @@ Every rank still runs every token of the step through the embedding, the norms a
 (tensor or expert parallel, as without). Its attention layers take its own requests' rows
 (`own_rows`), attend over its own cache with metadata of those rows alone, and the ranks sum
 their outputs, each in its own rows of a zeroed [tokens, hidden] (ember/models/deepseek_v3.py),
-into the whole step's."""
+into the whole step's.
+
+A decode graph's rows are fixed in number, so there a rank attends to every row: its own in its
+block ids, the others' as padding rows that write nowhere and read one harmless slot, and zeroes
+the others' outputs before the sum (`localize`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from ember.engine.step_plan import EagerInputs
 
@@ -67,3 +73,25 @@ class DataParallelShare:
             num_decodes=num_decodes,
         )
         return own, rows
+
+    def localize(
+        self, rows: np.ndarray, tables: np.ndarray, used: int, size: int, width: int
+    ) -> np.ndarray:
+        """Turn a decode graph's staged step (ember/engine/cuda_graphs.fill_rows: `rows` [6, N]
+        and `tables` [N, W], `used` of `size` rows real, the tables' first `width` columns in
+        use) into this rank's, in place: its own
+        requests' slots and tables in its block ids, every other row a padding row (slot -1,
+        context 1, block 0, a row group of its own). Returns which rows are not this rank's
+        (bool [size]), whose attention outputs the model zeroes."""
+        first_block = self.rank * self.blocks_per_rank
+        own = np.zeros(size, dtype=bool)
+        own[:used] = tables[:used, 0] // self.blocks_per_rank == self.rank
+        mine = own[:used]
+        slots, lens, groups = rows[2, :used], rows[3, :used], rows[5, :used]
+        slots[:] = np.where(mine, slots - first_block * self.block_size, -1)
+        lens[:] = np.where(mine, lens, 1)
+        groups[:] = np.where(mine, groups, 1)
+        t = tables[:used, :width]
+        inside = (t >= first_block) & (t < first_block + self.blocks_per_rank)
+        t[:] = np.where(mine[:, None] & inside, t - first_block, 0)
+        return ~own

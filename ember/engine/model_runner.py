@@ -161,7 +161,13 @@ class ModelRunner:
         self.send_plan: Callable[[StepPlan], None] | None = None
         """On a tensor-parallel engine's rank 0: hands each step's plan to the other ranks."""
         self.dp_share: DataParallelShare | None = None
-        """Data-parallel attention: the requests this rank attends to (its blocks)."""
+        """Data-parallel attention: the requests this rank attends to (its blocks);
+        `share_requests` sets it."""
+
+    def share_requests(self, share: DataParallelShare) -> None:
+        """Data-parallel attention: this rank attends to the requests whose blocks `share`
+        gives it, in its eager steps and its decode graphs."""
+        self.dp_share = self.graphs.dp_share = share
 
     def allocate_kv_cache(self, num_blocks: int, allocate: Allocator | None = None) -> None:
         """`allocate(shape, dtype, device)`: where the cache's memory comes from (a KV
@@ -342,6 +348,8 @@ class ModelRunner:
         if plan.graph is not None:
             if driver is None:
                 self.graphs.stage_from(plan.graph)
+            if self.dp_share is not None:
+                self.graphs.localize(plan.num_rows, plan.graph.size)
             logits = self.graphs.launch(plan.graph.size, plan.graph.verifying)
             if len(plan.sample_at) == plan.num_rows:  # every row samples: a slice, no index
                 logits = logits[: plan.num_rows]

@@ -134,8 +134,11 @@ class MLAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        if not self.data_parallel or ctx.dp_rows is None:
+        if not self.data_parallel or (ctx.dp_rows is None and ctx.dp_foreign is None):
             return self._attend(positions, x, ctx)
+        if ctx.dp_foreign is not None:  # a decode graph's rows: the others' are padding here
+            o = self._attend(positions, x, ctx).masked_fill_(ctx.dp_foreign.unsqueeze(1), 0)
+            return comm.all_reduce(o)
         # This rank's requests' rows, attended here; the others' come from their ranks.
         rows = ctx.dp_rows
         out = torch.zeros_like(x)

@@ -6,10 +6,12 @@ by heads or to another engine are refused."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from ember import LLM
 from ember.kv.data_parallel import DataParallelKV
@@ -167,3 +169,43 @@ def test_refused_settings(deepseek: Path, kwargs: dict, match: str) -> None:
 def test_models_without_latent_attention_are_refused(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="needs a model with multi-head latent attention"):
         LLM(str(tiny_model_dir("qwen3_moe")), dtype="float32", **DP)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_one_gpu_runs_the_same_code(deepseek: Path, eager: bool) -> None:
+    """One GPU through the data-parallel attention's path (its eager share of a step, or its
+    decode graphs' rows made its own), plain decode and ngram verification, equals the plain
+    engine."""
+    kwargs = {
+        "device": "cuda",
+        "dtype": "float32",
+        "enforce_eager": eager,
+        "max_model_len": 512,
+        "max_num_seqs": 8,
+        "num_kv_blocks": 256,
+    }
+    prompts = [*PROMPTS, "one two three one two three one two three one two"]
+    runs = []
+    for extra in (
+        {},
+        {"enable_dp_attention": True},
+        {"enable_dp_attention": True, "speculative": SpeculativeConfig("ngram", 4)},
+    ):
+        llm = LLM(str(deepseek), **kwargs, **extra)
+        try:
+            runs.append(outputs(llm, prompts, greedy(24)))
+            if extra:
+                assert isinstance(llm.engine.core.kv, DataParallelKV)
+                assert bool(llm.engine.core.runner.graphs.graphs) is not eager
+        finally:
+            llm.close()
+        gc.collect()
+        torch.cuda.empty_cache()
+    want, dp, spec = runs
+    for (tok_w, lp_w), (tok_g, lp_g) in zip(want, dp, strict=True):
+        assert tok_g == tok_w
+        for pos_g, pos_w in zip(lp_g, lp_w, strict=True):
+            assert all(abs(pos_g[t].logprob - pos_w[t].logprob) <= 1e-3 for t in pos_w)
+    assert [t for t, _ in spec] == [t for t, _ in want]

@@ -4,6 +4,8 @@ choosing a request of the same rank; and each rank's share of a step."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from ember.engine.dp_attention import DataParallelShare
 from ember.engine.request import Request
 from ember.engine.scheduler import Scheduler, SchedulerConfig
@@ -106,3 +108,40 @@ def test_a_rank_takes_its_requests_rows_in_its_own_block_ids() -> None:
     assert own0.slots == [1] and own0.block_tables == [[0]] and own0.num_decodes == 1
     none, rows2 = DataParallelShare(2, 8, BS).own_rows(e)
     assert rows2 == [] and none.block_tables == []
+
+
+def test_a_rank_takes_its_rows_of_a_decode_graph() -> None:
+    # fill_rows' layout: a decode on rank 1, a 2-row verification on rank 0, a decode on rank
+    # 1, then a padding row; blocks of 4 tokens, 8 a rank.
+    rows = np.array(
+        [
+            [5, 6, 7, 8, 0],  # input ids
+            [4, 1, 2, 9, 0],  # positions
+            [8 * 4 + 0, 1, 2, 12 * 4 + 1, -1],  # slots
+            [5, 2, 3, 10, 1],  # context lengths
+            [-1, -1, -1, -1, -1],  # feed rows
+            [1, 2, 0, 1, 1],  # row groups
+        ],
+        dtype=np.int64,
+    )
+    tables = np.array([[10, 8, 99], [0, 0, 99], [0, 0, 99], [14, 12, 99], [0, 0, 99]], np.int32)
+    share = DataParallelShare(1, 8, BS)
+    foreign = share.localize(rows, tables, used=4, size=5, width=2)
+    assert foreign.tolist() == [False, True, True, False, True]
+    assert rows[0].tolist() == [5, 6, 7, 8, 0] and rows[1].tolist() == [4, 1, 2, 9, 0]
+    assert rows[2].tolist() == [0, -1, -1, 4 * 4 + 1, -1]
+    assert rows[3].tolist() == [5, 1, 1, 10, 1]
+    assert rows[5].tolist() == [1, 1, 1, 1, 1]
+    assert tables[:, :2].tolist() == [[2, 0], [0, 0], [0, 0], [6, 4], [0, 0]]
+    assert tables[:, 2].tolist() == [99] * 5  # past the used width: untouched
+
+
+def test_rank_zero_keeps_its_verification_rows() -> None:
+    rows = np.array(
+        [[1, 2, 3], [4, 5, 6], [17, 18, 8 * 4 + 3], [5, 6, 7], [-1] * 3, [2, 0, 1]], np.int64
+    )
+    tables = np.array([[4, 3], [4, 3], [8, 0]], np.int32)
+    foreign = DataParallelShare(0, 8, BS).localize(rows, tables, used=3, size=3, width=2)
+    assert foreign.tolist() == [False, False, True]
+    assert rows[2].tolist() == [17, 18, -1] and rows[5].tolist() == [2, 0, 1]
+    assert tables.tolist() == [[4, 3], [4, 3], [0, 0]]
