@@ -36,7 +36,7 @@ dims, which nothing here writes: that part is skipped with the reason.
 
     python benchmarks/parallel_gpu.py [--shape llama] [--tp 2,4,8] [--engines ember,vllm]
         [--parts correctness,speed] [--enable-expert-parallel] [--layers N] [--check-layers N]
-        [--dtypes float32,bfloat16] [--starts fresh,warm]
+        [--enable-dp-attention] [--dtypes float32,bfloat16] [--starts fresh,warm]
 
 Every check and every ceiling runs in a process of its own (the serving GPUs stay free; one that
 fails is reported and the rest go on). Prints a table and writes
@@ -114,10 +114,13 @@ answers is at most NOISE_FACTOR x one device's in that precision, + NOISE_SLACK.
 # -- what a rank reads ----------------------------------------------------------------------------
 
 
-def rank_step_bytes(cfg: dict, size: int, context: float) -> dict[str, float]:
+def rank_step_bytes(
+    cfg: dict, size: int, context: float, dp_attention: bool = False
+) -> dict[str, float]:
     """Bytes one of `size` ranks reads in a decode step at batch 1 with `context` tokens of KV:
     its slice of every split weight, and the whole of what each rank keeps (see the docstring).
-    At size 1 it is quantized_gpu.decode_bytes(cfg, 1, context)."""
+    At size 1 it is quantized_gpu.decode_bytes(cfg, 1, context). `dp_attention` (MLA): every
+    rank holds all of attention's weights, and the request's rank reads its KV."""
     from benchmarks.engine_gpu import is_mla, kv_bytes_per_token, moe_dims
     from benchmarks.quantized_gpu import bytes_per_param, param_groups
     from ember.distributed.shard import shard_heads
@@ -141,9 +144,12 @@ def rank_step_bytes(cfg: dict, size: int, context: float) -> dict[str, float]:
         attention -= kv * kv_proj
         kv_token = layers * 2 * rank_kv * d * 2
     moe_layers, _, top_k = moe_dims(cfg)
-    split = attention + sum(
-        groups[g] * per[g] for g in ("kv_b", "dense_mlp", "shared_experts", "lm_head")
-    )
+    if dp_attention and is_mla(cfg):
+        kept += attention + groups["kv_b"] * per["kv_b"]
+        attention = 0
+    else:
+        attention += groups["kv_b"] * per["kv_b"]
+    split = attention + sum(groups[g] * per[g] for g in ("dense_mlp", "shared_experts", "lm_head"))
     split += moe_layers * top_k * groups["expert"] * per["routed_experts"]
     weights = kept + split / size
     return {"weights": weights, "kv": context * kv_token, "total": weights + context * kv_token}
@@ -211,6 +217,7 @@ def greedy(spec: dict[str, Any]) -> dict[str, Any]:
         dtype=spec["dtype"],
         tensor_parallel_size=spec["tp"],
         enable_expert_parallel=spec["ep"],
+        enable_dp_attention=spec.get("dp", False) and spec["tp"] > 1,
         max_model_len=256,
         max_num_seqs=len(spec["prompts"]),
         kv_host_gb=0,
@@ -302,10 +309,11 @@ def judge(dtype: str, cmp: dict[str, Any], fp32_tol: float) -> bool:
 
 
 def correctness(
-    shape: str, sizes: list[int], ep: bool, args: argparse.Namespace, work: Path
+    shape: str, sizes: list[int], ep: bool, args: argparse.Namespace, work: Path, dp: bool = False
 ) -> dict[str, Any]:
-    """One device against each parallel size (`ep`: whole experts a rank), in each dtype, on the
-    same files (removed after); one device in float32 is every dtype's reference too."""
+    """One device against each parallel size (`ep`: whole experts a rank; `dp`: data-parallel
+    attention), in each dtype, on the same files (removed after); one device in float32 is every
+    dtype's reference too."""
     from benchmarks.engine_gpu import random_prompts
     from benchmarks.quantized_gpu import compare
 
@@ -324,14 +332,14 @@ def correctness(
     result: dict[str, Any] = {"layers": layers, "runs": {}}
 
     def greedy_at(dtype: str, size: int, ep: bool) -> dict[str, Any]:
-        return run_child("greedy", {**base, "dtype": dtype, "tp": size, "ep": ep}, work)
+        return run_child("greedy", {**base, "dtype": dtype, "tp": size, "ep": ep, "dp": dp}, work)
 
     try:
         truth = greedy_at("float32", 1, False)
         for dtype in args.dtypes.split(","):
             one = truth if dtype == "float32" else greedy_at(dtype, 1, False)
             for size in sizes:
-                key = f"{dtype} {'ep' if ep else 'tp'}{size}"
+                key = f"{dtype} {'dp-' if dp else ''}{'ep' if ep else 'tp'}{size}"
                 got = greedy_at(dtype, size, ep)
                 failed = [r["error"] for r in (truth, one, got) if "error" in r]
                 if failed:
@@ -354,11 +362,18 @@ def correctness(
 
 
 def serve_command(
-    engine: str, model: str, port: int, device: str, size: int, ep: bool
+    engine: str, model: str, port: int, device: str, size: int, ep: bool, dp: bool = False
 ) -> list[str]:
-    """served_gpu's command line for `engine` at `size` devices (both servers spell it alike)."""
-    cmd = command(engine, model, port, device) + ["--tensor-parallel-size", str(size)]
-    return cmd + (["--enable-expert-parallel"] if ep else [])
+    """served_gpu's command line for `engine` at `size` devices (both servers spell tensor and
+    expert parallelism alike). Data-parallel attention: ember's flag; vLLM's equivalent for an
+    MLA MoE model is `size` data-parallel engines of one GPU with the experts split across them
+    (`--data-parallel-size N --enable-expert-parallel`)."""
+    cmd = command(engine, model, port, device)
+    if dp and engine == "vllm":
+        return cmd + ["--data-parallel-size", str(size), "--enable-expert-parallel"]
+    cmd += ["--tensor-parallel-size", str(size)]
+    cmd += ["--enable-expert-parallel"] if ep else []
+    return cmd + (["--enable-dp-attention"] if dp else [])
 
 
 def engine_missing(engine: str, caches: Path) -> str | None:
@@ -386,7 +401,15 @@ def serve_runs(
     for kind in starts:
         port = free_port("127.0.0.1")
         url, log = f"http://127.0.0.1:{port}", work / f"{slug}-{kind}.log"
-        cmd = serve_command(engine, model, port, args.device, size, args.enable_expert_parallel)
+        cmd = serve_command(
+            engine,
+            model,
+            port,
+            args.device,
+            size,
+            args.enable_expert_parallel,
+            args.enable_dp_attention,
+        )
         try:
             proc, ready_s = start(cmd, environment(engine, caches), url, log, args.ready_timeout)
         except (RuntimeError, TimeoutError) as e:
@@ -497,6 +520,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--shape", default="llama", choices=sorted(SHAPES))
     ap.add_argument("--tp", default="2", help="parallel sizes, comma-separated (2,4,8)")
     ap.add_argument("--enable-expert-parallel", action="store_true", help="MoE: whole experts")
+    ap.add_argument(
+        "--enable-dp-attention", action="store_true", help="MLA: each rank its own requests"
+    )
     ap.add_argument("--engines", default="ember", help="ember, vllm or both (comma-separated)")
     ap.add_argument("--parts", default="correctness,speed")
     ap.add_argument("--layers", type=int, help="decoder layers served (default: the shape's)")
@@ -515,6 +541,8 @@ def parse_args() -> argparse.Namespace:
         args.shape = "tiny"  # the smoke run's dense model; its MoE check runs beside
     if args.enable_expert_parallel and not SHAPES.get(args.shape, TINY).get("n_routed_experts"):
         ap.error(f"--enable-expert-parallel: {args.shape} has no experts")
+    if args.enable_dp_attention and not SHAPES.get(args.shape, TINY).get("kv_lora_rank"):
+        ap.error(f"--enable-dp-attention: {args.shape} has no latent attention")
     return args
 
 
@@ -548,6 +576,7 @@ def main() -> None:
     hardware = "cpu" if args.device == "cpu" else f"{gpus}x{hardware_label(gpu)}"
     tag = args.shape + (f"-{args.layers}L" if args.layers else "")
     tag += "-ep" if args.enable_expert_parallel else ""
+    tag += "-dp" if args.enable_dp_attention else ""
     out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     out = result_path("parallel_gpu", hardware, tag=tag, out_dir=out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -557,6 +586,7 @@ def main() -> None:
         "shape": args.shape,
         "layers": args.layers,
         "expert_parallel": args.enable_expert_parallel,
+        "dp_attention": args.enable_dp_attention,
         "sizes": sizes,
         "starts": args.starts.split(","),
         "copy_bytes_per_s": {"before": ceil["copy_bytes_per_s"]},
@@ -567,11 +597,12 @@ def main() -> None:
 
     if "correctness" in parts:
         report["correctness"] = {}
-        # The smoke run checks its tiny DeepSeek-V3 with whole experts a rank beside.
-        checks = [(args.shape, args.enable_expert_parallel)]
-        checks += [("tiny_moe", True)] if args.device == "cpu" else []
-        for shape, ep in checks:
-            report["correctness"][shape] = correctness(shape, sizes, ep, args, work)
+        # The smoke run checks its tiny DeepSeek-V3 beside, with whole experts a rank and
+        # data-parallel attention.
+        checks = [(args.shape, args.enable_expert_parallel, args.enable_dp_attention)]
+        checks += [("tiny_moe", True, True)] if args.device == "cpu" else []
+        for shape, ep, dp in checks:
+            report["correctness"][shape] = correctness(shape, sizes, ep, args, work, dp)
             save()
     if "speed" in parts:
         model, cfg = served_model(args)
@@ -579,7 +610,8 @@ def main() -> None:
         _, prompt, output = loads.b1
         report["loads"] = loads.__dict__
         report["b1_rank_bytes"] = {
-            str(s): rank_step_bytes(cfg, s, prompt + output / 2) for s in sizes
+            str(s): rank_step_bytes(cfg, s, prompt + output / 2, args.enable_dp_attention)
+            for s in sizes
         }
         report["speed"] = {}
         for engine in args.engines.split(","):

@@ -31,10 +31,10 @@ def test_parallel_gpu_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     report = json.loads(written.read_text())
     checks = report["correctness"]
     # float32 at two ranks is one rank's answer; bf16 is measured against one rank's float32.
-    for model, key in (("tiny", "float32 tp2"), ("tiny_moe", "float32 ep2")):
+    for model, key in (("tiny", "float32 tp2"), ("tiny_moe", "float32 dp-ep2")):
         run = checks[model]["runs"][key]
         assert run["ok"] and run["identical_frac"] == 1.0 and run["max_abs_logprob_gap"] < 1e-4
-    for model, key in (("tiny", "bfloat16 tp2"), ("tiny_moe", "bfloat16 ep2")):
+    for model, key in (("tiny", "bfloat16 tp2"), ("tiny_moe", "bfloat16 dp-ep2")):
         run = checks[model]["runs"][key]
         assert run["prompts"] == 8 and run["one_vs_float32_gap"] >= 0 and "ok" in run
     warm = report["speed"]["ember"]["2"]["warm"]
@@ -42,7 +42,7 @@ def test_parallel_gpu_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     assert warm["mixed"]["completed"] == 4 and warm["mixed"]["errors"] == 0
     assert warm["mixed"]["completion_tokens"] == 4 * 8  # ignore_eos: every token asked for
     assert len(report["copy_bytes_per_s"]["after"]) == 1
-    assert "| tiny_moe | float32 ep2 | 1.00 |" in done.stdout
+    assert "| tiny_moe | float32 dp-ep2 | 1.00 |" in done.stdout
     assert "| mixed, output tok/s |" in done.stdout
 
 
@@ -67,9 +67,36 @@ def test_what_a_rank_keeps_whole() -> None:
     assert rank_step_bytes(moon, 8, 1)["kv"] == kv_bytes_per_token(moon)
 
 
+def test_data_parallel_attention_keeps_attention_whole() -> None:
+    """Every rank holds all of MLA's weights: the difference to splitting by heads is the
+    heads' share the other ranks would hold. A dense model has no latent attention to keep."""
+    from benchmarks.quantized_gpu import bytes_per_param, param_groups
+
+    moon = {**SHAPES["moonlight"], "num_hidden_layers": 4}
+    split, whole = rank_step_bytes(moon, 4, 100), rank_step_bytes(moon, 4, 100, True)
+    groups, per = param_groups(moon), bytes_per_param(moon)
+    latent = moon["kv_lora_rank"] + moon["qk_rope_head_dim"] + (moon.get("q_lora_rank") or 0)
+    heads = (
+        groups["attention"] * per["attention"]
+        - 4 * moon["hidden_size"] * latent * per["attention"]
+        + groups["kv_b"] * per["kv_b"]
+    )
+    assert whole["weights"] - split["weights"] == pytest.approx(heads * 3 / 4)
+    assert whole["kv"] == split["kv"]
+    llama = SHAPES["llama"]
+    assert rank_step_bytes(llama, 2, 9, True) == rank_step_bytes(llama, 2, 9)
+
+
 def test_both_servers_get_the_parallel_flags() -> None:
     for engine in ("ember", "vllm"):
         cmd = serve_command(engine, "/models/m", 8000, "cuda", 4, True)
         assert cmd[cmd.index("--tensor-parallel-size") + 1] == "4"
         assert "--enable-expert-parallel" in cmd
     assert "--enable-expert-parallel" not in serve_command("ember", "m", 1, "cpu", 2, False)
+    ember = serve_command("ember", "m", 1, "cuda", 8, True, dp=True)
+    assert ember[-3:] == ["8", "--enable-expert-parallel", "--enable-dp-attention"]
+    vllm = serve_command("vllm", "m", 1, "cuda", 8, True, dp=True)
+    assert "--tensor-parallel-size" not in vllm
+    assert (
+        vllm[vllm.index("--data-parallel-size") + 1] == "8" and "--enable-expert-parallel" in vllm
+    )
