@@ -81,19 +81,19 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="prefill engines (default: 1, or 0 when --engine-args make the engines tensor "
-        "parallel, which serve colocated)",
+        "parallel and neither --prefill nor --decode is given: one colocated engine then)",
     )
     g.add_argument(
         "--decode",
         type=int,
         default=None,
-        help="decode engines (default: 1, or 0 with tensor-parallel engines)",
+        help="decode engines (default: 1, or 0 with tensor-parallel engines and no role given)",
     )
     g.add_argument(
         "--both",
         type=int,
         default=None,
-        help="colocated engines (default: 0, or 1 with tensor-parallel engines)",
+        help="colocated engines (default: 0, or 1 with tensor-parallel engines and no role given)",
     )
     g.add_argument("--host", default="127.0.0.1", help="the address every process listens on")
     g.add_argument("--port", type=int, default=8000, help="the router's port")
@@ -315,11 +315,12 @@ def _healthy(url: str) -> bool:
 
 def engine_counts(args: argparse.Namespace) -> tuple[int, int, int]:
     """(prefill, decode, both) engines: as given, the rest by default: one prefill and one decode
-    engine, or, when `--engine-args` make the engines tensor parallel (which take no
-    disaggregation role), one colocated engine."""
+    engine, or, when `--engine-args` make the engines tensor parallel (each then takes N GPUs)
+    and no prefill or decode engines are asked for, one colocated engine."""
     extra = engine_extra_args(getattr(args, "engine_args", "") or "")
-    defaults = (0, 0, 1) if tensor_parallel_size(extra) > 1 else (1, 1, 0)
     given = (args.prefill, args.decode, args.both)
+    roles_given = args.prefill is not None or args.decode is not None
+    defaults = (0, 0, 1) if tensor_parallel_size(extra) > 1 and not roles_given else (1, 1, 0)
     prefill, decode, both = (d if n is None else n for n, d in zip(given, defaults, strict=True))
     return prefill, decode, both
 
@@ -364,15 +365,13 @@ def start_cluster(
     extra = engine_extra_args(getattr(args, "engine_args", "") or "")
     tp = tensor_parallel_size(extra)
     if tp > 1 and any(role != "both" for role, _ in plan):
-        # A decode engine may be tensor-parallel, a prefill engine may not; --engine-args reach
-        # every engine alike, so a mixed pair is started by hand (`ember serve`).
-        raise ValueError(
-            "--engine-args --tensor-parallel-size reaches every engine, and a prefill engine is "
-            "one rank: for colocated engines leave out --prefill and --decode (or give 0) and "
-            "set --both N (1 by default); for a "
-            "tensor-parallel decode engine start the pair with `ember serve --role prefill` and "
-            "`ember serve --role decode --tensor-parallel-size N --kv-peers PREFILL_URL`"
-        )
+        from ember.kv.transport import resolve_kind
+
+        if resolve_kind(args.kv_transport, args.device) == "mooncake":
+            raise ValueError(
+                "tensor-parallel prefill and decode engines move KV over a transport of one host "
+                "(--kv-transport auto, shm or cuda_ipc), not mooncake"
+            )
     threads = max(1, threads // tp)  # each rank of an engine is a process of its own
     gpus = gpu_slices(args.device, tp, len(plan))
     for i, (role, port) in enumerate(plan):

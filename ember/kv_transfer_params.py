@@ -25,6 +25,12 @@ class KVTransferParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
     kv_base_addr: int = 0
     """Address of the prefill engine's registered KV cache; block i starts at base + i * block_bytes."""
     block_bytes: int = 0
+    """Bytes of a block on each rank of the prefill engine (its heads' share of the KV)."""
+    rank_transfer_addresses: list[str] = msgspec.field(default_factory=list)
+    """A tensor-parallel prefill engine's ranks 1 .. N-1: each one's transport address (rank 0's
+    is `transfer_address`); each rank holds its heads of every block."""
+    rank_kv_base_addrs: list[int] = msgspec.field(default_factory=list)
+    """Those ranks' registered KV caches' addresses, as `kv_base_addr` is rank 0's."""
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     first_token_id: int = -1
@@ -38,3 +44,13 @@ class KVTransferParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
     signature: str = ""
     """HMAC of the other fields under the cluster secret, set by the prefill engine's API process
     (ember.trust.sign_kv_params): a decode engine reads only KV that a peer really offered."""
+
+    @property
+    def peers(self) -> list[str]:
+        """Every rank's transport address, rank 0's first."""
+        return [self.transfer_address, *self.rank_transfer_addresses]
+
+    @property
+    def kv_base_addrs(self) -> list[int]:
+        """Every rank's KV cache address, rank 0's first."""
+        return [self.kv_base_addr, *self.rank_kv_base_addrs]

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ember.trust import internal_headers
 from tests.servers import free_port, spawned_by_up
 
 pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine is not installed")
@@ -513,16 +514,55 @@ def test_tensor_parallel_engines_get_gpus_of_their_own(monkeypatch: pytest.Monke
         gpu_slices("cuda:1", 2, 1)
 
 
-def test_up_refuses_tensor_parallel_roles_before_starting(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+def test_up_refuses_tensor_parallel_roles_over_mooncake(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     r = subprocess.run(
         [sys.executable, "-m", "ember.cli", "up", str(tiny_model_dir("llama")),
          "--port", str(free_port()), "--prefill", "1", "--decode", "1",
-         "--engine-args", "--tensor-parallel-size 2"],
+         "--kv-transport", "mooncake", "--engine-args", "--tensor-parallel-size 2"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode != 0
-    assert "leave out --prefill and --decode" in r.stderr
-    assert "ember serve --role decode --tensor-parallel-size N" in r.stderr
+    assert "transport of one host" in r.stderr
+
+
+def test_up_serves_tensor_parallel_prefill_and_decode_engines(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """`ember up --prefill 1 --decode 1 --engine-args "-tp 2"`: a prefill and a decode engine of
+    two ranks each; the decode engine reads the prompt's KV from both prefill ranks, the answer
+    is a colocated engine's, and Ctrl-C leaves no worker."""
+    model = str(tiny_model_dir("llama"))
+    before = _workers()
+    port = three_free_ports()
+    proc = up(
+        model, port, "--prefill", "1", "--decode", "1", "--dtype", "float32",
+        "--engine-args", "--tensor-parallel-size 2", secret=SECRET,
+    )  # fmt: skip
+    try:
+        _wait_healthy(proc, port)
+        _wait_engines_seen(port)
+        ids = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
+        prompt = "The quick brown fox jumps over the lazy dog. " * 40  # past 256 tokens: PD
+        body = {"model": ids["data"][0]["id"], "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200
+        got = r.json()["choices"][0]["text"]
+        load = httpx.get(
+            f"http://127.0.0.1:{port + 2}/load", headers=internal_headers(SECRET), timeout=5
+        ).json()
+        assert load["remote_kv_loads"] == 1 and load["remote_kv_failures"] == 0
+        assert len(_workers() - before) == 2  # two engines of two ranks: a worker each
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    from ember import LLM, SamplingParams
+
+    one = LLM(model, dtype="float32")
+    want = one.generate(prompt, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    one.close()
+    assert got == want
+    deadline = time.monotonic() + 10
+    while _workers() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _workers() - before
 
 
 def test_up_serves_tensor_parallel_engines_colocated(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
@@ -536,12 +576,10 @@ def test_up_serves_tensor_parallel_engines_colocated(tiny_model_dir) -> None:  #
     assert engine_counts(parse(["up", "m", "--engine-args", "-tp 2", "--both", "2"])) == (0, 0, 2)
     assert engine_counts(parse(["up", "m"])) == (1, 1, 0)
     assert engine_counts(parse(["up", "m", "--both", "1"])) == (1, 1, 1)
+    tp_pair = parse(["up", "m", "--engine-args", "-tp 2", "--prefill", "1", "--decode", "2"])
+    assert engine_counts(tp_pair) == (1, 2, 0)
 
-    def workers() -> set[int]:
-        found = subprocess.run(["pgrep", "-f", "ember.engine.worker_main"], capture_output=True)
-        return {int(p) for p in found.stdout.split()}
-
-    before = workers()
+    before = _workers()
     port = free_port()
     up = subprocess.Popen(
         [sys.executable, "-m", "ember.cli", "up", str(tiny_model_dir("llama")), "--port",
@@ -549,26 +587,50 @@ def test_up_serves_tensor_parallel_engines_colocated(tiny_model_dir) -> None:  #
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert up.poll() is None, up.stdout.read() if up.stdout else ""
-            time.sleep(0.5)
+        _wait_healthy(up, port)
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
         body["model"] = models["data"][0]["id"]
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-        ours = workers() - before
+        ours = _workers() - before
         assert len(ours) == 1  # one engine of two ranks: one worker
     finally:
         up.send_signal(signal.SIGINT)
         up.wait(timeout=60)
     deadline = time.monotonic() + 10
-    while workers() & ours and time.monotonic() < deadline:
+    while _workers() & ours and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not workers() & ours
+    assert not _workers() & ours
+
+
+def _workers() -> set[int]:
+    found = subprocess.run(["pgrep", "-f", "ember.engine.worker_main"], capture_output=True)
+    return {int(p) for p in found.stdout.split()}
+
+
+def _wait_engines_seen(port: int, timeout_s: float = 60) -> None:
+    """Until the router on `port` has seen each of its engines healthy (a request before then
+    may skip a prefill engine it has not heard from yet)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        load = httpx.get(
+            f"http://127.0.0.1:{port}/load", headers=internal_headers(SECRET), timeout=5
+        ).json()
+        if all(e["healthy"] for e in load["endpoints"]):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the router on port {port} did not see every engine healthy")
+
+
+def _wait_healthy(proc: subprocess.Popen[str], port: int, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        time.sleep(0.5)
+    raise AssertionError(f"ember up on port {port} did not become healthy")

@@ -24,7 +24,7 @@ from ember.engine import cuda_context
 from ember.engine.config import EngineConfig, ResolvedConfig
 from ember.engine.dp_attention import DataParallelShare
 from ember.engine.expert_load import ExpertLoadMeter
-from ember.engine.kv_connector import KVConnector, ShardReader, shard_layout
+from ember.engine.kv_connector import KVConnector, ShardMap, ShardReader
 from ember.engine.kv_tiers import (
     PrefillClock,
     WorkerLowerChannel,
@@ -286,24 +286,18 @@ class EngineCore:
                 )
 
     def _check_parallel_role(self) -> None:
-        """A tensor-parallel engine may decode for a prefill engine of one rank over a same-host
-        transport (each rank reads its heads of every block); it cannot lease (a prefill engine's
-        blocks are whole, on one rank), nor read over Mooncake (its block tags cover whole
-        blocks: a rank reading its heads cannot check them)."""
+        """A tensor-parallel engine may prefill or decode over a same-host transport (each rank
+        moves its heads of every block), not over Mooncake (its block tags cover whole blocks:
+        a rank holding or reading its heads cannot check them)."""
         config = self.config
-        if config.kv_role == "prefill":
-            raise ValueError(
-                "kv_role 'prefill' (disaggregation) is not supported with tensor_parallel_size "
-                "> 1: a prefill engine is one rank (a decode engine may be tensor-parallel)"
-            )
-        if config.kv_role == "decode":
+        if config.kv_role != "both":
             from ember.kv.transport import resolve_kind
 
             if resolve_kind(config.kv_transport, config.device) == "mooncake":
                 raise ValueError(
                     "kv_transport 'mooncake' is not supported with tensor_parallel_size > 1: its "
-                    "block tags cover whole blocks, which a rank reading its heads cannot check "
-                    "(use shm or cuda_ipc, on one host)"
+                    "block tags cover whole blocks, which a rank holding or reading its heads "
+                    "cannot check (use shm or cuda_ipc, on one host)"
                 )
 
     def _kv_and_scheduler(self, clock: StartupClock, used_before: int, total: int) -> None:
@@ -336,19 +330,20 @@ class EngineCore:
         self.runner.allocate_kv_cache(num_blocks, transport.allocate if transport else None)
         if on_gpu:
             log_memory(self.runner, self.parallel.rank, self.parallel.size)
-        # Which bytes of a prefill engine's blocks this rank reads (its KV heads of each).
-        layout = None
+        # Where this rank's KV heads lie in a prefill engine's blocks (of any number of ranks).
+        shards = None
         if transport is not None:
-            layout = shard_layout(
+            shards = ShardMap.of(
                 self.model_config, self.runner.kv_cache, self.parallel.rank, self.parallel.size
             )
         self.kv_reader: ShardReader | None = None
         if not self.parallel.is_driver:
             # A worker's part ends with its KV cache: rank 0 schedules; a decode engine's worker
-            # reads its heads of the prompts' KV when rank 0 says (ember/engine/worker_main.py).
+            # reads its heads of the prompts' KV when rank 0 says, a prefill engine's registers
+            # its cache for decode engines to read (ember/engine/worker_main.py).
             self.tiers, self.connector = None, None
-            if transport is not None and layout is not None:
-                self.kv_reader = ShardReader(transport, self.runner.kv_cache, layout)
+            if transport is not None and shards is not None:
+                self.kv_reader = ShardReader(transport, self.runner.kv_cache, shards)
             # None without prefix caching or a host tier (its memory then closed).
             self.replica = build_replica(
                 config, self.runner.kv_cache, r.max_model_len, self._host_memory
@@ -406,7 +401,7 @@ class EngineCore:
                 config.kv_lease_s,
                 secret=config.cluster_secret,
                 timeout_s=config.kv_timeout_s,
-                layout=layout,
+                shards=shards,
                 workers=self.workers,
             )
         self.scheduler = Scheduler(

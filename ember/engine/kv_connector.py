@@ -12,9 +12,12 @@ since /kv/release is an internal route. Over a transport that other hosts reach 
 (Mooncake), every leased block carries a tag keyed by the cluster secret, and the decode side uses
 what it read only if every tag matches (ember/kv/transport/block_tags.py).
 
-A decode engine may be tensor-parallel (a prefill engine is one rank): each rank holds its share
-of the KV heads, so each rank reads its own heads of every block (`ShardReader`, the same transport
-`read` of narrower regions). Rank 0 sends the workers a `LoadKV` with the read's parameters, reads
+Either engine may be tensor-parallel, each rank holding its share of the KV heads, on one host
+(shared memory or CUDA IPC). A tensor-parallel prefill engine's workers register their caches
+with transports of their own and tell rank 0 where (`Workers.kv_regions`), which puts every
+rank's address in the lease; the blocks' ids are the same on every rank. Each decode rank reads
+its own heads of every block from the prefill ranks that hold them (`ShardMap`, `ShardReader`:
+the same transport `read` of narrower regions). Rank 0 sends the workers a `LoadKV` with the read's parameters, reads
 its share, and counts the load good only once every worker reported success; then it releases
 the lease as a single rank does. Any rank's failure, or a worker's end, and the prompt is prefilled
 here instead. A load's bytes and seconds (the engine's `remote_kv_bytes`, `remote_kv_seconds`)
@@ -31,6 +34,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ember.engine.step_plan import LoadKV
@@ -57,60 +61,137 @@ Verdict = tuple[threading.Event, list[tuple[bool, int]]]
 the list then holds whether every one read its share, and the bytes they read together."""
 
 
-def shard_layout(
-    cfg: ModelConfig, kv_cache: torch.Tensor, rank: int = 0, size: int = 1
-) -> ShardLayout:
-    """This rank's heads of a block, within the block of a prefill engine of one rank (all the
-    model's KV heads): `kv_cache` is this rank's [num_blocks, layers, planes, block_size, heads,
-    head_dim]; MLA's latent vector is whole on every rank."""
+def kv_heads_of(cfg: ModelConfig, rank: int, size: int) -> tuple[int, int]:
+    """(first KV head, KV heads) a rank of an engine of `size` ranks holds of `cfg`'s model; MLA's
+    latent vector is whole on every rank."""
     from ember.distributed.shard import shard_heads
 
-    _, layers, planes, block_size, heads, head_dim = kv_cache.shape
-    full = cfg.kv_cache_dims[1]
-    start = 0
-    if size > 1 and not cfg.uses_mla:
-        start = shard_heads(cfg.num_attention_heads, cfg.num_key_value_heads, rank, size)
-        start = start.kv_head_start
-    return ShardLayout(
-        runs=layers * planes * block_size,
-        full_heads=full,
-        local_heads=heads,
-        head_start=start,
-        head_bytes=head_dim * kv_cache.element_size(),
-    )
+    heads = cfg.kv_cache_dims[1]
+    if size == 1 or cfg.uses_mla:
+        return 0, heads
+    shard = shard_heads(cfg.num_attention_heads, cfg.num_key_value_heads, rank, size)
+    return shard.kv_head_start, shard.num_kv_heads
+
+
+class ShardMap:
+    """Where this rank's KV heads lie in the blocks of a prefill engine of any number of ranks:
+    from which of its ranks each run of heads is read, and how (`rank_layouts`)."""
+
+    def __init__(
+        self,
+        runs: int,
+        head_bytes: int,
+        heads_of: Callable[[int, int], tuple[int, int]],
+        rank: int = 0,
+        size: int = 1,
+    ) -> None:
+        """`runs`: (layer, plane, slot) runs of a block; `heads_of(rank, size)`: (first KV head,
+        KV heads) of a rank of an engine of `size` ranks."""
+        self.runs = runs
+        self.head_bytes = head_bytes
+        self.heads_of = heads_of
+        self.start, self.heads = heads_of(rank, size)
+        self._layouts: dict[int, list[tuple[int, ShardLayout]]] = {}
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, kv_cache: torch.Tensor, rank: int = 0, size: int = 1) -> ShardMap:
+        """A model's: `kv_cache` is this rank's [num_blocks, layers, planes, block_size, heads,
+        head_dim]."""
+        _, layers, planes, block_size, _, head_dim = kv_cache.shape
+        runs, head_bytes = layers * planes * block_size, head_dim * kv_cache.element_size()
+        return cls(runs, head_bytes, lambda r, n: kv_heads_of(cfg, r, n), rank, size)
+
+    @classmethod
+    def whole(cls, block_bytes: int) -> ShardMap:
+        """Whole blocks of an engine of one rank (no model at hand: the connector's tests)."""
+
+        def one_rank(rank: int, size: int) -> tuple[int, int]:
+            if size != 1:
+                raise ValueError("whole-block KV reads take a prefill engine of one rank")
+            return 0, 1
+
+        return cls(1, block_bytes, one_rank)
+
+    def remote_block_bytes(self, size: int) -> int:
+        """Bytes of a block on each rank of a prefill engine of `size` ranks."""
+        return self.runs * self.heads_of(0, size)[1] * self.head_bytes
+
+    def rank_layouts(self, size: int) -> list[tuple[int, ShardLayout]]:
+        """(prefill rank, layout) for a prefill engine of `size` ranks: each run of this rank's
+        heads read from the first of its ranks that holds them."""
+        if size in self._layouts:
+            return self._layouts[size]
+        held = [self.heads_of(p, size) for p in range(size)]
+        out: list[tuple[int, ShardLayout]] = []
+        for h in range(self.start, self.start + self.heads):
+            p = next((p for p, (s, n) in enumerate(held) if s <= h < s + n), None)
+            if p is None:
+                raise ValueError(f"no rank of a {size}-rank engine holds KV head {h}")
+            src_start, src_heads = held[p]
+            last = out[-1] if out else None
+            if (
+                last is not None
+                and last[0] == p
+                and (last[1].head_start + last[1].num_heads == h - src_start)
+            ):
+                out[-1] = (p, replace(last[1], count=last[1].num_heads + 1))
+                continue
+            layout = ShardLayout(
+                self.runs,
+                src_heads,
+                self.heads,
+                h - src_start,
+                self.head_bytes,
+                count=1,
+                local_start=h - self.start,
+            )
+            out.append((p, layout))
+        self._layouts[size] = out
+        return out
 
 
 class ShardReader:
-    """One rank's reads of a prefill engine's blocks: its heads of each, into its own cache,
-    through the transport that registered that cache."""
+    """One rank's reads of a prefill engine's blocks: its heads of each, from whichever of the
+    engine's ranks hold them, into its own cache, through the transport that registered it."""
 
-    def __init__(self, transport: KVTransport, kv_cache: torch.Tensor, layout: ShardLayout) -> None:
+    def __init__(self, transport: KVTransport, kv_cache: torch.Tensor, shards: ShardMap) -> None:
         self.transport = transport
-        self.layout = layout
+        self.shards = shards
         self.base_addr = transport.register(kv_cache)
 
     def read(
         self,
-        peer: str,
-        remote_base: int,
+        peers: list[str],
+        remote_bases: list[int],
         remote_block_bytes: int,
         remote_ids: list[int],
         local_ids: list[int],
     ) -> int:
-        """Read the pairs of blocks; return the bytes read. Raises on a layout that differs from
-        this model's (another model, dtype or block size there) or on a failed transfer."""
-        if remote_block_bytes != self.layout.remote_block_bytes:
+        """Read the pairs of blocks from a prefill engine whose rank r's transport address and
+        cache base are `peers[r]`, `remote_bases[r]`; return the bytes read. Raises on a layout
+        that differs from this model's (another model, dtype or block size there) or on a
+        failed transfer."""
+        size = len(peers)
+        if size < 1 or len(remote_bases) != size:
+            raise ValueError(f"{size} prefill ranks' addresses for {len(remote_bases)} bases")
+        expected = self.shards.remote_block_bytes(size)
+        if remote_block_bytes != expected:
             raise ValueError(
-                f"KV layouts differ: {remote_block_bytes} bytes a block there, "
-                f"{self.layout.remote_block_bytes} expected (model, dtype and block size must "
-                "match; the prefill engine must be of one rank)"
+                f"KV layouts differ: {remote_block_bytes} bytes a block there, {expected} "
+                f"expected of a {size}-rank prefill engine (model, dtype and block size must "
+                "match)"
             )
         if len(remote_ids) != len(local_ids):
             raise ValueError(f"{len(remote_ids)} remote blocks for {len(local_ids)} local ones")
-        srcs, dsts, lens = self.layout.pairs(remote_base, self.base_addr, remote_ids, local_ids)
-        if srcs:
-            self.transport.read(peer, srcs, dsts, lens)
-        return sum(lens)
+        total = 0
+        for rank, layout in self.shards.rank_layouts(size):
+            srcs, dsts, lens = layout.pairs(
+                remote_bases[rank], self.base_addr, remote_ids, local_ids
+            )
+            if srcs:
+                self.transport.read(peers[rank], srcs, dsts, lens)
+            total += sum(lens)
+        return total
 
     def close(self) -> None:
         self.transport.close()
@@ -128,12 +209,13 @@ class KVConnector:
         clock: Callable[[], float] = time.monotonic,
         secret: str = "",
         timeout_s: float = RELEASE_TIMEOUT_S,
-        layout: ShardLayout | None = None,
+        shards: ShardMap | None = None,
         workers: Workers | None = None,
     ) -> None:
-        """`layout`: this rank's heads of a prefill engine's block (None: whole blocks, as one
-        rank holds them); `workers`: the other ranks of a tensor-parallel decode engine, which
-        read their heads when told."""
+        """`shards`: where this rank's heads lie in a prefill engine's blocks (None: whole
+        blocks of an engine of one rank); `workers`: the other ranks of a tensor-parallel engine,
+        which read their heads when told (decode), or hold theirs of the leased blocks
+        (prefill)."""
         if role not in ("prefill", "decode"):
             raise ValueError(f"a KV connector is for the prefill or decode role, not {role!r}")
         self.role = role
@@ -146,14 +228,14 @@ class KVConnector:
         self.release_timeout_s = min(timeout_s, RELEASE_TIMEOUT_S)
         # The cache is block-major: one block of every layer is one contiguous region.
         self.block_bytes = kv_cache[0].numel() * kv_cache.element_size()
-        if layout is None:
-            layout = ShardLayout(1, 1, 1, 0, self.block_bytes)
-        if workers is not None and (role != "decode" or transport.exposed):
+        if shards is None:
+            shards = ShardMap.whole(self.block_bytes)
+        if workers is not None and transport.exposed:
             raise ValueError(
-                "a tensor-parallel engine reads KV only as a decode engine over a same-host "
-                "transport (shm or cuda_ipc)"
+                "a tensor-parallel engine moves KV only over a same-host transport (shm or "
+                "cuda_ipc)"
             )
-        self.reader = ShardReader(transport, kv_cache, layout)
+        self.reader = ShardReader(transport, kv_cache, shards)
         self.base_addr = self.reader.base_addr
         self.workers = workers
         self._next_load_id = 0
@@ -181,6 +263,7 @@ class KVConnector:
         self.leases[lease_id] = (req, self.clock() + self.lease_s)
         block_ids = self.kv.block_ids(req.request_id)
         tags = self.tagger.tags(block_ids, lease_id) if self.tagger is not None else []
+        regions = self.workers.kv_regions() if self.workers is not None else []
         return KVTransferParams(
             engine_id=self.engine_id,
             lease_id=lease_id,
@@ -189,6 +272,8 @@ class KVConnector:
             transfer_address=self.transport.address,
             kv_base_addr=self.base_addr,
             block_bytes=self.block_bytes,
+            rank_transfer_addresses=[address for address, _ in regions],
+            rank_kv_base_addrs=[base for _, base in regions],
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             first_token_id=req.output_token_ids[0],
@@ -239,8 +324,8 @@ class KVConnector:
         n = min(len(params.block_ids), len(local))
         msg = LoadKV(
             load_id,
-            params.transfer_address,
-            params.kv_base_addr,
+            params.peers,
+            params.kv_base_addrs,
             params.block_bytes,
             params.block_ids[skip:n],
             local[skip:n],
@@ -301,8 +386,8 @@ class KVConnector:
             if len(remote) != len(local):
                 raise ValueError(f"{len(remote)} remote blocks for {len(local)} local ones")
             nbytes = self.reader.read(
-                params.transfer_address,
-                params.kv_base_addr,
+                params.peers,
+                params.kv_base_addrs,
                 params.block_bytes,
                 remote[skip:],
                 local[skip:],

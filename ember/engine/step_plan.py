@@ -72,12 +72,12 @@ class LoadKV(msgspec.Struct, tag="load_kv", array_like=True):
     `load_id` with whether its read succeeded."""
 
     load_id: int
-    peer: str
-    """The prefill engine's transport address."""
-    remote_base: int
-    """Its registered KV cache's base address."""
+    peers: list[str]
+    """The prefill engine's ranks' transport addresses."""
+    remote_bases: list[int]
+    """Their registered KV caches' base addresses."""
     remote_block_bytes: int
-    """Bytes of one of its blocks (all KV heads): checked against the model's layout."""
+    """Bytes of one of its blocks on each of its ranks: checked against the model's layout."""
     remote_ids: list[int]
     local_ids: list[int]
     """Block ids there and here, pairwise (the blocks cached here already left out)."""

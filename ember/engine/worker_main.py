@@ -84,6 +84,10 @@ def main() -> None:
     runner = core.runner
     report = ctx.socket(zmq.PUSH)
     report.connect(reports)
+    if config.kv_role == "prefill" and core.kv_reader is not None:
+        # Where this rank's heads of the leased blocks are: rank 0 names them in its leases.
+        reader = core.kv_reader
+        report.send(f"region {rank} {reader.base_addr} {reader.transport.address}".encode())
     meter = ExpertLoadMeter(runner.model)
     lower = build_lower_replica(
         config,
@@ -190,7 +194,7 @@ def _read_kv(reader: ShardReader | None, load: LoadKV) -> int | None:
         return None
     try:
         return reader.read(
-            load.peer, load.remote_base, load.remote_block_bytes, load.remote_ids, load.local_ids
+            load.peers, load.remote_bases, load.remote_block_bytes, load.remote_ids, load.local_ids
         )
     except Exception as e:
         logging.getLogger(__name__).warning("KV read %d failed: %s", load.load_id, e)

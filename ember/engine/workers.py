@@ -45,6 +45,11 @@ EXIT_GRACE_S = 5.0
 next collective may never return: NCCL waits for a dead peer) before it is ended."""
 
 
+REGIONS_TIMEOUT_S = 30.0
+"""How long a prefill engine's first lease waits for its workers to say where their KV caches
+are (they say so before the first step they run, which the lease's prompt needed)."""
+
+
 class WorkerFailed(RuntimeError):
     """A worker process of the engine ended: the engine cannot step without it."""
 
@@ -82,6 +87,8 @@ class Workers:
         self.kv_loads: dict[int, dict[int, tuple[bool, int]]] = {}
         """The workers' reports of their KV reads (`LoadKV`): load id -> rank -> (succeeded,
         bytes read)."""
+        self.regions: dict[int, tuple[str, int]] = {}
+        """A prefill engine's workers' KV caches: rank -> (transport address, base)."""
         try:
             for rank in range(1, size):
                 sock = self.ctx.socket(zmq.PUSH)
@@ -155,14 +162,18 @@ class Workers:
     def read_reports(self) -> dict[int, int]:
         """The workers' expert loads, with whatever they reported since the last call (their
         KV reads' outcomes go to `kv_loads`). A report is one line, its kind first:
-        `expert RANK LOAD` or `kv RANK LOAD_ID OK BYTES` (OK: 1 or 0; BYTES: what it read)."""
+        `expert RANK LOAD`, `kv RANK LOAD_ID OK BYTES` (OK: 1 or 0; BYTES: what it read) or
+        `region RANK BASE ADDRESS` (a prefill engine's worker: its KV cache's transport address,
+        the rest of the line, and base)."""
         while True:
             try:
                 line = self.reports.recv(zmq.NOBLOCK).decode()
             except zmq.Again:
                 return self.expert_loads
-            kind, *fields = line.split()
-            if kind == "expert":
+            kind, *fields = line.split(maxsplit=3 if line.startswith("region ") else -1)
+            if kind == "region":
+                self.regions[int(fields[0])] = (fields[2], int(fields[1]))
+            elif kind == "expert":
                 rank, value = (int(x) for x in fields)
                 self.expert_loads[rank] = value
             elif kind == "kv":
@@ -170,6 +181,19 @@ class Workers:
                 self.kv_loads.setdefault(load_id, {})[rank] = (bool(ok), nbytes)
             else:
                 log.warning("unknown report from a worker: %r", line[:80])
+
+    def kv_regions(self, timeout_s: float = REGIONS_TIMEOUT_S) -> list[tuple[str, int]]:
+        """Each worker's (transport address, KV cache base), ranks 1 .. N-1: a prefill engine's
+        workers report theirs once started, before the first step they run."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.regions) < self.size - 1:
+            self.check()
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(1, self.size)) - set(self.regions))
+                raise WorkerFailed(f"workers {missing} did not say where their KV cache is")
+            if self.reports.poll(50):
+                self.read_reports()
+        return [self.regions[r] for r in range(1, self.size)]
 
     def kv_load_done(self, load_id: int) -> tuple[bool, int] | None:
         """Whether every worker read its share of load `load_id`, and the bytes they read

@@ -1,8 +1,9 @@
-"""A decode engine of two ranks reads a prompt's KV from a prefill engine of one (CPU, shared
-memory, float32): each rank its own heads of every block. The tokens equal one colocated engine's;
+"""Disaggregation with tensor-parallel engines (CPU, shared memory, float32). A decode engine of
+two ranks reads a prompt's KV from a prefill engine of one, and decode engines of one and two
+ranks from a prefill engine of two (`ember serve --role prefill -tp 2`): each rank its own heads
+of every block, from the prefill ranks that hold them. The tokens equal one colocated engine's;
 a read that fails on a worker only makes rank 0 prefill the prompt itself (same tokens, every
-block freed, the lease released); a tensor-parallel prefill engine, or Mooncake under a
-tensor-parallel decode engine, is refused at start."""
+block freed, the lease released); Mooncake under a tensor-parallel engine is refused at start."""
 
 from __future__ import annotations
 
@@ -13,18 +14,23 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import msgspec
 import pytest
 import torch
 
 from ember import LLM
+from ember.distributed.shard import shard_heads
 from ember.engine.config import EngineConfig
 from ember.engine.core import EngineCore
+from ember.engine.kv_connector import ShardMap
 from ember.engine.messages import EngineCoreRequest
 from ember.engine.step_plan import LoadKV
 from ember.kv.transport import ShardLayout
 from ember.kv_transfer_params import KVTransferParams
 from ember.sampling_params import SamplingParams
+from ember.trust import internal_headers
+from tests.servers import SECRET, Server, start_server
 
 PROMPTS = [
     list(range(3, 40)),  # a few blocks, the last one partial
@@ -129,7 +135,15 @@ def prefill(llama: Path) -> Iterator[tuple[EngineCore, _Releases]]:
 
 @pytest.fixture(scope="module")
 def decode(llama: Path) -> Iterator[EngineCore]:
-    core = EngineCore(_config(llama, kv_role="decode", kv_transport="shm", tensor_parallel_size=2))
+    core = EngineCore(
+        _config(
+            llama,
+            kv_role="decode",
+            kv_transport="shm",
+            tensor_parallel_size=2,
+            cluster_secret=SECRET,
+        )
+    )
     yield core
     core.close()
 
@@ -201,7 +215,9 @@ def test_a_read_failed_on_a_worker_is_prefilled_here(
 
     def corrupt(msg):  # type: ignore[no-untyped-def]
         if isinstance(msg, LoadKV):
-            msg = msgspec.structs.replace(msg, remote_base=msg.remote_base + (1 << 44))
+            msg = msgspec.structs.replace(
+                msg, remote_bases=[b + (1 << 44) for b in msg.remote_bases]
+            )
         send(msg)
 
     workers.send = corrupt  # type: ignore[method-assign]
@@ -218,13 +234,103 @@ def test_a_read_failed_on_a_worker_is_prefilled_here(
     assert workers.kv_loads == {}  # every rank's verdict heard
 
 
-@pytest.mark.parametrize(
-    "kwargs,match",
-    [
-        ({"kv_role": "prefill", "kv_transport": "shm"}, "kv_role 'prefill'.*one rank"),
-        ({"kv_role": "decode", "kv_transport": "mooncake"}, "kv_transport 'mooncake'"),
-    ],
-)
-def test_refused_roles(llama: Path, kwargs: dict, match: str) -> None:
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_mooncake_is_refused(llama: Path, role: str) -> None:
+    kwargs = {"kv_role": role, "kv_transport": "mooncake"}
+    match = "kv_transport 'mooncake'"
     with pytest.raises(ValueError, match=match):
-        LLM(str(llama), dtype="float32", tensor_parallel_size=2, **kwargs)
+        LLM(str(llama), dtype="float32", tensor_parallel_size=2, **kwargs)  # type: ignore[arg-type]
+
+
+def heads_of(num_heads: int, num_kv: int):  # type: ignore[no-untyped-def]
+    def of(rank: int, size: int) -> tuple[int, int]:
+        shard = shard_heads(num_heads, num_kv, rank, size)
+        return shard.kv_head_start, shard.num_kv_heads
+
+    return of
+
+
+@pytest.mark.parametrize("num_kv", [4, 2])
+@pytest.mark.parametrize("src_size,dst_size", [(2, 1), (2, 2), (1, 4), (2, 4), (4, 2), (4, 1)])
+def test_each_rank_reads_its_heads_from_the_prefill_ranks_that_hold_them(
+    num_kv: int, src_size: int, dst_size: int
+) -> None:
+    """A model of 4 query heads and `num_kv` KV heads: a prefill engine of `src_size` ranks holds
+    them split (or, past their number, one a rank), and each rank of a decode engine of
+    `dst_size` reads exactly its heads of the blocks asked for, nothing else."""
+    of = heads_of(4, num_kv)
+    full = torch.randn(5, 2, 2, 4, num_kv, 3)  # [blocks, layers, planes, block_size, heads, dim]
+    src = []
+    for p in range(src_size):
+        start, n = of(p, src_size)
+        src.append(full[..., start : start + n, :].contiguous())
+    src_ids, dst_ids = [3, 4, 0], [1, 2, 4]
+    for rank in range(dst_size):
+        start, n = of(rank, dst_size)
+        shards = ShardMap(2 * 2 * 4, 3 * 4, of, rank, dst_size)
+        mine = torch.zeros(5, 2, 2, 4, n, 3)
+        assert shards.remote_block_bytes(src_size) == src[0][0].numel() * 4
+        for p, layout in shards.rank_layouts(src_size):
+            pairs = layout.pairs(src[p].data_ptr(), mine.data_ptr(), src_ids, dst_ids)
+            for a, b, length in zip(*pairs, strict=True):
+                ctypes.memmove(b, a, length)
+        assert torch.equal(mine[dst_ids], full[src_ids][..., start : start + n, :])
+        assert not mine[[0, 3]].any()
+        # A run of heads held by one prefill rank is one layout, not one a head.
+        assert len(shards.rank_layouts(src_size)) == len(
+            {p for p, _ in shards.rank_layouts(src_size)}
+        )
+
+
+@pytest.fixture(scope="module")
+def tp_prefill(llama: Path) -> Iterator[Server]:
+    server = start_server(
+        llama,
+        "--role", "prefill", "--kv-transport", "shm", "--tensor-parallel-size", "2",
+        "--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "64",
+    )  # fmt: skip
+    yield server
+    server.stop()
+
+
+def _from_tp_prefill(server: Server, decode: EngineCore, tag: str) -> dict[str, list[int]]:
+    """Each prompt prefilled by the two-rank server (its first token) and decoded here."""
+    first, leases = {}, {}
+    for i, p in enumerate(PROMPTS):
+        body = {
+            "model": "tiny", "prompt": p, "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True},
+        }  # fmt: skip
+        r = httpx.post(
+            f"{server.url}/v1/completions", json=body, headers=internal_headers(SECRET), timeout=60
+        )
+        r.raise_for_status()
+        out = r.json()
+        leases[i] = msgspec.convert(out["kv_transfer_params"], KVTransferParams)
+        first[f"{tag}{i}"] = [leases[i].first_token_id]
+        assert len(leases[i].peers) == 2  # both ranks' caches are named
+        assert leases[i].peers[0] != leases[i].peers[1]
+    for i, p in enumerate(PROMPTS):
+        kv = msgspec.structs.replace(leases[i], do_remote_prefill=True, do_remote_decode=False)
+        _add(decode, f"{tag}{i}", p, NEW_TOKENS, kv, tag)
+    rest = _run(decode)
+    load = server.load()
+    assert load["leases"] == 0 and load["free_blocks"] == load["total_blocks"]
+    return {f"r{i}": first[f"{tag}{i}"] + rest[f"{tag}{i}"] for i in range(len(PROMPTS))}
+
+
+def test_decode_engines_of_one_and_two_ranks_read_a_two_rank_prefill_engine(
+    tp_prefill: Server, decode: EngineCore, llama: Path, colocated: dict[str, list[int]]
+) -> None:
+    before = decode.stats()
+    assert _from_tp_prefill(tp_prefill, decode, "tp") == colocated
+    after = decode.stats()
+    assert after.remote_kv_loads - before.remote_kv_loads == len(PROMPTS)
+    assert after.remote_kv_failures == before.remote_kv_failures
+    one = EngineCore(_config(llama, kv_role="decode", kv_transport="shm", cluster_secret=SECRET))
+    try:
+        assert _from_tp_prefill(tp_prefill, one, "one") == colocated
+        stats = one.stats()
+        assert stats.remote_kv_loads == len(PROMPTS) and stats.remote_kv_failures == 0
+    finally:
+        one.close()

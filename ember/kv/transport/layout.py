@@ -69,13 +69,17 @@ def pair_regions(
 
 @dataclass(frozen=True, slots=True)
 class ShardLayout:
-    """How one rank's KV cache maps onto a prefill engine's: the rank holds `local_heads` of the
-    `full_heads` KV heads, from `head_start`, of every (layer, plane, slot) run of a block.
+    """How one rank's KV cache maps onto a block of a prefill engine's rank: of every (layer,
+    plane, slot) run of a block, `count` heads from `head_start` of the `full_heads` the remote
+    rank holds land at `local_start` of the `local_heads` this rank holds.
 
-    A decode engine of tensor_parallel_size N reads, on each rank, only its heads of each block
-    from a prefill engine of one rank, which holds them all: per block, `runs` (layers x planes
-    x block_size) regions of `local_heads * head_bytes` bytes. A rank holding every head (one
-    rank, or MLA's one latent vector) reads whole blocks, merged where ids run on."""
+    A prefill engine of one rank holds every KV head; a decode engine of tensor_parallel_size N
+    reads, on each rank, only its heads of each block: per block, `runs` (layers x planes x
+    block_size) regions of `count * head_bytes` bytes. Ranks of a tensor-parallel prefill engine
+    each hold a share of the heads, so a rank may read its heads from several of them, one
+    layout each (ember/engine/kv_connector.rank_layouts). A rank reading every head of a remote
+    block into every head of its own (one rank from one, or MLA's one latent vector) reads whole
+    blocks, merged where ids run on."""
 
     runs: int
     full_heads: int
@@ -83,6 +87,13 @@ class ShardLayout:
     head_start: int
     head_bytes: int
     """Bytes of one head's vector of one token (head_dim x element size)."""
+    count: int = -1
+    """Heads copied; -1: `local_heads`."""
+    local_start: int = 0
+
+    @property
+    def num_heads(self) -> int:
+        return self.local_heads if self.count < 0 else self.count
 
     @property
     def remote_block_bytes(self) -> int:
@@ -94,7 +105,7 @@ class ShardLayout:
 
     @property
     def whole(self) -> bool:
-        return self.local_heads == self.full_heads
+        return self.num_heads == self.local_heads == self.full_heads
 
     def pairs(
         self,
@@ -103,27 +114,35 @@ class ShardLayout:
         src_ids: Sequence[int],
         dst_ids: Sequence[int],
     ) -> tuple[list[int], list[int], list[int]]:
-        """(srcs, dsts, lens) copying this rank's heads of block ``src_ids[i]`` (a prefill
-        engine's, all heads) into block ``dst_ids[i]`` (this rank's)."""
+        """(srcs, dsts, lens) copying this layout's heads of block ``src_ids[i]`` (a prefill
+        engine rank's) into block ``dst_ids[i]`` (this rank's)."""
         if self.whole:
             return pair_regions(src_base, dst_base, self.local_block_bytes, src_ids, dst_ids)
         if len(src_ids) != len(dst_ids):
             raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
-        if self.head_start < 0 or self.head_start + self.local_heads > self.full_heads:
+        count = self.num_heads
+        if self.head_start < 0 or self.head_start + count > self.full_heads:
             raise ValueError(
-                f"heads {self.head_start}..{self.head_start + self.local_heads} "
+                f"heads {self.head_start}..{self.head_start + count} "
                 f"outside the {self.full_heads} a block holds"
             )
+        if self.local_start < 0 or self.local_start + count > self.local_heads:
+            raise ValueError(
+                f"heads {self.local_start}..{self.local_start + count} "
+                f"outside the {self.local_heads} this rank holds"
+            )
         src_run = self.full_heads * self.head_bytes
-        dst_run = n = self.local_heads * self.head_bytes
-        offset = self.head_start * self.head_bytes
+        dst_run = self.local_heads * self.head_bytes
+        n = count * self.head_bytes
+        src_off = self.head_start * self.head_bytes
+        dst_off = self.local_start * self.head_bytes
         srcs: list[int] = []
         dsts: list[int] = []
         for s, d in zip(src_ids, dst_ids, strict=True):
             if s < 0 or d < 0:
                 raise ValueError(f"negative block id in pair ({s}, {d})")
-            src0 = src_base + s * self.remote_block_bytes + offset
-            dst0 = dst_base + d * self.local_block_bytes
+            src0 = src_base + s * self.remote_block_bytes + src_off
+            dst0 = dst_base + d * self.local_block_bytes + dst_off
             srcs.extend(src0 + i * src_run for i in range(self.runs))
             dsts.extend(dst0 + i * dst_run for i in range(self.runs))
         return srcs, dsts, [n] * len(srcs)
