@@ -364,14 +364,6 @@ def start_cluster(
     names = served_names(args, model)
     extra = engine_extra_args(getattr(args, "engine_args", "") or "")
     tp = tensor_parallel_size(extra)
-    if tp > 1 and any(role != "both" for role, _ in plan):
-        from ember.kv.transport import resolve_kind
-
-        if resolve_kind(args.kv_transport, args.device) == "mooncake":
-            raise ValueError(
-                "tensor-parallel prefill and decode engines move KV over a transport of one host "
-                "(--kv-transport auto, shm or cuda_ipc), not mooncake"
-            )
     threads = max(1, threads // tp)  # each rank of an engine is a process of its own
     gpus = gpu_slices(args.device, tp, len(plan))
     for i, (role, port) in enumerate(plan):

@@ -41,6 +41,9 @@ class KVTransferParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
     block_tags: list[str] = msgspec.field(default_factory=list)
     """Over a transport that peers reach by network (Mooncake): each block's keyed tag
     (ember/kv/transport/block_tags.py), checked by the decode engine before it uses the block."""
+    rank_block_tags: list[list[str]] = msgspec.field(default_factory=list)
+    """A tensor-parallel prefill engine's ranks 1 .. N-1: each one's tags of its share of the
+    blocks (rank 0's are `block_tags`)."""
     signature: str = ""
     """HMAC of the other fields under the cluster secret, set by the prefill engine's API process
     (ember.trust.sign_kv_params): a decode engine reads only KV that a peer really offered."""
@@ -49,6 +52,11 @@ class KVTransferParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
     def peers(self) -> list[str]:
         """Every rank's transport address, rank 0's first."""
         return [self.transfer_address, *self.rank_transfer_addresses]
+
+    @property
+    def all_block_tags(self) -> list[list[str]]:
+        """Every rank's block tags, rank 0's first; empty without tags."""
+        return [self.block_tags, *self.rank_block_tags] if self.block_tags else []
 
     @property
     def kv_base_addrs(self) -> list[int]:

@@ -514,17 +514,6 @@ def test_tensor_parallel_engines_get_gpus_of_their_own(monkeypatch: pytest.Monke
         gpu_slices("cuda:1", 2, 1)
 
 
-def test_up_refuses_tensor_parallel_roles_over_mooncake(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
-    r = subprocess.run(
-        [sys.executable, "-m", "ember.cli", "up", str(tiny_model_dir("llama")),
-         "--port", str(free_port()), "--prefill", "1", "--decode", "1",
-         "--kv-transport", "mooncake", "--engine-args", "--tensor-parallel-size 2"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert r.returncode != 0
-    assert "transport of one host" in r.stderr
-
-
 def test_up_serves_tensor_parallel_prefill_and_decode_engines(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     """`ember up --prefill 1 --decode 1 --engine-args "-tp 2"`: a prefill and a decode engine of
     two ranks each; the decode engine reads the prompt's KV from both prefill ranks, the answer

@@ -63,6 +63,7 @@ from ember.engine.workers import Workers
 from ember.kernels import compile_log, triton_setup
 from ember.kv.data_parallel import DataParallelKV
 from ember.kv.kv_cache_manager import KVCacheManager
+from ember.kv.transport.block_tags import BlockTagger
 from ember.models import checkpoint_files
 from ember.models.config import ModelConfig
 from ember.models.loader import WeightsLoading, build_model, describe_weights, fill_model
@@ -222,7 +223,6 @@ class EngineCore:
         n = config.tensor_parallel_size
         if n == 1 or parallel_state.current().size > 1:
             return None
-        self._check_parallel_role()
         if self.device.type == "cuda":
             if self.device.index not in (None, 0):
                 raise ValueError("tensor_parallel_size > 1 takes devices cuda:0 .. cuda:N-1")
@@ -285,21 +285,6 @@ class EngineCore:
                     "cache do not place"
                 )
 
-    def _check_parallel_role(self) -> None:
-        """A tensor-parallel engine may prefill or decode over a same-host transport (each rank
-        moves its heads of every block), not over Mooncake (its block tags cover whole blocks:
-        a rank holding or reading its heads cannot check them)."""
-        config = self.config
-        if config.kv_role != "both":
-            from ember.kv.transport import resolve_kind
-
-            if resolve_kind(config.kv_transport, config.device) == "mooncake":
-                raise ValueError(
-                    "kv_transport 'mooncake' is not supported with tensor_parallel_size > 1: its "
-                    "block tags cover whole blocks, which a rank holding or reading its heads "
-                    "cannot check (use shm or cuda_ipc, on one host)"
-                )
-
     def _kv_and_scheduler(self, clock: StartupClock, used_before: int, total: int) -> None:
         """The KV cache sized (on a GPU, from what the weights and a profiled step leave of
         `total`, `used_before` bytes taken by others) and allocated, its tiers, the KV
@@ -343,7 +328,10 @@ class EngineCore:
             # its cache for decode engines to read (ember/engine/worker_main.py).
             self.tiers, self.connector = None, None
             if transport is not None and shards is not None:
-                self.kv_reader = ShardReader(transport, self.runner.kv_cache, shards)
+                tagger = None
+                if transport.exposed:  # its share of every leased block is tagged and checked
+                    tagger = BlockTagger(config.cluster_secret, self.runner.kv_cache)
+                self.kv_reader = ShardReader(transport, self.runner.kv_cache, shards, tagger)
             # None without prefix caching or a host tier (its memory then closed).
             self.replica = build_replica(
                 config, self.runner.kv_cache, r.max_model_len, self._host_memory

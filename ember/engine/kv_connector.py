@@ -34,11 +34,11 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ember.engine.step_plan import LoadKV
-from ember.kv.transport.block_tags import BlockTagger
+from ember.kv.transport.block_tags import BlockTagger, rank_lease
 from ember.kv.transport.layout import ShardLayout
 from ember.kv_transfer_params import KVTransferParams
 from ember.trust import internal_headers
@@ -150,13 +150,37 @@ class ShardMap:
         return out
 
 
+class TagMismatch(ValueError):
+    """A block's tag did not match what was read: forged or damaged KV, refused."""
+
+
+@dataclass(frozen=True, slots=True)
+class TagCheck:
+    """The tags a read's blocks must match (over Mooncake): each prefill rank's, of its share
+    of the blocks read, which are the lease's from `first` on."""
+
+    lease_id: str
+    rank_tags: list[list[str]]
+    first: int = 0
+
+
 class ShardReader:
     """One rank's reads of a prefill engine's blocks: its heads of each, from whichever of the
-    engine's ranks hold them, into its own cache, through the transport that registered it."""
+    engine's ranks hold them, into its own cache, through the transport that registered it.
+    Over a transport other hosts reach (`tagger`), what it read is used only if every block's
+    tag matches; a block's tag covers a prefill rank's whole share of it, so tagged reads go
+    between engines whose ranks hold the same heads (the same size, or MLA's whole latent)."""
 
-    def __init__(self, transport: KVTransport, kv_cache: torch.Tensor, shards: ShardMap) -> None:
+    def __init__(
+        self,
+        transport: KVTransport,
+        kv_cache: torch.Tensor,
+        shards: ShardMap,
+        tagger: BlockTagger | None = None,
+    ) -> None:
         self.transport = transport
         self.shards = shards
+        self.tagger = tagger
         self.base_addr = transport.register(kv_cache)
 
     def read(
@@ -166,11 +190,12 @@ class ShardReader:
         remote_block_bytes: int,
         remote_ids: list[int],
         local_ids: list[int],
+        check: TagCheck | None = None,
     ) -> int:
         """Read the pairs of blocks from a prefill engine whose rank r's transport address and
         cache base are `peers[r]`, `remote_bases[r]`; return the bytes read. Raises on a layout
-        that differs from this model's (another model, dtype or block size there) or on a
-        failed transfer."""
+        that differs from this model's (another model, dtype or block size there), on a failed
+        transfer, or (TagMismatch) on a block whose tag does not match."""
         size = len(peers)
         if size < 1 or len(remote_bases) != size:
             raise ValueError(f"{size} prefill ranks' addresses for {len(remote_bases)} bases")
@@ -183,15 +208,39 @@ class ShardReader:
             )
         if len(remote_ids) != len(local_ids):
             raise ValueError(f"{len(remote_ids)} remote blocks for {len(local_ids)} local ones")
+        layouts = self.shards.rank_layouts(size)
+        if self.tagger is not None and not all(layout.whole for _, layout in layouts):
+            raise ValueError(
+                f"tagged KV (Mooncake) is read from a prefill engine whose ranks hold this "
+                f"rank's heads whole: one of {size} ranks does not (give both engines the same "
+                "tensor-parallel size)"
+            )
         total = 0
-        for rank, layout in self.shards.rank_layouts(size):
+        for rank, layout in layouts:
             srcs, dsts, lens = layout.pairs(
                 remote_bases[rank], self.base_addr, remote_ids, local_ids
             )
             if srcs:
                 self.transport.read(peers[rank], srcs, dsts, lens)
             total += sum(lens)
+        if self.tagger is not None:
+            self._verify(layouts, size, local_ids, check)
         return total
+
+    def _verify(
+        self,
+        layouts: list[tuple[int, ShardLayout]],
+        size: int,
+        local_ids: list[int],
+        check: TagCheck | None,
+    ) -> None:
+        assert self.tagger is not None
+        if check is None or len(check.rank_tags) != size:
+            raise TagMismatch("blocks over an exposed transport must come with every rank's tags")
+        for rank, _ in layouts:
+            lease = rank_lease(check.lease_id, rank, size)
+            if not self.tagger.verify(local_ids, lease, check.rank_tags[rank], check.first):
+                raise TagMismatch("a block's tag does not match: forged or damaged KV refused")
 
     def close(self) -> None:
         self.transport.close()
@@ -230,19 +279,14 @@ class KVConnector:
         self.block_bytes = kv_cache[0].numel() * kv_cache.element_size()
         if shards is None:
             shards = ShardMap.whole(self.block_bytes)
-        if workers is not None and transport.exposed:
-            raise ValueError(
-                "a tensor-parallel engine moves KV only over a same-host transport (shm or "
-                "cuda_ipc)"
-            )
-        self.reader = ShardReader(transport, kv_cache, shards)
+        self.tagger = BlockTagger(secret, kv_cache) if transport.exposed else None
+        self.reader = ShardReader(transport, kv_cache, shards, self.tagger)
         self.base_addr = self.reader.base_addr
         self.workers = workers
         self._next_load_id = 0
         self._ranks: dict[int, Verdict] = {}
         """Loads the workers are reading, by load id."""
         self._closing = False
-        self.tagger = BlockTagger(secret, kv_cache) if transport.exposed else None
         self.tag_failures = 0
         """Loads refused because a block's tag did not match (forged or damaged KV)."""
         self.leases: dict[str, tuple[Request, float]] = {}
@@ -262,7 +306,14 @@ class KVConnector:
         lease_id = f"{self.engine_id}:{req.request_id}"
         self.leases[lease_id] = (req, self.clock() + self.lease_s)
         block_ids = self.kv.block_ids(req.request_id)
-        tags = self.tagger.tags(block_ids, lease_id) if self.tagger is not None else []
+        size = self.workers.size if self.workers is not None else 1
+        tags: list[str] = []
+        rank_tags: list[list[str]] = []
+        if self.tagger is not None:
+            # The workers tag their shares while this rank tags its own.
+            asked = self.workers.ask_tags(lease_id, block_ids) if self.workers else None
+            tags = self.tagger.tags(block_ids, rank_lease(lease_id, 0, size))
+            rank_tags = self.workers.kv_tags(asked) if self.workers and asked is not None else []
         regions = self.workers.kv_regions() if self.workers is not None else []
         return KVTransferParams(
             engine_id=self.engine_id,
@@ -272,6 +323,7 @@ class KVConnector:
             transfer_address=self.transport.address,
             kv_base_addr=self.base_addr,
             block_bytes=self.block_bytes,
+            rank_block_tags=rank_tags,
             rank_transfer_addresses=[address for address, _ in regions],
             rank_kv_base_addrs=[base for _, base in regions],
             num_prompt_tokens=req.num_prompt_tokens,
@@ -329,6 +381,9 @@ class KVConnector:
             params.block_bytes,
             params.block_ids[skip:n],
             local[skip:n],
+            params.lease_id,
+            [t[skip:n] for t in params.all_block_tags],
+            skip,
         )
         try:
             self.workers.send(msg)
@@ -385,20 +440,20 @@ class KVConnector:
         try:
             if len(remote) != len(local):
                 raise ValueError(f"{len(remote)} remote blocks for {len(local)} local ones")
+            check = TagCheck(params.lease_id, [t[skip:] for t in params.all_block_tags], skip)
             nbytes = self.reader.read(
                 params.peers,
                 params.kv_base_addrs,
                 params.block_bytes,
                 remote[skip:],
                 local[skip:],
+                check if self.tagger is not None else None,
             )
             seconds = time.perf_counter() - t0
-            if self.tagger is not None and not self.tagger.verify(
-                local[skip:], params.lease_id, params.block_tags[skip:], first=skip
-            ):
-                self.tag_failures += 1
-                raise ValueError("a block's tag does not match: forged or damaged KV refused")
             ok = True
+        except TagMismatch as e:
+            self.tag_failures += 1
+            log.warning("KV read for lease %s refused: %s", params.lease_id, e)
         except Exception as e:
             log.warning("KV read for lease %s failed: %s", params.lease_id, e)
         if verdict is not None:

@@ -81,6 +81,20 @@ class LoadKV(msgspec.Struct, tag="load_kv", array_like=True):
     remote_ids: list[int]
     local_ids: list[int]
     """Block ids there and here, pairwise (the blocks cached here already left out)."""
+    lease_id: str = ""
+    rank_tags: list[list[str]] = []
+    """Over Mooncake: each prefill rank's tags of its share of the blocks, from `first` on; each
+    rank checks those of the blocks it read (ember/kv/transport/block_tags.py)."""
+    first: int = 0
+
+
+class TagKV(msgspec.Struct, tag="tag_kv", array_like=True):
+    """A prefill engine leases blocks over Mooncake: each rank tags its share of them under the
+    lease (its own key of it) and reports the tags as `tag_id`."""
+
+    tag_id: int
+    lease_id: str
+    block_ids: list[int]
 
 
 class TierCopy(msgspec.Struct, tag="tier_copy", array_like=True):
@@ -128,7 +142,17 @@ class TierTouch(msgspec.Struct, tag="tier_touch", array_like=True):
 
 
 TierMessage = TierCopy | TierFence | TierPace | TierLower | TierTouch
-Message = StepPlan | StopWorkers | LoadKV | TierCopy | TierFence | TierPace | TierLower | TierTouch
+Message = (
+    StepPlan
+    | StopWorkers
+    | LoadKV
+    | TagKV
+    | TierCopy
+    | TierFence
+    | TierPace
+    | TierLower
+    | TierTouch
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     import zmq
 
     from ember.engine.kv_connector import ShardReader
-    from ember.engine.step_plan import LoadKV, TierLower, TierMessage, TierTouch
+    from ember.engine.step_plan import LoadKV, TagKV, TierLower, TierMessage, TierTouch
     from ember.kv.tiers.replica import HostReplica, LowerReplica
 
 
@@ -51,6 +51,7 @@ def main() -> None:
     from ember.engine.step_plan import (
         LoadKV,
         StopWorkers,
+        TagKV,
         TierCopy,
         TierFence,
         TierLower,
@@ -112,6 +113,9 @@ def main() -> None:
                     break
                 if isinstance(msg, LoadKV):
                     loading[msg.load_id] = reads.submit(_read_kv, core.kv_reader, msg)
+                elif isinstance(msg, TagKV):
+                    tags = _tag_kv(core.kv_reader, msg, rank, size)
+                    report.send(f"tags {rank} {msg.tag_id} {','.join(tags)}".encode())
                 elif isinstance(msg, TierCopy | TierFence | TierPace):
                     _tier(core.replica, msg)
                 elif isinstance(msg, TierLower | TierTouch):
@@ -186,6 +190,15 @@ def _lower(lower: LowerReplica | None, msg: TierLower | TierTouch) -> None:
         lower.touch(msg.medium, msg.keys)
 
 
+def _tag_kv(reader: ShardReader | None, msg: TagKV, rank: int, size: int) -> list[str]:
+    """This rank's tags of its share of a lease's blocks, keyed as its own (over Mooncake)."""
+    from ember.kv.transport.block_tags import rank_lease
+
+    if reader is None or reader.tagger is None:
+        return []  # rank 0's lease then fails every decode engine's check: nothing is trusted
+    return reader.tagger.tags(msg.block_ids, rank_lease(msg.lease_id, rank, size))
+
+
 def _read_kv(reader: ShardReader | None, load: LoadKV) -> int | None:
     """This rank's heads of a load's blocks, read into its cache: the bytes read, or None
     (logged) on any failure: rank 0 then prefills the prompt itself."""
@@ -193,8 +206,16 @@ def _read_kv(reader: ShardReader | None, load: LoadKV) -> int | None:
         logging.getLogger(__name__).warning("a KV read, but this engine reads none (kv_role)")
         return None
     try:
+        from ember.engine.kv_connector import TagCheck
+
+        check = TagCheck(load.lease_id, load.rank_tags, load.first) if load.rank_tags else None
         return reader.read(
-            load.peers, load.remote_bases, load.remote_block_bytes, load.remote_ids, load.local_ids
+            load.peers,
+            load.remote_bases,
+            load.remote_block_bytes,
+            load.remote_ids,
+            load.local_ids,
+            check,
         )
     except Exception as e:
         logging.getLogger(__name__).warning("KV read %d failed: %s", load.load_id, e)

@@ -89,6 +89,9 @@ class Workers:
         bytes read)."""
         self.regions: dict[int, tuple[str, int]] = {}
         """A prefill engine's workers' KV caches: rank -> (transport address, base)."""
+        self.tags: dict[int, dict[int, list[str]]] = {}
+        """The workers' tags of leased blocks (`TagKV`): tag id -> rank -> tags."""
+        self._next_tag_id = 0
         try:
             for rank in range(1, size):
                 sock = self.ctx.socket(zmq.PUSH)
@@ -164,7 +167,8 @@ class Workers:
         KV reads' outcomes go to `kv_loads`). A report is one line, its kind first:
         `expert RANK LOAD`, `kv RANK LOAD_ID OK BYTES` (OK: 1 or 0; BYTES: what it read) or
         `region RANK BASE ADDRESS` (a prefill engine's worker: its KV cache's transport address,
-        the rest of the line, and base)."""
+        the rest of the line, and base) or `tags RANK TAG_ID TAG,TAG,...` (its tags of a
+        lease's blocks)."""
         while True:
             try:
                 line = self.reports.recv(zmq.NOBLOCK).decode()
@@ -173,6 +177,10 @@ class Workers:
             kind, *fields = line.split(maxsplit=3 if line.startswith("region ") else -1)
             if kind == "region":
                 self.regions[int(fields[0])] = (fields[2], int(fields[1]))
+            elif kind == "tags":
+                rank, tag_id = int(fields[0]), int(fields[1])
+                got = fields[2].split(",") if len(fields) > 2 and fields[2] else []
+                self.tags.setdefault(tag_id, {})[rank] = got
             elif kind == "expert":
                 rank, value = (int(x) for x in fields)
                 self.expert_loads[rank] = value
@@ -194,6 +202,28 @@ class Workers:
             if self.reports.poll(50):
                 self.read_reports()
         return [self.regions[r] for r in range(1, self.size)]
+
+    def ask_tags(self, lease_id: str, block_ids: list[int]) -> int:
+        """Ask every worker to tag its share of a lease's blocks (over Mooncake); the id to
+        wait for with `kv_tags`."""
+        from ember.engine.step_plan import TagKV
+
+        tag_id = self._next_tag_id
+        self._next_tag_id += 1
+        self.send(TagKV(tag_id, lease_id, block_ids))
+        return tag_id
+
+    def kv_tags(self, tag_id: int, timeout_s: float = REGIONS_TIMEOUT_S) -> list[list[str]]:
+        """Each worker's tags for `ask_tags`'s `tag_id`, ranks 1 .. N-1."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.tags.get(tag_id, {})) < self.size - 1:
+            self.check()
+            if time.monotonic() > deadline:
+                raise WorkerFailed(f"the workers did not tag lease blocks ({tag_id}) in time")
+            if self.reports.poll(20):
+                self.read_reports()
+        got = self.tags.pop(tag_id)
+        return [got[r] for r in range(1, self.size)]
 
     def kv_load_done(self, load_id: int) -> tuple[bool, int] | None:
         """Whether every worker read its share of load `load_id`, and the bytes they read

@@ -3,7 +3,7 @@ two ranks reads a prompt's KV from a prefill engine of one, and decode engines o
 ranks from a prefill engine of two (`ember serve --role prefill -tp 2`): each rank its own heads
 of every block, from the prefill ranks that hold them. The tokens equal one colocated engine's;
 a read that fails on a worker only makes rank 0 prefill the prompt itself (same tokens, every
-block freed, the lease released); Mooncake under a tensor-parallel engine is refused at start."""
+block freed, the lease released). Over Mooncake: tests/engine/test_pd_tensor_parallel_mooncake.py."""
 
 from __future__ import annotations
 
@@ -232,14 +232,6 @@ def test_a_read_failed_on_a_worker_is_prefilled_here(
     assert after.remote_kv_loads == before.remote_kv_loads
     assert after.remote_kv_bytes == before.remote_kv_bytes  # a failed load moved nothing usable
     assert workers.kv_loads == {}  # every rank's verdict heard
-
-
-@pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_mooncake_is_refused(llama: Path, role: str) -> None:
-    kwargs = {"kv_role": role, "kv_transport": "mooncake"}
-    match = "kv_transport 'mooncake'"
-    with pytest.raises(ValueError, match=match):
-        LLM(str(llama), dtype="float32", tensor_parallel_size=2, **kwargs)  # type: ignore[arg-type]
 
 
 def heads_of(num_heads: int, num_kv: int):  # type: ignore[no-untyped-def]

@@ -33,6 +33,12 @@ if TYPE_CHECKING:
 TAG_BYTES = 16
 
 
+def rank_lease(lease_id: str, rank: int, size: int) -> str:
+    """What rank `rank` of a prefill engine of `size` ranks keys its share's tags by: each rank
+    its own, so that one rank's bytes cannot pass for another's."""
+    return lease_id if size == 1 else f"{lease_id}#rank{rank}"
+
+
 class BlockTagger:
     """Tags of one KV cache's blocks (`block_bytes` each, a multiple of 8) under `secret`."""
 
