@@ -260,7 +260,7 @@ class EngineCore:
 
     def _check_dp_attention(self) -> None:
         """Data-parallel attention is multi-head latent attention's, and keeps each request's KV
-        on one rank: what moves KV by heads or reads another engine's blocks is refused."""
+        on one rank: the KV tiers and a draft head, which do not place it, are refused."""
         config = self.config
         if not config.enable_dp_attention:
             return
@@ -270,7 +270,6 @@ class EngineCore:
                 "Kimi K2): other models' KV heads split across the ranks already"
             )
         refused = {
-            "kv_role": config.kv_role != "both",
             "kv_host_gb": bool(config.kv_host_gb),
             "kv_disk_dir": config.kv_disk_dir is not None,
             "kv_store": config.kv_store is not None,
@@ -281,8 +280,8 @@ class EngineCore:
             if on:
                 raise ValueError(
                     f"{name} is not supported with enable_dp_attention: a request's KV lives "
-                    "on one rank's cache, which the KV tiers, disaggregation and a draft head's "
-                    "cache do not place"
+                    "on one rank's cache, which the KV tiers and a draft head's cache do not "
+                    "place"
                 )
 
     def _kv_and_scheduler(self, clock: StartupClock, used_before: int, total: int) -> None:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ember.engine.step_plan import LoadKV
+from ember.kv.data_parallel import DataParallelKV
 from ember.kv.transport.block_tags import BlockTagger, rank_lease
 from ember.kv.transport.layout import ShardLayout
 from ember.kv_transfer_params import KVTransferParams
@@ -286,6 +287,8 @@ class KVConnector:
         self._next_load_id = 0
         self._ranks: dict[int, Verdict] = {}
         """Loads the workers are reading, by load id."""
+        self._readers: dict[int, int | None] = {}
+        """How many workers read each of those loads (None: all)."""
         self._closing = False
         self.tag_failures = 0
         """Loads refused because a block's tag did not match (forged or damaged KV)."""
@@ -305,32 +308,59 @@ class KVConnector:
         """Lease a finished prompt's blocks; the params tell a decode engine where they are."""
         lease_id = f"{self.engine_id}:{req.request_id}"
         self.leases[lease_id] = (req, self.clock() + self.lease_s)
-        block_ids = self.kv.block_ids(req.request_id)
-        size = self.workers.size if self.workers is not None else 1
-        tags: list[str] = []
-        rank_tags: list[list[str]] = []
-        if self.tagger is not None:
-            # The workers tag their shares while this rank tags its own.
-            asked = self.workers.ask_tags(lease_id, block_ids) if self.workers else None
-            tags = self.tagger.tags(block_ids, rank_lease(lease_id, 0, size))
-            rank_tags = self.workers.kv_tags(asked) if self.workers and asked is not None else []
-        regions = self.workers.kv_regions() if self.workers is not None else []
+        rank, block_ids = self._where(req.request_id)
+        regions = [(self.transport.address, self.base_addr)]
+        if self.workers is not None:
+            regions += self.workers.kv_regions()
+        # The ranks whose caches hold the blocks: every rank its heads' share, or with
+        # data-parallel attention the request's own rank, whole (MLA's latent).
+        holders = list(range(len(regions))) if rank is None else [rank]
+        regions = [regions[r] for r in holders]
+        tags = self._tags(lease_id, block_ids, holders)
         return KVTransferParams(
             engine_id=self.engine_id,
             lease_id=lease_id,
             block_ids=block_ids,
-            block_tags=tags,
-            transfer_address=self.transport.address,
-            kv_base_addr=self.base_addr,
+            block_tags=tags[0] if tags else [],
+            transfer_address=regions[0][0],
+            kv_base_addr=regions[0][1],
             block_bytes=self.block_bytes,
-            rank_block_tags=rank_tags,
-            rank_transfer_addresses=[address for address, _ in regions],
-            rank_kv_base_addrs=[base for _, base in regions],
+            rank_block_tags=tags[1:],
+            rank_transfer_addresses=[address for address, _ in regions[1:]],
+            rank_kv_base_addrs=[base for _, base in regions[1:]],
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             first_token_id=req.output_token_ids[0],
             lease_s=self.lease_s,
         )
+
+    def _where(self, request_id: str) -> tuple[int | None, list[int]]:
+        """The rank whose cache alone holds a request's blocks (data-parallel attention), and
+        their ids in it; (None, the ids) where every rank holds its share of them."""
+        if not isinstance(self.kv, DataParallelKV):
+            return None, self.kv.block_ids(request_id)
+        rank = self.kv.rank_of(request_id)
+        if rank is None:
+            raise RuntimeError(f"request {request_id} holds no blocks")
+        first = rank * self.kv.blocks_per_rank
+        return rank, [b - first for b in self.kv.block_ids(request_id)]
+
+    def _tags(self, lease_id: str, block_ids: list[int], holders: list[int]) -> list[list[str]]:
+        """Over Mooncake: each holding rank's tags of its share of the blocks, keyed by its
+        place among the lease's ranks; rank 0 tags its own while the workers tag theirs."""
+        if self.tagger is None:
+            return []
+        n = len(holders)
+        keys = [""] * (self.workers.size if self.workers is not None else 1)
+        for i, rank in enumerate(holders):
+            keys[rank] = rank_lease(lease_id, i, n)
+        asked = None
+        if self.workers is not None and any(keys[1:]):
+            asked = self.workers.ask_tags(keys, block_ids)
+        got = {0: self.tagger.tags(block_ids, keys[0])} if keys[0] else {}
+        if asked is not None and self.workers is not None:
+            got |= self.workers.kv_tags(asked, sum(1 for k in keys[1:] if k))
+        return [got[rank] for rank in holders]
 
     def release(self, lease_id: str) -> bool:
         """Free a lease's blocks; False if it is unknown (already released or expired)."""
@@ -358,21 +388,26 @@ class KVConnector:
         if self._executor is None or req.kv_transfer is None:
             raise RuntimeError("start_load needs the decode role and a request with params")
         params = req.kv_transfer
-        local = self.kv.block_ids(req.request_id)
+        rank, local = self._where(req.request_id)
         verdict = None
-        if self.workers is not None:
-            verdict = self._fan_out(params, local, skip_blocks)
-        fut = self._executor.submit(self._load, params, local, skip_blocks, verdict)
+        if self.workers is not None and rank != 0:
+            verdict = self._fan_out(params, local, skip_blocks, rank)
+        here = rank in (None, 0)  # (data-parallel attention: only the request's rank reads)
+        fut = self._executor.submit(self._load, params, local, skip_blocks, verdict, here)
         self._loads[req.request_id] = (req, fut)
 
-    def _fan_out(self, params: KVTransferParams, local: list[int], skip: int) -> Verdict:
-        """Tell every worker to read its heads of the load's blocks; the workers' verdict to
-        wait for. A worker that cannot be told fails the load (its verdict is set at once)."""
+    def _fan_out(
+        self, params: KVTransferParams, local: list[int], skip: int, rank: int | None = None
+    ) -> Verdict:
+        """Tell every worker (or the one `rank` whose cache alone holds the request's blocks)
+        to read its heads of the load's blocks; the workers' verdict to wait for. A worker that
+        cannot be told fails the load (its verdict is set at once)."""
         assert self.workers is not None
         load_id = self._next_load_id
         self._next_load_id += 1
         verdict: Verdict = (threading.Event(), [])
         self._ranks[load_id] = verdict
+        self._readers[load_id] = None if rank is None else 1
         n = min(len(params.block_ids), len(local))
         msg = LoadKV(
             load_id,
@@ -384,6 +419,7 @@ class KVConnector:
             params.lease_id,
             [t[skip:n] for t in params.all_block_tags],
             skip,
+            -1 if rank is None else rank,
         )
         try:
             self.workers.send(msg)
@@ -404,8 +440,9 @@ class KVConnector:
         if self.workers is None:
             return
         for load_id in list(self._ranks):
-            said = self.workers.kv_load_done(load_id)
+            said = self.workers.kv_load_done(load_id, self._readers.get(load_id))
             if said is not None:
+                self._readers.pop(load_id, None)
                 self._decide(load_id, said)
 
     def poll_loads(self) -> list[tuple[Request, bool]]:
@@ -433,23 +470,27 @@ class KVConnector:
         local: list[int],
         skip: int,
         verdict: Verdict | None = None,
+        here: bool = True,
     ) -> bool:
+        """`here`: this rank reads its share (else only the workers told read)."""
         remote = params.block_ids
         ok, nbytes, seconds = False, 0, 0.0
         t0 = time.perf_counter()
         try:
             if len(remote) != len(local):
                 raise ValueError(f"{len(remote)} remote blocks for {len(local)} local ones")
-            check = TagCheck(params.lease_id, [t[skip:] for t in params.all_block_tags], skip)
-            nbytes = self.reader.read(
-                params.peers,
-                params.kv_base_addrs,
-                params.block_bytes,
-                remote[skip:],
-                local[skip:],
-                check if self.tagger is not None else None,
-            )
-            seconds = time.perf_counter() - t0
+            if here:
+                tags = [t[skip:] for t in params.all_block_tags]
+                check = TagCheck(params.lease_id, tags, skip) if self.tagger is not None else None
+                nbytes = self.reader.read(
+                    params.peers,
+                    params.kv_base_addrs,
+                    params.block_bytes,
+                    remote[skip:],
+                    local[skip:],
+                    check,
+                )
+                seconds = time.perf_counter() - t0
             ok = True
         except TagMismatch as e:
             self.tag_failures += 1

@@ -86,14 +86,19 @@ class LoadKV(msgspec.Struct, tag="load_kv", array_like=True):
     """Over Mooncake: each prefill rank's tags of its share of the blocks, from `first` on; each
     rank checks those of the blocks it read (ember/kv/transport/block_tags.py)."""
     first: int = 0
+    rank: int = -1
+    """The one rank that reads (data-parallel attention: the rank the request lives on); -1:
+    every rank reads its heads."""
 
 
 class TagKV(msgspec.Struct, tag="tag_kv", array_like=True):
-    """A prefill engine leases blocks over Mooncake: each rank tags its share of them under the
-    lease (its own key of it) and reports the tags as `tag_id`."""
+    """A prefill engine leases blocks over Mooncake: each rank with a key tags its share of them
+    under it and reports the tags as `tag_id`."""
 
     tag_id: int
-    lease_id: str
+    keys: list[str]
+    """Per rank: the key its tags are bound to (ember/kv/transport/block_tags.rank_lease); ""
+    for a rank that holds none of the blocks (data-parallel attention: another rank's)."""
     block_ids: list[int]
 
 

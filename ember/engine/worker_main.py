@@ -112,10 +112,12 @@ def main() -> None:
                 if isinstance(msg, StopWorkers):
                     break
                 if isinstance(msg, LoadKV):
-                    loading[msg.load_id] = reads.submit(_read_kv, core.kv_reader, msg)
+                    if msg.rank in (-1, rank):  # (another rank's request: not ours to read)
+                        loading[msg.load_id] = reads.submit(_read_kv, core.kv_reader, msg)
                 elif isinstance(msg, TagKV):
-                    tags = _tag_kv(core.kv_reader, msg, rank, size)
-                    report.send(f"tags {rank} {msg.tag_id} {','.join(tags)}".encode())
+                    if msg.keys[rank]:
+                        tags = _tag_kv(core.kv_reader, msg, rank)
+                        report.send(f"tags {rank} {msg.tag_id} {','.join(tags)}".encode())
                 elif isinstance(msg, TierCopy | TierFence | TierPace):
                     _tier(core.replica, msg)
                 elif isinstance(msg, TierLower | TierTouch):
@@ -190,13 +192,11 @@ def _lower(lower: LowerReplica | None, msg: TierLower | TierTouch) -> None:
         lower.touch(msg.medium, msg.keys)
 
 
-def _tag_kv(reader: ShardReader | None, msg: TagKV, rank: int, size: int) -> list[str]:
-    """This rank's tags of its share of a lease's blocks, keyed as its own (over Mooncake)."""
-    from ember.kv.transport.block_tags import rank_lease
-
+def _tag_kv(reader: ShardReader | None, msg: TagKV, rank: int) -> list[str]:
+    """This rank's tags of its share of a lease's blocks, under its key (over Mooncake)."""
     if reader is None or reader.tagger is None:
         return []  # rank 0's lease then fails every decode engine's check: nothing is trusted
-    return reader.tagger.tags(msg.block_ids, rank_lease(msg.lease_id, rank, size))
+    return reader.tagger.tags(msg.block_ids, msg.keys[rank])
 
 
 def _read_kv(reader: ShardReader | None, load: LoadKV) -> int | None:

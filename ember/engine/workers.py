@@ -203,38 +203,41 @@ class Workers:
                 self.read_reports()
         return [self.regions[r] for r in range(1, self.size)]
 
-    def ask_tags(self, lease_id: str, block_ids: list[int]) -> int:
-        """Ask every worker to tag its share of a lease's blocks (over Mooncake); the id to
-        wait for with `kv_tags`."""
+    def ask_tags(self, keys: list[str], block_ids: list[int]) -> int:
+        """Ask the workers with a key (`keys[rank]`, ranks 0 .. N-1) to tag their share of a
+        lease's blocks under it (over Mooncake); the id to wait for with `kv_tags`."""
         from ember.engine.step_plan import TagKV
 
         tag_id = self._next_tag_id
         self._next_tag_id += 1
-        self.send(TagKV(tag_id, lease_id, block_ids))
+        self.send(TagKV(tag_id, keys, block_ids))
         return tag_id
 
-    def kv_tags(self, tag_id: int, timeout_s: float = REGIONS_TIMEOUT_S) -> list[list[str]]:
-        """Each worker's tags for `ask_tags`'s `tag_id`, ranks 1 .. N-1."""
+    def kv_tags(
+        self, tag_id: int, ranks: int | None = None, timeout_s: float = REGIONS_TIMEOUT_S
+    ) -> dict[int, list[str]]:
+        """The tags of `ask_tags`'s `tag_id`, by rank, once `ranks` workers (all, by default)
+        have sent theirs."""
+        want = self.size - 1 if ranks is None else ranks
         deadline = time.monotonic() + timeout_s
-        while len(self.tags.get(tag_id, {})) < self.size - 1:
+        while len(self.tags.get(tag_id, {})) < want:
             self.check()
             if time.monotonic() > deadline:
                 raise WorkerFailed(f"the workers did not tag lease blocks ({tag_id}) in time")
             if self.reports.poll(20):
                 self.read_reports()
-        got = self.tags.pop(tag_id)
-        return [got[r] for r in range(1, self.size)]
+        return self.tags.pop(tag_id, {})
 
-    def kv_load_done(self, load_id: int) -> tuple[bool, int] | None:
-        """Whether every worker read its share of load `load_id`, and the bytes they read
-        together; None while some have not said. A worker's end fails every load (its part can
-        never land)."""
+    def kv_load_done(self, load_id: int, ranks: int | None = None) -> tuple[bool, int] | None:
+        """Whether every worker (or the `ranks` that read) read its share of load `load_id`,
+        and the bytes they read together; None while some have not said. A worker's end fails
+        every load (its part can never land)."""
         self.read_reports()
         if self.failure is not None:
             self.kv_loads.pop(load_id, None)
             return False, 0
         got = self.kv_loads.get(load_id, {})
-        if len(got) < self.size - 1:
+        if len(got) < (self.size - 1 if ranks is None else ranks):
             return None
         del self.kv_loads[load_id]
         return all(ok for ok, _ in got.values()), sum(n for _, n in got.values())

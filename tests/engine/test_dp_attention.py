@@ -158,7 +158,7 @@ def test_one_rank_runs_the_same_code(deepseek: Path, want: list) -> None:
     [
         ({"kv_host_gb": 0.1}, "kv_host_gb is not supported with enable_dp_attention"),
         ({"kv_disk_dir": "/tmp/unused"}, "kv_disk_dir is not supported"),
-        ({"kv_role": "decode", "kv_transport": "shm"}, "kv_role is not supported"),
+        ({"kv_store": "127.0.0.1:1"}, "kv_store is not supported"),
     ],
 )
 def test_refused_settings(deepseek: Path, kwargs: dict, match: str) -> None:
