@@ -19,7 +19,6 @@ import msgspec
 import pytest
 import torch
 
-from ember import LLM
 from ember.distributed.shard import shard_heads
 from ember.engine.config import EngineConfig
 from ember.engine.core import EngineCore
