@@ -38,3 +38,21 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [T, num_heads, head_dim]: `out` when given
         """Write this step's K and V into the cache (unless `kv_written`: the rotation did),
         then attend causally over each context."""
+
+    def mla(
+        self,
+        q_nope: torch.Tensor,  # [T, num_heads, qk_nope_head_dim]
+        q_rope: torch.Tensor,  # [T, num_heads, qk_rope_head_dim], rotated
+        latent: torch.Tensor,  # [T, kv_lora_rank + qk_rope_head_dim]: this step's latent rows
+        w_uk: torch.Tensor,  # [num_heads, qk_nope_head_dim, kv_lora_rank]
+        w_uv: torch.Tensor,  # [num_heads, v_head_dim, kv_lora_rank]
+        cache: torch.Tensor,  # one layer's latent cache [num_blocks, 1, block_size, 1, L + R]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, v_head_dim]
+        """Multi-head latent attention (ember/attention/mla.py): write the step's latent rows
+        into the cache, then attend. Every backend runs ember's MLA; a backend that splits a
+        forward pass into graphs (ember/engine/piecewise_graphs.py) takes the call instead."""
+        from ember.attention.mla import mla_attention
+
+        return mla_attention(q_nope, q_rope, latent, w_uk, w_uv, cache, metadata, scale)

@@ -31,6 +31,7 @@ import torch
 from ember.attention.backend import AttentionBackend
 from ember.attention.context import ForwardContext
 from ember.attention.metadata import AttentionMetadata
+from ember.distributed.state import current
 from ember.engine.cuda_graphs import CAPTURE_MODE
 from ember.engine.warmup import one_layer_of_each_kind
 from ember.kernels.precompile import precompile
@@ -71,9 +72,19 @@ class _Call:
 
 
 @dataclass(slots=True)
+class _MlaCall:
+    """One multi-head latent attention call met at capture (`AttentionBackend.mla`)."""
+
+    cache: torch.Tensor
+    w_uk: torch.Tensor
+    w_uv: torch.Tensor
+    scale: float
+
+
+@dataclass(slots=True)
 class _Captured:
     pieces: list[torch.cuda.CUDAGraph]
-    calls: list[_Call]
+    calls: list[_Call | _MlaCall]
     hidden: torch.Tensor
 
 
@@ -85,6 +96,7 @@ class _Buffers:
     k: torch.Tensor
     v: torch.Tensor
     out: torch.Tensor
+    """For MLA: q holds q_nope, k q_rope, v the latent rows."""
 
 
 class _SplitBackend(AttentionBackend):
@@ -97,7 +109,7 @@ class _SplitBackend(AttentionBackend):
     def __init__(self, owner: PiecewiseGraphs) -> None:
         self.owner = owner
         self.fuses_kv_write = owner.backend.fuses_kv_write
-        self.calls: list[_Call] = []
+        self.calls: list[_Call | _MlaCall] = []
         self.pieces: list[torch.cuda.CUDAGraph] = []
         self.graph: torch.cuda.CUDAGraph | None = None  # None: a dry run, nothing captured
 
@@ -123,16 +135,44 @@ class _SplitBackend(AttentionBackend):
         kv_written: bool = False,
         out: torch.Tensor | None = None,  # (the model passes none: the buffer is the output)
     ) -> torch.Tensor:
-        buf = self.owner.buffers_for(q, k, v)
+        buf = self.owner.buffers_for(q, k, v, q.shape[1:])
+        self._split(buf, q, k, v, _Call(kv_cache, scale, kv_written))
+        return buf.out[: q.shape[0]]
+
+    def mla(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+        cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        t, h = q_nope.shape[:2]
+        buf = self.owner.buffers_for(q_nope, q_rope, latent, (h, w_uv.shape[1]))
+        self._split(buf, q_nope, q_rope, latent, _MlaCall(cache, w_uk, w_uv, scale))
+        return buf.out[:t]
+
+    def _split(
+        self,
+        buf: _Buffers,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        call: _Call | _MlaCall,
+    ) -> None:
+        """The call's inputs into the fixed buffers; the graph being captured ends there, and
+        the next begins after it."""
         t = q.shape[0]
         buf.q[:t].copy_(q)
         buf.k[:t].copy_(k)
         buf.v[:t].copy_(v)
         capture = self.graph is not None
         self.end()
-        self.calls.append(_Call(kv_cache, scale, kv_written))
+        self.calls.append(call)
         self.begin(capture)
-        return buf.out[:t]
 
 
 class PiecewiseGraphs:
@@ -150,12 +190,16 @@ class PiecewiseGraphs:
         self._ids = self._pos = self._slots = torch.empty(0, dtype=torch.int64)
         self._buffers: _Buffers | None = None
         self._prepared: int | None = None
+        # Data-parallel attention splits a step's rows by rank (ember/engine/dp_attention.py),
+        # which the pieces' one metadata of the whole step does not: such steps run eagerly.
+        self._data_parallel = current().dp_attention
 
     def prepare(self, max_tokens: int) -> None:
         """The sizes up to `max_tokens` and the fixed ids, positions and slots (before `run_dry`
         and `capture`)."""
         self._prepared = max_tokens
-        self.sizes = piecewise_sizes(max_tokens) if supports_piecewise(self.model) else []
+        takes = supports_piecewise(self.model) and not self._data_parallel
+        self.sizes = piecewise_sizes(max_tokens) if takes else []
         top = self.sizes[-1] if self.sizes else 0
         self._ids = torch.zeros(top, dtype=torch.int64, device=self.device)
         self._pos = torch.zeros(top, dtype=torch.int64, device=self.device)
@@ -172,16 +216,19 @@ class PiecewiseGraphs:
                 return size
         return None
 
-    def buffers_for(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> _Buffers:
+    def buffers_for(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tuple[int, ...]
+    ) -> _Buffers:
         """The attention buffers, made at the first call (the largest size's: shapes per token
-        from the model's q, k and v)."""
+        from the model's q, k and v, and `out`, the output's, in q's dtype)."""
         if self._buffers is None:
             top = self.sizes[-1]
 
             def like(t: torch.Tensor) -> torch.Tensor:
                 return torch.zeros((top, *t.shape[1:]), dtype=t.dtype, device=t.device)
 
-            self._buffers = _Buffers(like(q), like(k), like(v), like(q))
+            o = torch.zeros((top, *out), dtype=q.dtype, device=q.device)
+            self._buffers = _Buffers(like(q), like(k), like(v), o)
         return self._buffers
 
     def _metadata(self, size: int) -> AttentionMetadata:
@@ -272,7 +319,11 @@ class PiecewiseGraphs:
         q, k, v, out = buf.q[:n], buf.k[:n], buf.v[:n], buf.out[:n]
         for piece, call in zip(got.pieces, got.calls, strict=False):
             piece.replay()
-            self.backend.forward(q, k, v, call.kv_cache, md, call.scale, call.kv_written, out)
+            if isinstance(call, _MlaCall):
+                o = self.backend.mla(q, k, v, call.w_uk, call.w_uv, call.cache, md, call.scale)
+                out.copy_(o)
+            else:
+                self.backend.forward(q, k, v, call.kv_cache, md, call.scale, call.kv_written, out)
         got.pieces[-1].replay()
         self.replays += 1
         return got.hidden[:n]

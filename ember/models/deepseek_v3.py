@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.attention.context import ForwardContext
-from ember.attention.mla import mla_attention
 from ember.distributed import comm
 from ember.distributed.shard import shard_size
 from ember.distributed.state import ParallelState, current, use
@@ -170,7 +169,7 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
         cache = ctx.kv_cache[:, self.layer_idx]
-        o = mla_attention(q_nope, q_rope, latent, w_uk, w_uv, cache, ctx.metadata, self.scale)
+        o = ctx.backend.mla(q_nope, q_rope, latent, w_uk, w_uv, cache, ctx.metadata, self.scale)
         return self.o_proj(o.reshape(t, h * self.v_dim))
 
 
@@ -298,8 +297,9 @@ class DeepseekV3DecoderLayer(DecoderLayer):
 class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
     layer_cls = DeepseekV3DecoderLayer
     dense_layers = (".kv_b_proj", ".mlp.gate")
-    piecewise_graphs = False
-    """MLA calls its own attention (ember/attention/mla.py), not the backend the pieces split at."""
+    piecewise_graphs = True
+    """Steps with prompt tokens replay piecewise CUDA graphs, split at each layer's MLA call
+    (`AttentionBackend.mla`), as the other models' at their attention call."""
     # The MLPs' gate and up, and MLA's two projections of the hidden state, load fused.
     stacked_params = (
         (".gate_up_proj.", ".gate_proj.", "gate"),

@@ -44,7 +44,7 @@ def test_only_models_that_opt_in_and_carry_no_draft_head_take_pieces() -> None:
             self.model = Inner()
 
     assert LlamaForCausalLM.piecewise_graphs and Qwen3MoeForCausalLM.piecewise_graphs
-    assert not DeepseekV3ForCausalLM.piecewise_graphs  # MLA does not call the backend
+    assert DeepseekV3ForCausalLM.piecewise_graphs  # MLA splits at AttentionBackend.mla
     model = Dense()
     assert supports_piecewise(model)
     model.model.aux_layers = (2, 5)  # EAGLE-3 reads the hidden states of a step
@@ -93,6 +93,50 @@ def test_a_dry_forward_splits_once_a_layer_and_fills_the_buffers(tiny_model_dir)
     assert pieces.size_for(10) is None  # nothing captured: steps launch from Python
 
 
+def test_an_mla_forward_splits_at_each_layers_latent_attention(tiny_model_dir) -> None:
+    """DeepSeek-V3's layers split at their MLA call: each call keeps its layer's cache and
+    kv_b_proj's halves, and q_nope, q_rope and the latent rows go to the fixed buffers."""
+    from ember.engine.piecewise_graphs import PiecewiseGraphs, _MlaCall
+
+    llm = LLM(str(tiny_model_dir("deepseek_v3")), max_model_len=128, num_kv_blocks=64)
+    runner = llm.engine.core.runner
+    cfg = runner.config
+    pieces = PiecewiseGraphs(runner.model, runner.backend, torch.device("cpu"))
+    pieces.prepare(32)
+    pieces._ids[:20] = torch.arange(10, 30)
+    pieces._pos[:20] = torch.arange(20)
+    with torch.inference_mode():
+        got = pieces._forward(20, runner.kv_cache, capture=False)
+    assert len(got.calls) == cfg.num_hidden_layers
+    for i, call in enumerate(got.calls):
+        assert isinstance(call, _MlaCall)
+        assert call.cache.data_ptr() == runner.kv_cache[:, i].data_ptr()
+        attn = runner.model.model.layers[i].self_attn
+        assert call.w_uk.data_ptr() == attn.kv_b_proj.weight.data_ptr()
+    buf = pieces._buffers
+    assert buf is not None
+    h = cfg.num_attention_heads
+    assert buf.q.shape == (32, h, cfg.qk_nope_head_dim)
+    assert buf.k.shape == (32, h, cfg.qk_rope_head_dim)
+    assert buf.v.shape == (32, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    assert buf.out.shape == (32, h, cfg.v_head_dim)
+    assert buf.v[:20].abs().sum() > 0 and buf.v[20:].abs().sum() == 0
+    llm.close()
+
+
+def test_data_parallel_attention_takes_no_pieces(tiny_model_dir) -> None:
+    from ember.distributed.state import ParallelState, use
+    from ember.engine.piecewise_graphs import PiecewiseGraphs
+
+    llm = LLM(str(tiny_model_dir("deepseek_v3")), max_model_len=128, num_kv_blocks=64)
+    runner = llm.engine.core.runner
+    with use(ParallelState(dp_attention=True)):
+        pieces = PiecewiseGraphs(runner.model, runner.backend, torch.device("cpu"))
+    pieces.prepare(64)
+    assert pieces.sizes == []
+    llm.close()
+
+
 def _run(path: str, dtype: str, pieces: int) -> tuple[list[list[int]], list[torch.Tensor], int]:
     """Greedy tokens, the logits of every step launched from Python, and the steps replayed
     on pieces."""
@@ -127,7 +171,7 @@ def _run(path: str, dtype: str, pieces: int) -> tuple[list[list[int]], list[torc
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "deepseek_v3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_pieces_give_the_logits_of_python_launches(tiny_model_dir, arch: str, dtype: str) -> None:
     """The same steps (decodes beside prompt chunks, a prefix-cache hit) with and without the
