@@ -10,6 +10,8 @@
   on the last start only (the warm one when both run);
 - batches (not by default): 64 and then 256 requests of 128 in, 256 out, all sent at once:
   TPOT p50 (decode at about that batch);
+- short: a fresh 128-token prompt alone, one output token, seven times (different prompts, one
+  at a time): its time to answer (TTFT), median, least and most;
 - agent: an agent's conversation of C tokens (8k, 16k, 32k), then three next turns each adding
   1,024 tokens (a prefix-cache hit on the C): seconds to answer a turn with one token, the
   median next turn's (`/v1/completions` with token ids, one request at a time);
@@ -31,7 +33,7 @@ vLLM comes from scripts/vllm_pack.sh's archives, unpacked by scripts/vllm_device
 ($VLLM_SITE). `--device cpu` runs ember alone on its tiny model with tiny loads: a smoke test of
 this script.
 
-    python benchmarks/served_gpu.py [--shape llama] [--engines ember,vllm] [--loads mixed,b1,sweep,agent]
+    python benchmarks/served_gpu.py [--shape llama] [--engines ember,vllm] [--loads mixed,b1,sweep,short,agent]
         [--starts fresh,warm] [--weights dummy|files [--cold-weights]] [--cold-libs]
         [--quant k25-int4|w4a16-g128|fp8-blocks] [--layers N]
 
@@ -79,6 +81,8 @@ class Loads:
     """(conversation lengths, tokens a next turn adds, next turns)."""
     batches: tuple[tuple[int, ...], int, int] = ((64, 256), 128, 256)
     """(batch sizes, input, output): B requests sent at once, their TPOT p50 (decode at ~B)."""
+    short: tuple[int, int] = (7, 128)
+    """(prompts, tokens): fresh prompts alone, one output token each."""
 
 
 def b1_bytes(cfg: dict, loads: Loads) -> float:
@@ -100,7 +104,9 @@ def roofline_fracs(report: dict) -> None:
 
 
 GPU_LOADS = Loads((256, 1024, 256), (3, 128, 512), "4,8,16", "10:120000")
-CPU_LOADS = Loads((8, 48, 8), (2, 16, 8), "4,8", "10:300", ((64, 160), 32, 2), ((4,), 16, 8))
+CPU_LOADS = Loads(
+    (8, 48, 8), (2, 16, 8), "4,8", "10:300", ((64, 160), 32, 2), ((4,), 16, 8), (3, 16)
+)
 
 
 def word_tokenizer(model_dir: Path, vocab: int) -> None:
@@ -431,6 +437,19 @@ def completion_s(url: str, prompt: list[int]) -> float:
     return time.monotonic() - t0
 
 
+def short_prompts(url: str, loads: Loads) -> dict[str, float]:
+    """Seconds to answer fresh short prompts alone with one token: median, least, most."""
+    import random
+
+    n, length = loads.short
+    lo, hi = (int(x) for x in loads.vocab.split(":"))
+    rng = random.Random(128)
+    times = sorted(
+        completion_s(url, [rng.randrange(lo, hi) for _ in range(length)]) for _ in range(n)
+    )
+    return {"p50_s": times[n // 2], "min_s": times[0], "max_s": times[-1]}
+
+
 def agent_turns(url: str, loads: Loads) -> dict[str, dict[str, float]]:
     """For each conversation length C: the first turn's seconds (C fresh tokens) and the median
     next turn's (the C cached, `new` tokens more, a different chunk each turn)."""
@@ -476,6 +495,8 @@ def run_loads(url: str, out: Path, tag: str, wanted: list[str], loads: Loads, ag
     if "sweep" in wanted:
         doc = bench(url, out, f"{tag}-sweep", loads.mixed, loads.vocab, loads.sweep_rates, seed=100)
         result["sweep"] = [{"rate": s["rate"], **s["summary"]} for s in doc["sweep"] or []]
+    if "short" in wanted:
+        result["short"] = short_prompts(url, loads)
     if "agent" in wanted:
         result["agent"] = agent_turns(url, loads)
     return result
@@ -521,7 +542,7 @@ def main() -> None:
     )
     ap.add_argument("--layers", type=int, help="decoder layers (default: the shape's)")
     ap.add_argument("--engines", default="ember,vllm")
-    ap.add_argument("--loads", default="mixed,b1,sweep,agent")
+    ap.add_argument("--loads", default="mixed,b1,sweep,short,agent")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--ready-timeout", type=float, default=600.0)
     ap.add_argument("--starts", default="fresh,warm", help="fresh, warm or both (in that order)")
@@ -669,6 +690,12 @@ def print_table(report: dict) -> None:
     row("b1, of the copy roofline", lambda r: f"{r['b1_roofline_frac']:.3f}")
     for b in report["loads"]["batches"][0]:
         row(f"b{b} at once, TPOT p50", lambda r, b=b: f"{r[f'b{b}_tpot_ms']:.2f} ms")
+    row(
+        f"a fresh {report['loads']['short'][1]}-token prompt alone, TTFT p50 (min-max)",
+        lambda r: "{:.1f} ({:.1f}-{:.1f}) ms".format(
+            *(r["short"][k] * 1e3 for k in ("p50_s", "min_s", "max_s"))
+        ),
+    )
     for c in report["loads"]["agent"][0]:
         row(
             f"agent, {c} tokens: first / next turn",

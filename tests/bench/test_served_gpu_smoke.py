@@ -33,6 +33,7 @@ def test_served_gpu_runs_ember_fresh_and_warm_on_the_cpu(tmp_path: Path) -> None
         assert run["b1_tpot_ms"] > 0
         # An agent's conversations of 64 and 160 tokens, each answered, then their next turns.
         assert set(run["agent"]) == {"64", "160"}
+        assert 0 < run["short"]["min_s"] <= run["short"]["p50_s"] <= run["short"]["max_s"]
         assert all(t["first_turn_s"] > 0 and t["next_turn_s"] > 0 for t in run["agent"].values())
     # The sweep runs on the last (warm) start alone.
     assert "sweep" not in runs["fresh"]
@@ -41,6 +42,7 @@ def test_served_gpu_runs_ember_fresh_and_warm_on_the_cpu(tmp_path: Path) -> None
     assert runs["warm_again"]["requests"] == 8 and runs["warm"]["mixed_again"]["completed"] == 8
     assert "| mixed, output tok/s |" in done.stdout
     assert "| agent, 160 tokens: first / next turn |" in done.stdout
+    assert "| a fresh 16-token prompt alone, TTFT p50 (min-max) |" in done.stdout
 
 
 def test_a_variant_at_a_directory_runs_that_trees_ember(tmp_path: Path) -> None:
