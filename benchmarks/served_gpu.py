@@ -541,6 +541,12 @@ def main() -> None:
         "schemes)",
     )
     ap.add_argument("--layers", type=int, help="decoder layers (default: the shape's)")
+    ap.add_argument(
+        "--max-position",
+        type=int,
+        help="the config's max_position_embeddings (both servers' context; default: the "
+        "shape's): Moonlight's 8,192 is under the agent load's conversations",
+    )
     ap.add_argument("--engines", default="ember,vllm")
     ap.add_argument("--loads", default="mixed,b1,sweep,short,agent")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -575,6 +581,8 @@ def main() -> None:
         import torch
 
         cfg = shape_config(args.shape, args.quant, args.layers)
+        if args.max_position:
+            cfg["max_position_embeddings"] = args.max_position
         model, loads, gpu = str(model_dir(args.shape, cfg)), GPU_LOADS, torch.cuda.get_device_name()
         if args.weights == "files":
             t = time.perf_counter()
@@ -589,6 +597,8 @@ def main() -> None:
     shape = "tiny-qwen3" if args.device == "cpu" else args.shape
     if args.device == "cuda" and (args.quant or args.layers):
         shape += f"-{args.quant or 'bf16'}" + (f"-{args.layers}L" if args.layers else "")
+    if args.device == "cuda" and args.max_position:
+        shape += f"-{args.max_position // 1024}k"
     report: dict = {
         "gpu": gpu,
         "shape": shape,
