@@ -76,6 +76,14 @@ attending absorbed costs about q_len * H * L * (2 * rank + rope) * 2, so for Kim
 (rank 512, rope 64, nope 128, v 128) expanding wins from about 150 new tokens up."""
 
 
+EXPAND_CHUNK = 8192
+"""Context tokens expanded to per-head K and V at a time: a cached prefix is attended in chunks
+of this many tokens and the new tokens as one causal block, each with its log-sum-exp, merged
+after (as flash attention merges its tiles). A chunk of Kimi K2.5's 64 heads is 8192 x 64 x
+(192 + 128) x 2 bytes = 336 MB, whatever the context: a 128k-token one never holds its whole
+expansion (10.7 GB)."""
+
+
 def mla_prefill_expanded(
     q_nope: torch.Tensor,
     q_rope: torch.Tensor,
@@ -86,15 +94,16 @@ def mla_prefill_expanded(
     w_uv: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    chunk: int | None = None,
 ) -> None:
     """Causal attention of sequences `seqs` with K and V expanded per head from their latent
-    context, as the model was trained: K = [c_kv @ W_UK^T, k_rope] and V = c_kv @ W_UV^T, through
-    torch's fused attention (flash for a fresh prompt, memory-efficient with a bottom-right causal
-    mask over a cached prefix). q_nope [T, H, nope], q_rope [T, H, R]; w_uk [H, nope, L],
-    w_uv [H, v, L]; writes out [T, H, v] rows of those sequences."""
-    # Imported here: torch.nn.attention.bias imports triton, which the CPU path never needs.
-    from torch.nn.attention.bias import causal_lower_right
-
+    context, as the model was trained: K = [c_kv @ W_UK^T, k_rope] and V = c_kv @ W_UV^T. A fresh
+    prompt of up to `chunk` (EXPAND_CHUNK) tokens runs torch's fused causal attention in one
+    call; over a cached prefix, or longer, the prefix's chunks (which every new token sees
+    whole) and the new tokens (causal among themselves) are attended apart and merged by their
+    log-sum-exp. q_nope [T, H, nope], q_rope [T, H, R]; w_uk [H, nope, L], w_uv [H, v, L];
+    writes out [T, H, v] rows of those sequences."""
+    chunk = chunk or EXPAND_CHUNK
     num_heads, nope, rank = w_uk.shape
     rope = q_rope.shape[2]
     # K in one batched matmul over the whole latent row: [W_UK, 0; 0, I] maps [c_kv, k_rope] to
@@ -104,23 +113,78 @@ def mla_prefill_expanded(
     w_k = torch.zeros(num_heads, nope + rope, rank + rope, dtype=w_uk.dtype, device=w_uk.device)
     w_k[:, :nope, :rank] = w_uk
     w_k[:, nope:, rank:] = torch.eye(rope, dtype=w_uk.dtype, device=w_uk.device)
+
+    def expand(ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k = torch.einsum("sd,hkd->hsk", ctx, w_k)
+        v = torch.einsum("sl,hvl->hsv", ctx[:, :rank], w_uv)
+        return k, v
+
     qsl = metadata.query_start_loc_cpu
     for i in seqs:
         qs, qe, seq_len = qsl[i], qsl[i + 1], metadata.seq_lens_cpu[i]
+        first = seq_len - (qe - qs)  # cached tokens before the new ones
         ctx = gather_latent(cache, metadata.block_tables[i], seq_len).to(q_nope.dtype)
-        k = torch.einsum("sd,hkd->hsk", ctx, w_k)
-        v = torch.einsum("sl,hvl->hsv", ctx[:, :rank], w_uv)
         q = torch.cat([q_nope[qs:qe], q_rope[qs:qe]], dim=-1).transpose(0, 1)
-        fresh = qe - qs == seq_len
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(0),
-            k.unsqueeze(0),
-            v.unsqueeze(0),
-            attn_mask=None if fresh else causal_lower_right(qe - qs, seq_len),
-            is_causal=fresh,
-            scale=scale,
-        )
-        out[qs:qe] = o[0].transpose(0, 1)
+        if first == 0 and seq_len <= chunk:
+            k, v = expand(ctx)
+            o = F.scaled_dot_product_attention(
+                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=True, scale=scale
+            )[0]
+        else:
+            parts = [
+                attention_lse(q, *expand(ctx[c0 : min(first, c0 + chunk)]), False, scale)
+                for c0 in range(0, first, chunk)
+            ]
+            parts.append(attention_lse(q, *expand(ctx[first:]), True, scale))
+            o = merge_lse(parts)
+        out[qs:qe] = o.transpose(0, 1)
+
+
+def attention_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [H, T, D] over k [H, S, D], v [H, S, Dv] (causal: a square T = S block,
+    query j seeing keys 0..j), with each row's log-sum-exp of its scores: (out [H, T, Dv] in
+    q's dtype, lse [H, T] float32). On a GPU torch's cuDNN attention (the backend its fused
+    attention picks for MLA's head dims) computes both; on the CPU float32 math."""
+    n = q.shape[1]
+    if q.is_cuda:
+        args = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, True, 0.0, causal)
+        aten = torch.ops.aten
+        try:  # bf16 / fp16
+            o, lse = aten._scaled_dot_product_cudnn_attention(*args, False, scale=scale)[:2]
+        except (RuntimeError, NotImplementedError):  # float32: the memory-efficient kernel
+            try:
+                o, lse = aten._scaled_dot_product_efficient_attention(*args, scale=scale)[:2]
+            except (RuntimeError, NotImplementedError):
+                return _attention_lse_math(q, k, v, causal, scale)
+        # (the memory-efficient kernel pads the rows of its log-sum-exp)
+        return o[0], lse[0].reshape(lse.shape[1], -1)[:, :n].float()
+    return _attention_lse_math(q, k, v, causal, scale)
+
+
+def _attention_lse_math(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    n = q.shape[1]
+    scores = torch.einsum("htd,hsd->hts", q.float(), k.float()) * scale
+    if causal:
+        mask = torch.ones(n, k.shape[1], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    return torch.einsum("hts,hsv->htv", probs, v.float()).to(q.dtype), lse
+
+
+def merge_lse(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """One attention output from attention over disjoint parts of the keys, each (out, lse):
+    sum_i out_i * exp(lse_i - logsumexp_i(lse_i))."""
+    lses = torch.stack([lse for _, lse in parts])
+    total = torch.logsumexp(lses, dim=0)
+    o = torch.zeros_like(parts[0][0], dtype=torch.float32)
+    for part, lse in parts:
+        o += part.float() * torch.exp(lse - total).unsqueeze(-1)
+    return o.to(parts[0][0].dtype)
 
 
 def mla_attention(

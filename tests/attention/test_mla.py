@@ -76,6 +76,36 @@ def test_expanded_prefill_matches_latent_attention(shapes: list[tuple[int, int]]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 8, 29, 64])
+def test_chunked_expansion_equals_unchunked(chunk: int) -> None:
+    """The cached prefix in chunks of `chunk` tokens and the new tokens as one causal block,
+    merged by their log-sum-exp: the same output as attending at once (float32, 1e-4), for
+    fresh prompts longer than a chunk, short and long prefixes, and a prefix a chunk divides."""
+    shapes = [(0, 40), (17, 6), (64, 3), (5, 30), (40, 24)]
+    q_nope, q_rope, cache, md, w_uk, w_uv = _batch(shapes, seed=chunk)
+    scale = (NOPE + ROPE) ** -0.5
+    want = _reference(q_nope, q_rope, cache, md, w_uk, w_uv, scale)
+    seqs = list(range(len(shapes)))
+    got = torch.full_like(want, float("nan"))
+    mla_prefill_expanded(q_nope, q_rope, cache, md, seqs, w_uk, w_uv, scale, got, chunk=chunk)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    whole = torch.full_like(want, float("nan"))
+    mla_prefill_expanded(q_nope, q_rope, cache, md, seqs, w_uk, w_uv, scale, whole, chunk=1 << 20)
+    torch.testing.assert_close(got, whole, atol=1e-4, rtol=1e-4)
+
+
+def test_log_sum_exp_merge_of_two_halves_is_the_whole() -> None:
+    from ember.attention.mla import attention_lse, merge_lse
+
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(3, n, d, generator=g) for n, d in ((5, 8), (12, 8), (12, 6)))
+    whole, lse = attention_lse(q, k, v, False, 0.3)
+    got = merge_lse([attention_lse(q, k[:, :7], v[:, :7], False, 0.3),
+                     attention_lse(q, k[:, 7:], v[:, 7:], False, 0.3)])  # fmt: skip
+    torch.testing.assert_close(got, whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, torch.logsumexp(torch.einsum("htd,hsd->hts", q, k) * 0.3, -1))
+
+
 def test_short_runs_split_into_one_causal_query_a_row() -> None:
     """Two decode rows, a 3-token extend over 10 cached tokens, a long run left out (expanded):
     each remaining row becomes a one-query sequence over its causal prefix, and attending that
@@ -134,6 +164,29 @@ def test_mla_attention_mixed_batch_on_the_gpu(dtype: torch.dtype) -> None:
         cuda_md,
         scale,
     )
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    err = (got.float().cpu() - want).abs().max().item()
+    assert err <= tol * want.abs().max().item(), err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_expansion_on_the_gpu(dtype: torch.dtype) -> None:
+    """The chunked expansion's parts through torch's GPU attention with its log-sum-exp (cuDNN
+    in bf16, the memory-efficient kernel in float32), against the CPU reference."""
+    shapes = [(0, 40), (100, 6), (64, 30), (37, 129)]
+    q_nope, q_rope, cache, md, w_uk, w_uv = _batch(shapes, seed=21)
+    scale = (NOPE + ROPE) ** -0.5
+    want = _reference(q_nope, q_rope, cache, md, w_uk, w_uv, scale)
+
+    def dev(x: torch.Tensor) -> torch.Tensor:
+        return x.to("cuda", dtype)
+
+    got = torch.full_like(dev(want), float("nan"))
+    seqs = list(range(len(shapes)))
+    args = (dev(q_nope), dev(q_rope), dev(cache), md.to("cuda"), seqs, dev(w_uk), dev(w_uv))
+    mla_prefill_expanded(*args, scale, got, chunk=16)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     err = (got.float().cpu() - want).abs().max().item()
     assert err <= tol * want.abs().max().item(), err
