@@ -97,12 +97,15 @@ def mla_prefill_expanded(
     chunk: int | None = None,
 ) -> None:
     """Causal attention of sequences `seqs` with K and V expanded per head from their latent
-    context, as the model was trained: K = [c_kv @ W_UK^T, k_rope] and V = c_kv @ W_UV^T. A fresh
-    prompt of up to `chunk` (EXPAND_CHUNK) tokens runs torch's fused causal attention in one
-    call; over a cached prefix, or longer, the prefix's chunks (which every new token sees
-    whole) and the new tokens (causal among themselves) are attended apart and merged by their
-    log-sum-exp. q_nope [T, H, nope], q_rope [T, H, R]; w_uk [H, nope, L], w_uv [H, v, L];
+    context, as the model was trained: K = [c_kv @ W_UK^T, k_rope] and V = c_kv @ W_UV^T. A
+    context of up to `chunk` (EXPAND_CHUNK) tokens is expanded whole and runs torch's fused
+    attention in one call (causal, or bottom-right causal over a cached prefix); a longer one
+    attends its cached prefix's chunks (which every new token sees whole) and the new tokens
+    (causal among themselves) apart, merged by their log-sum-exp. q_nope [T, H, nope], q_rope [T, H, R]; w_uk [H, nope, L], w_uv [H, v, L];
     writes out [T, H, v] rows of those sequences."""
+    # Imported here: torch.nn.attention.bias imports triton, which the CPU path never needs.
+    from torch.nn.attention.bias import causal_lower_right
+
     chunk = chunk or EXPAND_CHUNK
     num_heads, nope, rank = w_uk.shape
     rope = q_rope.shape[2]
@@ -125,10 +128,15 @@ def mla_prefill_expanded(
         first = seq_len - (qe - qs)  # cached tokens before the new ones
         ctx = gather_latent(cache, metadata.block_tables[i], seq_len).to(q_nope.dtype)
         q = torch.cat([q_nope[qs:qe], q_rope[qs:qe]], dim=-1).transpose(0, 1)
-        if first == 0 and seq_len <= chunk:
+        if seq_len <= chunk:  # the whole context expanded at once
             k, v = expand(ctx)
             o = F.scaled_dot_product_attention(
-                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=True, scale=scale
+                q.unsqueeze(0),
+                k.unsqueeze(0),
+                v.unsqueeze(0),
+                attn_mask=None if first == 0 else causal_lower_right(qe - qs, seq_len),
+                is_causal=first == 0,
+                scale=scale,
             )[0]
         else:
             parts = [
@@ -145,20 +153,16 @@ def attention_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [H, T, D] over k [H, S, D], v [H, S, Dv] (causal: a square T = S block,
     query j seeing keys 0..j), with each row's log-sum-exp of its scores: (out [H, T, Dv] in
-    q's dtype, lse [H, T] float32). On a GPU torch's cuDNN attention (the backend its fused
-    attention picks for MLA's head dims) computes both; on the CPU float32 math."""
+    q's dtype, lse [H, T] float32). On a GPU in bf16 or fp16 with head dims a multiple of 8
+    (MLA's 192 and 128) torch's cuDNN attention computes both, as its fused attention does for
+    these dims; otherwise float32 math (the CPU, and odd test shapes)."""
     n = q.shape[1]
-    if q.is_cuda:
-        args = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, True, 0.0, causal)
-        aten = torch.ops.aten
-        try:  # bf16 / fp16
-            o, lse = aten._scaled_dot_product_cudnn_attention(*args, False, scale=scale)[:2]
-        except (RuntimeError, NotImplementedError):  # float32: the memory-efficient kernel
-            try:
-                o, lse = aten._scaled_dot_product_efficient_attention(*args, scale=scale)[:2]
-            except (RuntimeError, NotImplementedError):
-                return _attention_lse_math(q, k, v, causal, scale)
-        # (the memory-efficient kernel pads the rows of its log-sum-exp)
+    aligned = q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and aligned:
+        q, k, v = (x.contiguous().unsqueeze(0) for x in (q, k, v))
+        o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale
+        )[:2]
         return o[0], lse[0].reshape(lse.shape[1], -1)[:, :n].float()
     return _attention_lse_math(q, k, v, causal, scale)
 

@@ -173,11 +173,18 @@ def test_mla_attention_mixed_batch_on_the_gpu(dtype: torch.dtype) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_expansion_on_the_gpu(dtype: torch.dtype) -> None:
-    """The chunked expansion's parts through torch's GPU attention with its log-sum-exp (cuDNN
-    in bf16, the memory-efficient kernel in float32), against the CPU reference."""
-    shapes = [(0, 40), (100, 6), (64, 30), (37, 129)]
-    q_nope, q_rope, cache, md, w_uk, w_uv = _batch(shapes, seed=21)
-    scale = (NOPE + ROPE) ** -0.5
+    """Contexts past the chunk on a GPU, at head dims cuDNN takes (q/k 64 + 64, v 64): in bf16
+    the parts' log-sum-exp from cuDNN's attention, in float32 from the math; against the CPU
+    reference."""
+    global HEADS, NOPE, ROPE, V, RANK
+    saved = HEADS, NOPE, ROPE, V, RANK
+    HEADS, NOPE, ROPE, V, RANK = 4, 64, 64, 64, 64
+    try:
+        shapes = [(0, 40), (100, 6), (64, 30), (37, 129)]
+        q_nope, q_rope, cache, md, w_uk, w_uv = _batch(shapes, seed=21)
+    finally:
+        HEADS, NOPE, ROPE, V, RANK = saved
+    scale = 128**-0.5
     want = _reference(q_nope, q_rope, cache, md, w_uk, w_uv, scale)
 
     def dev(x: torch.Tensor) -> torch.Tensor:
