@@ -23,6 +23,10 @@ class AttentionBackend(ABC):
     fuses_kv_write: bool = False
     """The rotation may write this step's K and V into the cache itself (one launch fewer a
     layer); the layer then calls forward with kv_written=True."""
+    takes_mla: bool = False
+    """Multi-head latent attention layers call `mla` rather than ember/attention/mla.py's
+    `mla_attention` (a backend that splits a forward pass into graphs takes the call:
+    ember/engine/piecewise_graphs.py); every other backend runs ember's MLA as it is."""
 
     @abstractmethod
     def forward(
@@ -50,9 +54,5 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, num_heads, v_head_dim]
-        """Multi-head latent attention (ember/attention/mla.py): write the step's latent rows
-        into the cache, then attend. Every backend runs ember's MLA; a backend that splits a
-        forward pass into graphs (ember/engine/piecewise_graphs.py) takes the call instead."""
-        from ember.attention.mla import mla_attention
-
-        return mla_attention(q_nope, q_rope, latent, w_uk, w_uv, cache, metadata, scale)
+        """Multi-head latent attention, where `takes_mla`: as `mla_attention` does it."""
+        raise NotImplementedError(f"the {self.name} backend does not take MLA calls")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 from ember.attention.metadata import AttentionMetadata
 from ember.attention.torch_backend import gather_planes, query_block_rows
@@ -104,6 +105,7 @@ def mla_prefill_expanded(
     (causal among themselves) apart, merged by their log-sum-exp. q_nope [T, H, nope], q_rope [T, H, R]; w_uk [H, nope, L], w_uv [H, v, L];
     writes out [T, H, v] rows of those sequences."""
     # Imported here: torch.nn.attention.bias imports triton, which the CPU path never needs.
+    from torch.nn.attention import sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 
     chunk = chunk or EXPAND_CHUNK
@@ -130,14 +132,15 @@ def mla_prefill_expanded(
         q = torch.cat([q_nope[qs:qe], q_rope[qs:qe]], dim=-1).transpose(0, 1)
         if seq_len <= chunk:  # the whole context expanded at once
             k, v = expand(ctx)
-            o = F.scaled_dot_product_attention(
-                q.unsqueeze(0),
-                k.unsqueeze(0),
-                v.unsqueeze(0),
-                attn_mask=None if first == 0 else causal_lower_right(qe - qs, seq_len),
-                is_causal=first == 0,
-                scale=scale,
-            )[0]
+            with sdpa_kernel(NO_CUDNN):
+                o = F.scaled_dot_product_attention(
+                    q.unsqueeze(0),
+                    k.unsqueeze(0),
+                    v.unsqueeze(0),
+                    attn_mask=None if first == 0 else causal_lower_right(qe - qs, seq_len),
+                    is_causal=first == 0,
+                    scale=scale,
+                )[0]
         else:
             parts = [
                 attention_lse(q, *expand(ctx[c0 : min(first, c0 + chunk)]), False, scale)
@@ -148,14 +151,25 @@ def mla_prefill_expanded(
         out[qs:qe] = o.transpose(0, 1)
 
 
+NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""The fused attention backends MLA's expanded prefill may take for a context expanded whole:
+not cuDNN's, which torch picks for MLA's head dims (q/k 192, v 128) but which builds a plan for
+every new sequence length. On an H200 (Moonlight shape, a fresh prompt alone) a length met
+before took 18.5 ms and a new one 74-90 ms at 133-150 tokens, 80 ms at 1,003, 102-116 ms at
+3,000; without cuDNN 12.5-16 ms, 23 ms and 48-50 ms, every length alike (an agent's every turn
+is a new length). At 8,000 tokens cuDNN's kernel, its plan made, was the faster (104 against
+150 ms), so the chunked path past EXPAND_CHUNK keeps it (`attention_lse`)."""
+
+
 def attention_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [H, T, D] over k [H, S, D], v [H, S, Dv] (causal: a square T = S block,
     query j seeing keys 0..j), with each row's log-sum-exp of its scores: (out [H, T, Dv] in
     q's dtype, lse [H, T] float32). On a GPU in bf16 or fp16 with head dims a multiple of 8
-    (MLA's 192 and 128) torch's cuDNN attention computes both, as its fused attention does for
-    these dims; otherwise float32 math (the CPU, and odd test shapes)."""
+    (MLA's 192 and 128) torch's cuDNN attention computes both (a plan for each new shape, but
+    past EXPAND_CHUNK tokens of context, where this runs, its kernel is the faster: NO_CUDNN);
+    otherwise float32 math (the CPU, and odd test shapes)."""
     n = q.shape[1]
     aligned = q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and aligned:

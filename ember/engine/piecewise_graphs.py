@@ -31,6 +31,7 @@ import torch
 from ember.attention.backend import AttentionBackend
 from ember.attention.context import ForwardContext
 from ember.attention.metadata import AttentionMetadata
+from ember.attention.mla import mla_attention
 from ember.distributed.state import current
 from ember.engine.cuda_graphs import CAPTURE_MODE
 from ember.engine.warmup import one_layer_of_each_kind
@@ -105,6 +106,7 @@ class _SplitBackend(AttentionBackend):
     next graph, and returns the output buffer that replay fills."""
 
     name = "piecewise-split"
+    takes_mla = True
 
     def __init__(self, owner: PiecewiseGraphs) -> None:
         self.owner = owner
@@ -320,8 +322,7 @@ class PiecewiseGraphs:
         for piece, call in zip(got.pieces, got.calls, strict=False):
             piece.replay()
             if isinstance(call, _MlaCall):
-                o = self.backend.mla(q, k, v, call.w_uk, call.w_uv, call.cache, md, call.scale)
-                out.copy_(o)
+                out.copy_(mla_attention(q, k, v, call.w_uk, call.w_uv, call.cache, md, call.scale))
             else:
                 self.backend.forward(q, k, v, call.kv_cache, md, call.scale, call.kv_written, out)
         got.pieces[-1].replay()

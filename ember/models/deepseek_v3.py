@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.attention.context import ForwardContext
+from ember.attention.mla import mla_attention
 from ember.distributed import comm
 from ember.distributed.shard import shard_size
 from ember.distributed.state import ParallelState, current, use
@@ -169,7 +170,9 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
         cache = ctx.kv_cache[:, self.layer_idx]
-        o = ctx.backend.mla(q_nope, q_rope, latent, w_uk, w_uv, cache, ctx.metadata, self.scale)
+        backend = ctx.backend
+        attend = backend.mla if backend.takes_mla else mla_attention
+        o = attend(q_nope, q_rope, latent, w_uk, w_uv, cache, ctx.metadata, self.scale)
         return self.o_proj(o.reshape(t, h * self.v_dim))
 
 
