@@ -12,16 +12,22 @@ since /kv/release is an internal route. Over a transport that other hosts reach 
 (Mooncake), every leased block carries a tag keyed by the cluster secret, and the decode side uses
 what it read only if every tag matches (ember/kv/transport/block_tags.py).
 
-Either engine may be tensor-parallel, each rank holding its share of the KV heads, on one host
-(shared memory or CUDA IPC). A tensor-parallel prefill engine's workers register their caches
-with transports of their own and tell rank 0 where (`Workers.kv_regions`), which puts every
-rank's address in the lease; the blocks' ids are the same on every rank. Each decode rank reads
-its own heads of every block from the prefill ranks that hold them (`ShardMap`, `ShardReader`:
-the same transport `read` of narrower regions). Rank 0 sends the workers a `LoadKV` with the read's parameters, reads
-its share, and counts the load good only once every worker reported success; then it releases
-the lease as a single rank does. Any rank's failure, or a worker's end, and the prompt is prefilled
-here instead. A load's bytes and seconds (the engine's `remote_kv_bytes`, `remote_kv_seconds`)
-are every rank's, until the last one has read.
+Either engine may be tensor-parallel, each rank holding its share of the KV heads. A
+tensor-parallel prefill engine's workers register their caches with transports of their own and
+tell rank 0 where (`Workers.kv_regions`), which puts every rank's address in the lease; the
+blocks' ids are the same on every rank. Each decode rank reads its own heads of every block from
+the prefill ranks that hold them (`ShardMap`, `ShardReader`: the same transport `read` of
+narrower regions). Over Mooncake each prefill rank tags its own share (`TagKV`) and each decode
+rank checks what it read, so tagged reads go between engines whose ranks hold the same heads.
+Rank 0 sends the workers a `LoadKV` with the read's parameters, reads its share, and counts the
+load good only once every worker reported success; then it releases the lease as a single rank
+does. Any rank's failure, or a worker's end, and the prompt is prefilled here instead. A load's
+bytes and seconds (the engine's `remote_kv_bytes`, `remote_kv_seconds`) are every rank's, until
+the last one has read.
+
+With data-parallel attention (ember/kv/data_parallel.py) a request's blocks are on one rank,
+whole: a prefill engine's lease names that rank's cache alone, and on a decode engine only the
+request's rank reads (`LoadKV.rank`).
 """
 
 from __future__ import annotations
