@@ -10,14 +10,19 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import msgspec
 import pytest
 
 from ember.engine.core import EngineCore
-from ember.kv_transfer_params import KVTransferParams
-from ember.trust import internal_headers
-from tests.engine.test_pd_tensor_parallel import NEW_TOKENS, PROMPTS, _add, _config, _run
+from tests.engine.test_pd_tensor_parallel import (
+    NEW_TOKENS,
+    PROMPTS,
+    _add,
+    _config,
+    _run,
+    colocated_tokens,
+    server_leases,
+)
 from tests.servers import SECRET, Server, start_server
 
 DP = ("--tensor-parallel-size", "2", "--enable-expert-parallel", "--enable-dp-attention")
@@ -30,13 +35,7 @@ def deepseek(tiny_model_dir) -> Path:  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def colocated(deepseek: Path) -> dict[str, list[int]]:
-    core = EngineCore(_config(deepseek))
-    try:
-        for i, p in enumerate(PROMPTS):
-            _add(core, f"r{i}", p, NEW_TOKENS, None)
-        return _run(core)
-    finally:
-        core.close()
+    return colocated_tokens(deepseek)
 
 
 @pytest.fixture(scope="module", params=["shm", "mooncake"])
@@ -54,17 +53,7 @@ def prefill(request: pytest.FixtureRequest, deepseek: Path) -> Iterator[tuple[Se
 
 
 def _decode_all(server: Server, decode: EngineCore, tag: str) -> dict[str, list[int]]:
-    leases = []
-    for p in PROMPTS:
-        body = {
-            "model": "tiny", "prompt": p, "max_tokens": 1, "temperature": 0,
-            "kv_transfer_params": {"do_remote_decode": True},
-        }  # fmt: skip
-        r = httpx.post(
-            f"{server.url}/v1/completions", json=body, headers=internal_headers(SECRET), timeout=60
-        )
-        r.raise_for_status()
-        leases.append(msgspec.convert(r.json()["kv_transfer_params"], KVTransferParams))
+    leases = server_leases(server)
     # Each lease names the one rank holding its blocks; the prompts went to both ranks.
     assert all(len(lease.peers) == 1 for lease in leases)
     assert len({lease.transfer_address for lease in leases}) == 2

@@ -112,15 +112,36 @@ class _Releases:
         self.server.server_close()
 
 
-@pytest.fixture(scope="module")
-def colocated(llama: Path) -> dict[str, list[int]]:
-    core = EngineCore(_config(llama))
+def server_leases(server: Server) -> list[KVTransferParams]:
+    """Each prompt prefilled by an `ember serve --role prefill` server: its lease's params."""
+    out = []
+    for p in PROMPTS:
+        body = {
+            "model": "tiny", "prompt": p, "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True},
+        }  # fmt: skip
+        r = httpx.post(
+            f"{server.url}/v1/completions", json=body, headers=internal_headers(SECRET), timeout=60
+        )
+        r.raise_for_status()
+        out.append(msgspec.convert(r.json()["kv_transfer_params"], KVTransferParams))
+    return out
+
+
+def colocated_tokens(model: Path) -> dict[str, list[int]]:
+    """PROMPTS' greedy tokens from one colocated engine: what every disaggregated run equals."""
+    core = EngineCore(_config(model))
     try:
         for i, p in enumerate(PROMPTS):
             _add(core, f"r{i}", p, NEW_TOKENS, None)
         return _run(core)
     finally:
         core.close()
+
+
+@pytest.fixture(scope="module")
+def colocated(llama: Path) -> dict[str, list[int]]:
+    return colocated_tokens(llama)
 
 
 @pytest.fixture(scope="module")
@@ -286,21 +307,11 @@ def tp_prefill(llama: Path) -> Iterator[Server]:
 
 def _from_tp_prefill(server: Server, decode: EngineCore, tag: str) -> dict[str, list[int]]:
     """Each prompt prefilled by the two-rank server (its first token) and decoded here."""
-    first, leases = {}, {}
-    for i, p in enumerate(PROMPTS):
-        body = {
-            "model": "tiny", "prompt": p, "max_tokens": 1, "temperature": 0,
-            "kv_transfer_params": {"do_remote_decode": True},
-        }  # fmt: skip
-        r = httpx.post(
-            f"{server.url}/v1/completions", json=body, headers=internal_headers(SECRET), timeout=60
-        )
-        r.raise_for_status()
-        out = r.json()
-        leases[i] = msgspec.convert(out["kv_transfer_params"], KVTransferParams)
-        first[f"{tag}{i}"] = [leases[i].first_token_id]
-        assert len(leases[i].peers) == 2  # both ranks' caches are named
-        assert leases[i].peers[0] != leases[i].peers[1]
+    leases = server_leases(server)
+    first = {f"{tag}{i}": [lease.first_token_id] for i, lease in enumerate(leases)}
+    for lease in leases:
+        assert len(lease.peers) == 2  # both ranks' caches are named
+        assert lease.peers[0] != lease.peers[1]
     for i, p in enumerate(PROMPTS):
         kv = msgspec.structs.replace(leases[i], do_remote_prefill=True, do_remote_decode=False)
         _add(decode, f"{tag}{i}", p, NEW_TOKENS, kv, tag)

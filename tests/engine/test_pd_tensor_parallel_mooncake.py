@@ -10,19 +10,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import msgspec
 import pytest
 
 from ember.engine.core import EngineCore
-from ember.kv_transfer_params import KVTransferParams
-from ember.trust import internal_headers
 from tests.engine.test_pd_tensor_parallel import (
     NEW_TOKENS,
     PROMPTS,
     _add,
     _config,
     _run,
+    colocated_tokens,
+    server_leases,
 )
 from tests.servers import SECRET, Server, start_server
 
@@ -36,13 +35,7 @@ def llama(tiny_model_dir) -> Path:  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def colocated(llama: Path) -> dict[str, list[int]]:
-    core = EngineCore(_config(llama))
-    try:
-        for i, p in enumerate(PROMPTS):
-            _add(core, f"r{i}", p, NEW_TOKENS, None)
-        return _run(core)
-    finally:
-        core.close()
+    return colocated_tokens(llama)
 
 
 @pytest.fixture(scope="module")
@@ -69,27 +62,12 @@ def _mooncake_decode(llama: Path, size: int) -> EngineCore:
     )
 
 
-def _leases(server: Server) -> list[KVTransferParams]:
-    out = []
-    for p in PROMPTS:
-        body = {
-            "model": "tiny", "prompt": p, "max_tokens": 1, "temperature": 0,
-            "kv_transfer_params": {"do_remote_decode": True},
-        }  # fmt: skip
-        r = httpx.post(
-            f"{server.url}/v1/completions", json=body, headers=internal_headers(SECRET), timeout=60
-        )
-        r.raise_for_status()
-        out.append(msgspec.convert(r.json()["kv_transfer_params"], KVTransferParams))
-    return out
-
-
 def _decode_all(
     server: Server, decode: EngineCore, tag: str, forge: int | None = None
 ) -> dict[str, list[int]]:
     """Each prompt prefilled by the server and decoded here; `forge`: that rank's first tag of
     every lease altered on the way."""
-    leases = _leases(server)
+    leases = server_leases(server)
     for lease in leases:
         tags = lease.all_block_tags
         assert len(tags) == 2 and all(len(t) == len(lease.block_ids) for t in tags)
