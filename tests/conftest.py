@@ -34,8 +34,41 @@ def _fix_interpreter_index() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _fix_interpreter_fp8() -> None:
+    """Convert to and from FP8 E4M3 (an FP8 KV cache) in triton 3.6's interpreter as torch and
+    the GPU do. The interpreter's own downcast rounds a mantissa that carries (124.5) to the
+    lower power of two (64, not 128) and neither rounds to even nor saturates; on a GPU the
+    conversion is the hardware's round-to-nearest-even, saturating at +-448, which is torch's."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    convert = interpreter._convert_float
+    stored = {  # what the interpreter keeps each dtype's elements in, and torch's dtype
+        tl.float8e4nv: (np.uint8, torch.float8_e4m3fn),
+        tl.bfloat16: (np.uint16, torch.bfloat16),
+        tl.float16: (np.float16, torch.float16),
+        tl.float32: (np.float32, torch.float32),
+    }
+
+    def patched(data, src, dst, rounding_mode):  # type: ignore[no-untyped-def]
+        if tl.float8e4nv not in (src, dst) or src not in stored or dst not in stored:
+            return convert(data, src, dst, rounding_mode)
+        (np_src, t_src), (np_dst, t_dst) = stored[src], stored[dst]
+        flat = np.ascontiguousarray(data).view(np_src).reshape(-1)
+        # (torch has no uint16: a bfloat16's bits travel as int16)
+        raw = torch.from_numpy(flat.view(np.int16) if np_src == np.uint16 else flat)
+        out = raw.view(t_src).to(t_dst)
+        if np_dst in (np.uint8, np.uint16):
+            out = out.view(torch.uint8 if np_dst == np.uint8 else torch.int16)
+        return out.numpy().view(np_dst).reshape(np.shape(data))
+
+    interpreter._convert_float = patched
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _fix_interpreter_index()
+    _fix_interpreter_fp8()
 
 from ember.models.tiny import make_tiny  # noqa: E402
 

@@ -36,6 +36,7 @@ LENGTHS = (128, 100, 117, 133, 150, 128, 1000, 1003, 1000, 3000, 3001, 8000, 800
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cudnn", default="on", choices=["on", "off"])
+    ap.add_argument("--tag", default="", help="what else sets this run apart (its file's name)")
     args = ap.parse_args()
     if args.cudnn == "off":
         torch.backends.cuda.enable_cudnn_sdp(False)
@@ -59,7 +60,7 @@ def main() -> None:
     print("| TTFT (ms) | " + " | ".join(f"{t:.1f}" for _, t in times) + " |")
     hw = gpu.replace("NVIDIA ", "").replace(" ", "-")
     out_dir = Path(os.environ.get("OUT") or Path(__file__).parents[1] / "results")
-    tag = "cudnn-off" if args.cudnn == "off" else ""
+    tag = "-".join(t for t in ("cudnn-off" if args.cudnn == "off" else "", args.tag) if t)
     out = result_path("prompt_lengths", hw, tag=tag, out_dir=out_dir)
     out.write_text(json.dumps({"gpu": gpu, "cudnn": args.cudnn, "ttft_ms": times}, indent=1))
     print(f"wrote {out}")

@@ -18,12 +18,13 @@ from torch.nn.attention import SDPBackend
 from ember.attention.metadata import AttentionMetadata
 from ember.attention.torch_backend import gather_planes, query_block_rows
 from ember.kernels.dispatch import use_triton
+from ember.kernels.kv_dtype import to_cache
 
 
 def write_latent(cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter new latent rows [T, D] into their slots of one layer's cache [B, 1, bs, 1, D]."""
     block_size = cache.shape[2]
-    cache[slot_mapping // block_size, 0, slot_mapping % block_size, 0] = latent.to(cache.dtype)
+    cache[slot_mapping // block_size, 0, slot_mapping % block_size, 0] = to_cache(latent, cache.dtype)
 
 
 def gather_latent(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from ember.attention.backend import AttentionBackend
 from ember.attention.metadata import AttentionMetadata
+from ember.kernels.kv_dtype import to_cache
 
 
 def write_kv(
@@ -16,8 +17,8 @@ def write_kv(
     block_size = kv_cache.shape[2]
     blocks = slot_mapping // block_size
     offsets = slot_mapping % block_size
-    kv_cache[blocks, 0, offsets] = k.to(kv_cache.dtype)
-    kv_cache[blocks, 1, offsets] = v.to(kv_cache.dtype)
+    kv_cache[blocks, 0, offsets] = to_cache(k, kv_cache.dtype)
+    kv_cache[blocks, 1, offsets] = to_cache(v, kv_cache.dtype)
 
 
 def gather_planes(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ember.kv.eviction import POLICIES
-from ember.models.config import DTYPE_BYTES, ModelConfig, dtype_name, parse_dtype
+from ember.models.config import DTYPE_BYTES, ModelConfig, dtype_name, kv_dtype_name, parse_dtype
 from ember.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -27,6 +27,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     """KV blocks to allocate; None sizes the pool from `kv_cache_memory_bytes`."""
     kv_cache_memory_bytes: int = 1 << 30
+    kv_cache_dtype: str = "auto"
+    """What the KV cache stores: "auto", the model's dtype; "fp8" (or "fp8_e4m3"), FP8 E4M3 at
+    one byte an element, twice the tokens in the same memory (`ember.models.config.KV_CACHE_DTYPES`).
+    Attention reads it back to the model's dtype."""
     enable_prefix_caching: bool = True
     seed: int = 0
     gpu_memory_utilization: float = 0.9
@@ -131,6 +135,7 @@ class EngineConfig:
             raise ValueError(f"kv_store_gb must be > 0, got {self.kv_store_gb}")
         if self.enable_dp_attention and self.kv_host_gb is None:
             self.kv_host_gb = 0.0  # no host tier by default: it does not place requests' KV
+        kv_dtype_name(self.kv_cache_dtype, "float32")  # ValueError: "unsupported kv_cache_dtype"
         if self.kv_store is not None:
             from ember.kv.tiers.store_master import split_address
 
@@ -144,6 +149,7 @@ class EngineConfig:
         budget = self.max_num_batched_tokens or default_token_budget(self.device, max_len)
         if budget < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {budget}")
+        kv_dtype = kv_dtype_name(self.kv_cache_dtype, dtype)
         planes, heads, dim = model_config.rank_kv_cache_dims(self.tensor_parallel_size)
         block_bytes = (
             model_config.num_hidden_layers
@@ -151,7 +157,7 @@ class EngineConfig:
             * self.block_size
             * heads
             * dim
-            * DTYPE_BYTES[dtype]
+            * DTYPE_BYTES[kv_dtype]
         )
         min_blocks = -(-max_len // self.block_size)
         if self.num_kv_blocks is not None:
@@ -164,7 +170,7 @@ class EngineConfig:
                 f"{num_blocks} KV blocks of {self.block_size} tokens cannot hold one sequence of "
                 f"max_model_len={max_len}; raise num_kv_blocks or lower max_model_len"
             )
-        return ResolvedConfig(dtype, max_len, budget, num_blocks, block_bytes)
+        return ResolvedConfig(dtype, max_len, budget, num_blocks, block_bytes, kv_dtype)
 
 
 GPU_BLOCK_SIZE = 64
@@ -206,8 +212,15 @@ class ResolvedConfig:
     max_num_batched_tokens: int
     num_kv_blocks: int
     kv_block_bytes: int
+    kv_dtype_name: str = ""
+    """What the KV cache stores, as torch names it ("" : the model's dtype)."""
 
     @property
     def dtype(self) -> torch.dtype:
         """The engine's torch dtype (imports torch: the engine's side only)."""
         return parse_dtype(self.dtype_name)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's torch dtype: the engine's, or FP8 (`EngineConfig.kv_cache_dtype`)."""
+        return parse_dtype(self.kv_dtype_name or self.dtype_name)

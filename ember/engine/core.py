@@ -148,7 +148,7 @@ class EngineCore:
         if on_gpu and config.warmup:
             # The slowest compiles start now and go on while the weights load.
             stand_in = AttentionOnly(
-                self.model_config, config.block_size, r.dtype, self.device, backend
+                self.model_config, config.block_size, r.dtype, self.device, backend, r.kv_dtype
             )
             early = compile_probes_early(stand_in, self._warmup_batches()[:PROBES])
         loading = None
@@ -344,6 +344,8 @@ class EngineCore:
         namespace = (
             f"{self.model_config.architecture}|{fingerprint}|{r.dtype}|bs={config.block_size}"
         )
+        if r.kv_dtype != r.dtype:  # an FP8 cache's blocks are no other engine's
+            namespace += f"|kv={r.kv_dtype_name}"
         self._replicas = WorkerReplicas(self.workers) if self.workers is not None else None
         self.tiers = build_tiers(
             config,
@@ -463,6 +465,7 @@ class EngineCore:
                 self.device,
                 backend,
                 max_num_seqs=config.max_num_seqs,
+                kv_dtype=r.kv_dtype,
             )
         except BaseException:
             if loading is not None:

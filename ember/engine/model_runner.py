@@ -129,6 +129,7 @@ class ModelRunner:
         backend: AttentionBackend,
         num_blocks: int | None = None,
         max_num_seqs: int = 256,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -136,6 +137,8 @@ class ModelRunner:
         self.dtype = dtype
         self.device = device
         self.backend = backend
+        self.kv_dtype = kv_dtype or dtype
+        """What the KV cache stores: the model's dtype, or FP8 (attention reads it back)."""
         self.kv_cache = torch.empty(0, device=device)
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)
@@ -174,9 +177,9 @@ class ModelRunner:
         transport's, for peers to read); zeroed memory of the device otherwise."""
         shape = kv_cache_shape(self.config, num_blocks, self.block_size)
         if allocate is None:
-            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         else:
-            self.kv_cache = allocate(shape, self.dtype, self.device)
+            self.kv_cache = allocate(shape, self.kv_dtype, self.device)
 
     # -- inputs ----------------------------------------------------------------------------
 

@@ -127,17 +127,20 @@ class AttentionOnly:
     model: the model's shape, the KV layout (one layer's cache: a probe reads only layer 0) and
     the attention backend. The probes then run while the weights are still to load."""
 
-    def __init__(self, config, block_size: int, dtype: torch.dtype, device, backend) -> None:
+    def __init__(
+        self, config, block_size: int, dtype: torch.dtype, device, backend, kv_dtype=None
+    ) -> None:
         self.config = config
         self.block_size = block_size
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype
         self.device = torch.device(device)
         self.backend = backend
         self.kv_cache = torch.empty(0, device=self.device)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = kv_cache_shape(self.config, num_blocks, self.block_size, layers=1)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def _tensor(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)

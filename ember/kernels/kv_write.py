@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels.kv_dtype import to_cache
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -49,10 +51,18 @@ def _write_kv_kernel(
         + h[:, None] * stride_cache_head
         + d[None, :]
     )
-    tl.store(dst, k.to(kv_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst, _to_cache(k, kv_ptr.dtype.element_ty), mask=mask)
     if HAS_V:
         v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-        tl.store(dst + stride_cache_kv, v.to(kv_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + stride_cache_kv, _to_cache(v, kv_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _to_cache(x, dtype: tl.constexpr):
+    """x as a cache of `dtype` stores it: FP8 saturates at +-448 (kv_dtype.FP8_MAX)."""
+    if dtype == tl.float8e4nv:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+    return x.to(dtype)
 
 
 def write_kv(
@@ -122,5 +132,5 @@ def write_kv_ref(
     slots = slot_mapping[keep].long()
     block_size = kv_cache.shape[2]
     blocks, offsets = slots // block_size, slots % block_size
-    kv_cache[blocks, 0, offsets] = k[keep].to(kv_cache.dtype)
-    kv_cache[blocks, 1, offsets] = v[keep].to(kv_cache.dtype)
+    kv_cache[blocks, 0, offsets] = to_cache(k[keep], kv_cache.dtype)
+    kv_cache[blocks, 1, offsets] = to_cache(v[keep], kv_cache.dtype)

@@ -116,12 +116,12 @@ def _mla_split_kernel(
             cache_ptr + rows[:, None] + lat[None, :],
             mask=n_mask[:, None] & l_mask[None, :],
             other=0.0,
-        )
+        ).to(ql.dtype)  # (an FP8 cache's latents read back to the queries' dtype)
         kr = tl.load(
             cache_ptr + rows[:, None] + RANK + rop[None, :],
             mask=n_mask[:, None] & r_mask[None, :],
             other=0.0,
-        )
+        ).to(qr.dtype)
         s = tl.dot(ql, tl.trans(c), input_precision=DOT_PRECISION) + tl.dot(
             qr, tl.trans(kr), input_precision=DOT_PRECISION
         )

@@ -34,7 +34,25 @@ def read_config_json(directory: str | Path, what: str) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
+
+KV_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+"""`kv_cache_dtype` settings other than "auto" (the model's dtype), as torch names the dtype the
+cache is stored in. FP8 E4M3 with a per-tensor scale of 1 (vLLM's default for an uncalibrated
+checkpoint): K, V and MLA's latents are rounded to 3 bits of mantissa and saturate at +-448,
+which their magnitudes (normed latents, rotated keys) stay well inside."""
+
+
+def kv_dtype_name(value: str, model_dtype: str) -> str:
+    """The torch dtype name of a KV cache stored as `value` ("auto": `model_dtype`, "fp8")."""
+    if value == "auto":
+        return model_dtype
+    try:
+        return KV_CACHE_DTYPES[value]
+    except KeyError:
+        raise ValueError(
+            f"unsupported kv_cache_dtype {value!r}; use one of auto, {', '.join(KV_CACHE_DTYPES)}"
+        ) from None
 
 
 def dtype_name(value: str | torch.dtype | None, default: str = "float32") -> str:
@@ -60,6 +78,8 @@ def parse_dtype(value: str | torch.dtype | None, default: torch.dtype | None = N
         return torch.float32 if default is None else default
     if isinstance(value, torch.dtype):
         return value
+    if str(value) in DTYPE_BYTES:
+        return getattr(torch, str(value))  # (a KV cache's float8_e4m3fn among them)
     return getattr(torch, dtype_name(value))
 
 

@@ -136,6 +136,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="KV blocks on the device (default: sized from its free memory); a small number caps "
         "the GPU pool for tests and benchmarks of the KV tiers",
     )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e4m3"],
+        help="what the KV cache stores: auto (the model's dtype) or fp8 (FP8 E4M3, twice the "
+        "tokens in the same memory)",
+    )
     g.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full")
     g.add_argument(
         "--cpu-threads",
@@ -412,6 +419,7 @@ def engine_config_from_args(args: argparse.Namespace, cluster_secret: str = "") 
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
+        kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
         cpu_threads=args.cpu_threads,
