@@ -24,7 +24,9 @@ from ember.kernels.kv_dtype import to_cache
 def write_latent(cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter new latent rows [T, D] into their slots of one layer's cache [B, 1, bs, 1, D]."""
     block_size = cache.shape[2]
-    cache[slot_mapping // block_size, 0, slot_mapping % block_size, 0] = to_cache(latent, cache.dtype)
+    cache[slot_mapping // block_size, 0, slot_mapping % block_size, 0] = to_cache(
+        latent, cache.dtype
+    )
 
 
 def gather_latent(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -131,7 +133,13 @@ def mla_prefill_expanded(
         first = seq_len - (qe - qs)  # cached tokens before the new ones
         ctx = gather_latent(cache, metadata.block_tables[i], seq_len).to(q_nope.dtype)
         q = torch.cat([q_nope[qs:qe], q_rope[qs:qe]], dim=-1).transpose(0, 1)
-        if seq_len <= chunk:  # the whole context expanded at once
+        if seq_len <= chunk and first == 0 and seq_len >= CUDNN_MIN_TOKENS and cudnn_takes(q):
+            # A fresh prompt, long enough that cuDNN's kernel pays: at a bucketed length, so
+            # its plans are few (`cudnn_bucket`). Padded rows come last: no real query sees them.
+            pad = cudnn_bucket(seq_len) - seq_len
+            k, v = expand(F.pad(ctx, (0, 0, 0, pad)))
+            o = attention_lse(F.pad(q, (0, 0, 0, pad)), k, v, True, scale)[0][:, :seq_len]
+        elif seq_len <= chunk:  # the whole context expanded at once
             k, v = expand(ctx)
             with sdpa_kernel(NO_CUDNN):
                 o = F.scaled_dot_product_attention(
@@ -143,19 +151,70 @@ def mla_prefill_expanded(
                     scale=scale,
                 )[0]
         else:
-            parts = [
-                attention_lse(q, *expand(ctx[c0 : min(first, c0 + chunk)]), False, scale)
-                for c0 in range(0, first, chunk)
-            ]
-            parts.append(attention_lse(q, *expand(ctx[first:]), True, scale))
-            o = merge_lse(parts)
+            # The queries padded to a bucketed count (cuDNN's plans: one per bucket and key
+            # count); whole chunks of the prefix and the causal block of the new tokens (padded
+            # alike, last) through cuDNN, a last part-chunk of the prefix through the
+            # memory-efficient kernel (no plan for a key count met once).
+            n = qe - qs
+            pad = cudnn_bucket(n) - n if cudnn_takes(q) else 0
+            qp = F.pad(q, (0, 0, 0, pad))
+            parts = []
+            for c0 in range(0, first, chunk):
+                c1 = min(first, c0 + chunk)
+                part = attention_lse(qp, *expand(ctx[c0:c1]), False, scale, c1 - c0 < chunk)
+                parts.append(part)
+            parts.append(
+                attention_lse(qp, *expand(F.pad(ctx[first:], (0, 0, 0, pad))), True, scale)
+            )
+            o = merge_lse(parts)[:, :n]
         out[qs:qe] = o.transpose(0, 1)
+
+
+CUDNN_MIN_TOKENS = 1024
+"""A fresh prompt of at least this many tokens (and at most EXPAND_CHUNK) attends through
+cuDNN's kernel at a bucketed length; shorter ones, and new tokens over a cached prefix, through
+the memory-efficient kernel (NO_CUDNN). Per layer on an H200, causal, bf16, q/k 192 and v 128
+(`benchmarks/probes/mla_attention_backends.py`), 16 heads: 0.11 against 0.084 ms at 1,024
+tokens, 0.76 against 0.24 at 4,096, 2.57 against 0.68 at 8,192; 64 heads 9.6 against 2.3 ms at
+8,192. cuDNN's first call at a new shape builds its plan: 58-65 ms."""
+
+
+def cudnn_bucket(n: int) -> int:
+    """The length a fresh prompt of n tokens is padded to for cuDNN's attention: n rounded up to
+    a quarter of its power-of-two octave (1,025-1,280 -> 1,280; 3,000 -> 3,072; 8,000 -> 8,192),
+    at most a quarter more work, and 13 lengths (13 plans) from 1,024 to 8,192 tokens."""
+    step = max(256, 1 << (n.bit_length() - 3))
+    return -(-n // step) * step
+
+
+def cudnn_takes(q: torch.Tensor) -> bool:
+    """Whether cuDNN's attention serves queries like q [H, T, D] (attention_lse's fast path)."""
+    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0
+
+
+def warm_cudnn_plans(
+    num_heads: int, qk_dim: int, v_dim: int, dtype: torch.dtype, device: torch.device, limit: int
+) -> int:
+    """Build cuDNN's plan for every bucketed fresh-prompt length up to `limit` tokens (the
+    start-up's, so that no prompt pays one): attention of zeros at each. Returns how many (none
+    where cuDNN's attention does not serve: the CPU, float32)."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or qk_dim % 8:
+        return 0
+    lengths = sorted(
+        {cudnn_bucket(n) for n in range(CUDNN_MIN_TOKENS, min(limit, EXPAND_CHUNK) + 1)}
+    )
+    for n in lengths:
+        q = torch.zeros(num_heads, n, qk_dim, dtype=dtype, device=device)
+        v = torch.zeros(num_heads, n, v_dim, dtype=dtype, device=device)
+        attention_lse(q, q, v, True, 1.0)
+    return len(lengths)
 
 
 NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 """The fused attention backends MLA's expanded prefill may take for a context expanded whole:
 not cuDNN's, which torch picks for MLA's head dims (q/k 192, v 128) but which builds a plan for
-every new sequence length. On an H200 (Moonlight shape, a fresh prompt alone) a length met
+every new sequence length (a fresh prompt of CUDNN_MIN_TOKENS or more takes it at a bucketed
+length instead). On an H200 (Moonlight shape, a fresh prompt alone) a length met
 before took 18.5 ms and a new one 74-90 ms at 133-150 tokens, 80 ms at 1,003, 102-116 ms at
 3,000; without cuDNN 12.5-16 ms, 23 ms and 48-50 ms, every length alike (an agent's every turn
 is a new length). At 8,000 tokens cuDNN's kernel, its plan made, was the faster (104 against
@@ -163,21 +222,31 @@ is a new length). At 8,000 tokens cuDNN's kernel, its plan made, was the faster 
 
 
 def attention_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    plan_free: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [H, T, D] over k [H, S, D], v [H, S, Dv] (causal: a square T = S block,
     query j seeing keys 0..j), with each row's log-sum-exp of its scores: (out [H, T, Dv] in
     q's dtype, lse [H, T] float32). On a GPU in bf16 or fp16 with head dims a multiple of 8
-    (MLA's 192 and 128) torch's cuDNN attention computes both (a plan for each new shape, but
-    past EXPAND_CHUNK tokens of context, where this runs, its kernel is the faster: NO_CUDNN);
-    otherwise float32 math (the CPU, and odd test shapes)."""
+    (MLA's 192 and 128) torch's cuDNN attention computes both, the faster kernel but a plan for
+    each new shape (callers keep their shapes few: `cudnn_bucket`); `plan_free`, torch's
+    memory-efficient kernel instead, for a shape met once. Otherwise float32 math (the CPU, and
+    odd test shapes)."""
     n = q.shape[1]
-    aligned = q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and aligned:
+    if cudnn_takes(q) and v.shape[-1] % 8 == 0:
         q, k, v = (x.contiguous().unsqueeze(0) for x in (q, k, v))
-        o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, causal, False, scale=scale
-        )[:2]
+        if plan_free:
+            o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+                q, k, v, None, True, 0.0, causal, scale=scale
+            )[:2]
+        else:
+            o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                q, k, v, None, True, 0.0, causal, False, scale=scale
+            )[:2]
         return o[0], lse[0].reshape(lse.shape[1], -1)[:, :n].float()
     return _attention_lse_math(q, k, v, causal, scale)
 

@@ -170,6 +170,8 @@ class EngineCore:
                 early.close()  # (the start-up compile closed it)
                 early = None
             self._kv_and_scheduler(clock, total - free0, total)
+            if on_gpu and config.warmup and self.model_config.uses_mla:
+                self._warm_mla_plans(clock)
             if on_gpu and not config.enforce_eager:
                 # The host tier pins its memory in the background: not while graphs are captured.
                 memory = self.tiers.host.memory if self.tiers else self._host_memory
@@ -214,6 +216,26 @@ class EngineCore:
             self.compile_log.ready()
         self._pace_host_tier()  # no work yet: it grows
         clock.report()
+
+    def _warm_mla_plans(self, clock: StartupClock) -> None:
+        """cuDNN's attention plans for fresh prompts' bucketed lengths (ember/attention/mla.py),
+        built now rather than by the first prompt of each length (58-65 ms each on an H200)."""
+        from ember.attention.mla import warm_cudnn_plans
+
+        cfg = self.model_config
+        heads = cfg.num_attention_heads
+        if not self.parallel.dp_attention:
+            heads //= self.parallel.size
+        n = warm_cudnn_plans(
+            heads,
+            cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+            self.resolved.dtype,
+            self.device,
+            self.resolved.max_model_len,
+        )
+        clock.mark("attention plans")
+        log.info("MLA: cuDNN attention plans of %d fresh-prompt lengths built", n)
 
     def _start_workers(self) -> Workers | None:
         """With tensor_parallel_size N > 1 on rank 0: start ranks 1 .. N - 1 and join their

@@ -10,11 +10,15 @@ import torch
 
 from ember.attention.metadata import AttentionMetadata
 from ember.attention.mla import (
+    CUDNN_MIN_TOKENS,
+    EXPAND_CHUNK,
     EXPAND_MIN_QUERY,
     _latent_rows,
+    cudnn_bucket,
     mla_attention,
     mla_attention_ref,
     mla_prefill_expanded,
+    warm_cudnn_plans,
 )
 
 HEADS, RANK, ROPE, NOPE, V, PAGE = 4, 32, 8, 16, 12, 4
@@ -197,3 +201,42 @@ def test_chunked_expansion_on_the_gpu(dtype: torch.dtype) -> None:
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     err = (got.float().cpu() - want).abs().max().item()
     assert err <= tol * want.abs().max().item(), err
+
+
+def test_cudnn_buckets_are_few_and_waste_a_quarter_at_most() -> None:
+    """A fresh prompt's padded length: at least its own, at most a quarter more (and at least
+    256 a step), the same for every length of a bucket, 13 buckets from 1,024 to 8,192 tokens."""
+    lengths = range(CUDNN_MIN_TOKENS, EXPAND_CHUNK + 1)
+    buckets = [cudnn_bucket(n) for n in lengths]
+    assert all(n <= b <= max(n * 1.25, n + 255) for n, b in zip(lengths, buckets, strict=True))
+    assert buckets == sorted(buckets)
+    assert len(set(buckets)) == 13 and max(buckets) == EXPAND_CHUNK
+    assert cudnn_bucket(3000) == 3072 and cudnn_bucket(8000) == 8192 and cudnn_bucket(1025) == 1280
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fresh_prompts_at_bucketed_lengths_on_the_gpu() -> None:
+    """Fresh prompts long enough for cuDNN's kernel, padded to their bucket (1,500 -> 1,536; one
+    exactly a bucket), beside a prompt over a cached prefix (the memory-efficient kernel), at
+    MLA's head dims (q/k 128 + 64, v 128), bf16, against the CPU reference."""
+    global HEADS, NOPE, ROPE, V, RANK
+    saved = HEADS, NOPE, ROPE, V, RANK
+    HEADS, NOPE, ROPE, V, RANK = 2, 128, 64, 128, 64
+    try:
+        shapes = [(0, 1500), (0, 1024), (20, 1100)]
+        q_nope, q_rope, cache, md, w_uk, w_uv = _batch(shapes, seed=5)
+    finally:
+        HEADS, NOPE, ROPE, V, RANK = saved
+    scale = 192**-0.5
+    want = _reference(q_nope, q_rope, cache, md, w_uk, w_uv, scale)
+
+    def dev(x: torch.Tensor) -> torch.Tensor:
+        return x.to("cuda", torch.bfloat16)
+
+    got = torch.full_like(dev(want), float("nan"))
+    args = (dev(q_nope), dev(q_rope), dev(cache), md.to("cuda"), [0, 1, 2], dev(w_uk), dev(w_uv))
+    mla_prefill_expanded(*args, scale, got)
+    err = (got.float().cpu() - want).abs().max().item()
+    assert err <= 3e-2 * want.abs().max().item(), err
+    assert warm_cudnn_plans(2, 192, 128, torch.bfloat16, torch.device("cuda"), 3000) == 7
