@@ -45,7 +45,7 @@ NUM_WARPS = 4
 NUM_STAGES = 3
 HEAD_MAJOR = True
 BLOCK_N: int | None = None
-"""Keys a tile; None: `_block_n(head_dim)`."""
+"""Keys a tile; None: `_block_n(head_dim, itemsize)`."""
 MAX_GRID_Y = 65535
 
 
@@ -73,12 +73,22 @@ def choose_num_splits(
     return max(1, min(want, by_len, MAX_SPLITS))
 
 
-def _block_n(head_dim: int) -> int:
+def fp16_dots(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether an attention kernel's dots take fp16 operands: over an FP8 cache with bf16 or fp16
+    queries, since the hardware converts FP8 to fp16 in one instruction a pair (to bf16 through
+    float32). The queries and probabilities fit fp16's range; its mantissa is wider than bf16's."""
+    return kv_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
+
+
+def _block_n(head_dim: int, itemsize: int = 2) -> int:
     # Keys per tile: a 64 x 128 bf16 K tile is 16 KB; with V and 3 pipeline stages, 96 KB of
     # loads in flight per program, well above the ~20 KB per SM that hides HBM latency at full
     # bandwidth. Wider heads take fewer keys to keep two programs per SM. (128 keys a tile: as
-    # fast at batch 256, slower at 128 x 2048 and at batches of 8 and 64 on an H200.)
-    return 64 if head_dim <= 128 else 32
+    # fast at batch 256, slower at 128 x 2048 and at batches of 8 and 64 on an H200.) An FP8
+    # cache takes twice the keys, the same bytes: 32 rows x 8,000 tokens of the 8B shape in 257
+    # against 282 us a layer (`benchmarks/probes/fp8_kv_decode.py`).
+    keys = 64 if head_dim <= 128 else 32
+    return keys * 2 if itemsize == 1 else keys
 
 
 # Sizes that change from batch to batch (and pointers into sliced tensors) do not specialize:
@@ -116,6 +126,7 @@ def _decode_split_kernel(
     WRITE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HEAD_MAJOR: tl.constexpr,
+    FP16_DOTS: tl.constexpr,
 ):
     if HEAD_MAJOR:  # one row's KV heads on neighbouring programs
         kv_head = tl.program_id(0)
@@ -151,6 +162,8 @@ def _decode_split_kernel(
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
+    if FP16_DOTS:
+        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -328,11 +341,12 @@ def decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_G=block_g,
         BLOCK_D=block_d,
-        BLOCK_N=BLOCK_N or _block_n(head_dim),
+        BLOCK_N=BLOCK_N or _block_n(head_dim, kv_cache.element_size()),
         PAGE_SIZE=block_size,
         WRITE_LSE=num_splits > 1,
         DOT_PRECISION=dot_precision(q.dtype),
         HEAD_MAJOR=head_major,
+        FP16_DOTS=fp16_dots(q, kv_cache),
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )

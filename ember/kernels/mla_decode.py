@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.decode_attention import choose_num_splits, merge_splits
+from ember.kernels.decode_attention import choose_num_splits, fp16_dots, merge_splits
 from ember.kernels.dispatch import LOG2E, dot_precision, num_sms
 
 MIN_TOKENS_PER_SPLIT = 64
@@ -77,6 +77,7 @@ def _mla_split_kernel(
     BLOCK_N: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP16_DOTS: tl.constexpr,
 ):
     b = tl.program_id(0)
     hb = tl.program_id(1)
@@ -104,6 +105,9 @@ def _mla_split_kernel(
         mask=h_mask[:, None] & r_mask[None, :],
         other=0.0,
     )
+    if FP16_DOTS:  # (an FP8 cache: decode_attention.fp16_dots)
+        ql = ql.to(tl.float16)
+        qr = qr.to(tl.float16)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=tl.float32)
@@ -116,7 +120,7 @@ def _mla_split_kernel(
             cache_ptr + rows[:, None] + lat[None, :],
             mask=n_mask[:, None] & l_mask[None, :],
             other=0.0,
-        ).to(ql.dtype)  # (an FP8 cache's latents read back to the queries' dtype)
+        ).to(ql.dtype)  # (an FP8 cache's latents read back to the dots' dtype)
         kr = tl.load(
             cache_ptr + rows[:, None] + RANK + rop[None, :],
             mask=n_mask[:, None] & r_mask[None, :],
@@ -246,6 +250,7 @@ def mla_decode(
         BLOCK_N=block_n,
         WRITE_LSE=num_splits > 1,
         DOT_PRECISION=dot_precision(q_latent.dtype),
+        FP16_DOTS=fp16_dots(q_latent, cache),
         num_warps=num_warps,
     )
     if num_splits > 1:
