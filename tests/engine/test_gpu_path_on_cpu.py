@@ -27,10 +27,13 @@ pytestmark = pytest.mark.skipif(
 PROMPTS = [[5, 9, 14, 3, 7] * 30, [11, 12, 13], [4, 8, 15, 16, 23, 42] * 7]
 
 
-def _greedy(path: str, triton: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str, list]:
+def _greedy(
+    path: str, triton: bool, monkeypatch: pytest.MonkeyPatch, kv_cache_dtype: str = "auto"
+) -> dict[str, list]:
     monkeypatch.setenv("EMBER_TRITON_ON_CPU", "1" if triton else "0")
     config = EngineConfig(
         model=path,
+        kv_cache_dtype=kv_cache_dtype,
         device="cpu",
         dtype="float32",
         num_kv_blocks=160,
@@ -59,6 +62,24 @@ def test_the_triton_path_answers_as_the_torch_path(
     want = _greedy(path, False, monkeypatch)
     got = _greedy(path, True, monkeypatch)
     assert set(got) == {"r0", "r1", "r2"} and all(len(v) == 6 for v in got.values())
+    for rid in want:
+        assert [t for t, _ in got[rid]] == [t for t, _ in want[rid]], rid
+        for (_, lp_got), (_, lp_want) in zip(got[rid], want[rid], strict=True):
+            assert lp_got == pytest.approx(lp_want, abs=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "kimi_k2"])
+def test_over_an_fp8_cache_the_triton_path_answers_as_the_torch_path(
+    arch: str, tiny_model_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLA over an FP8 latent cache: the Triton writes (saturating), the MLA decode kernel and the
+    expanded prefill read the same FP8 values as the PyTorch path. (A dense model's fresh prompt
+    attends its own unrounded K and V through the Triton kernel and the cache's through PyTorch's,
+    so its paths differ by FP8's rounding: tests/kernels/test_fp8_kv_attention.py checks its
+    kernels on FP8 caches, tests/engine/test_kv_cache_dtype.py its engine on a GPU.)"""
+    path = str(tiny_model_dir(arch))
+    want = _greedy(path, False, monkeypatch, "fp8")
+    got = _greedy(path, True, monkeypatch, "fp8")
     for rid in want:
         assert [t for t, _ in got[rid]] == [t for t, _ in want[rid]], rid
         for (_, lp_got), (_, lp_want) in zip(got[rid], want[rid], strict=True):
