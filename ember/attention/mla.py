@@ -158,15 +158,13 @@ def mla_prefill_expanded(
             n = qe - qs
             pad = cudnn_bucket(n) - n if cudnn_takes(q) else 0
             qp = F.pad(q, (0, 0, 0, pad))
-            parts = []
+            acc = None  # the parts merged as they come (merge_lse_into): memory of one part
             for c0 in range(0, first, chunk):
                 c1 = min(first, c0 + chunk)
                 part = attention_lse(qp, *expand(ctx[c0:c1]), False, scale, c1 - c0 < chunk)
-                parts.append(part)
-            parts.append(
-                attention_lse(qp, *expand(F.pad(ctx[first:], (0, 0, 0, pad))), True, scale)
-            )
-            o = merge_lse(parts)[:, :n]
+                acc = merge_lse_into(acc, part)
+            block = attention_lse(qp, *expand(F.pad(ctx[first:], (0, 0, 0, pad))), True, scale)
+            o = merge_lse_into(acc, block)[0][:, :n].to(q.dtype)
         out[qs:qe] = o.transpose(0, 1)
 
 
@@ -267,12 +265,28 @@ def _attention_lse_math(
 def merge_lse(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """One attention output from attention over disjoint parts of the keys, each (out, lse):
     sum_i out_i * exp(lse_i - logsumexp_i(lse_i))."""
-    lses = torch.stack([lse for _, lse in parts])
-    total = torch.logsumexp(lses, dim=0)
-    o = torch.zeros_like(parts[0][0], dtype=torch.float32)
-    for part, lse in parts:
-        o += part.float() * torch.exp(lse - total).unsqueeze(-1)
-    return o.to(parts[0][0].dtype)
+    acc = None
+    for part in parts:
+        acc = merge_lse_into(acc, part)
+    if acc is None:
+        raise ValueError("no parts to merge")
+    return acc[0].to(parts[0][0].dtype)
+
+
+def merge_lse_into(
+    acc: tuple[torch.Tensor, torch.Tensor] | None, part: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A running merge: `acc` (out in float32, lse; None before the first part) with one more
+    part's (out, lse), as merge_lse merges them all. Only the running sum is held, not every
+    part: a 256k-token context's 32 chunks at 64 heads would hold 8.6 GB of partial outputs."""
+    out, lse = part
+    if acc is None:
+        return out.float(), lse
+    total_out, total_lse = acc
+    merged = torch.logaddexp(total_lse, lse)
+    total_out.mul_(torch.exp(total_lse - merged).unsqueeze(-1))
+    total_out.add_(out.float() * torch.exp(lse - merged).unsqueeze(-1))
+    return total_out, merged
 
 
 def mla_attention(

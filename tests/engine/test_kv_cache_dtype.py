@@ -7,6 +7,7 @@ and are refused by an engine of another cache dtype, which prefills the prompt i
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -194,7 +195,7 @@ def test_the_gpu_path_reads_its_fp8_cache_as_the_cpu_does(arch: str, tiny_model_
     there the logprobs agree to FP8's rounding and the decode tokens after the first may part at
     a tie."""
     model = str(tiny_model_dir(arch))
-    kw = {"dtype": "float32", "kv_cache_dtype": "fp8", "max_model_len": 256}
+    kw = {"dtype": "float32", "kv_cache_dtype": "fp8", "max_model_len": 256, "num_kv_blocks": 256}
     answers = {}
     for device in ("cpu", "cuda"):
         llm = LLM(model, device=device, **kw)
@@ -203,6 +204,9 @@ def test_the_gpu_path_reads_its_fp8_cache_as_the_cpu_does(arch: str, tiny_model_
             answers[device] = _answers(llm)
         finally:
             llm.close()
+            del llm
+            gc.collect()  # (the next engine's memory is its own)
+            torch.cuda.empty_cache()
     tol = 1e-3 if arch == "deepseek_v3" else 0.1
     for (cpu_tokens, cpu_lps), (gpu_tokens, gpu_lps) in zip(
         answers["cpu"], answers["cuda"], strict=True
