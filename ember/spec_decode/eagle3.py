@@ -36,6 +36,7 @@ from ember.models.layers.rotary import RotaryEmbedding
 from ember.models.llama import MLP, Attention, LlamaForCausalLM
 from ember.models.loader import check_complete
 from ember.models.weight_staging import iter_safetensors
+from ember.spec_decode.eagle3_chain import chain_drafts
 from ember.spec_decode.eagle3_config import Eagle3Config
 from ember.spec_decode.eagle3_config import default_aux_layers as default_aux_layers  # re-export
 
@@ -336,13 +337,22 @@ class Eagle3Drafter:
             return [[] for _ in rows]
         ends = itertools.accumulate(len(s) for s in spans)
         hidden = hidden[self._tensor([e - 1 for e in ends], torch.int64)]
-        drafts = [model.to_target_ids(model.compute_logits(hidden).argmax(-1))]
-        for step in range(1, k):
-            chained = [range(s.stop + step - 1, s.stop + step) for s in spans]
-            positions, ctx = self._step(chained, tables, block_tables)
-            hidden = model(drafts[-1], positions, hidden, ctx)
-            drafts.append(model.to_target_ids(model.compute_logits(hidden).argmax(-1)))
-        out = torch.stack(drafts, dim=1).tolist()  # the one host sync
+        first = model.to_target_ids(model.compute_logits(hidden).argmax(-1))
+        lens = [s.stop for s in spans]
+        drafts = chain_drafts(
+            model,
+            self.kv_cache,
+            self.backend,
+            self.block_size,
+            first,
+            hidden,
+            self._tensor([n - 1 for n in lens], torch.int64),
+            block_tables,
+            k,
+            max(lens) + k - 1,
+            lens,
+        )
+        out = drafts.tolist()  # the one host sync
         result: list[list[int]] = [[] for _ in rows]
         for j, i in enumerate(order):
             result[i] = out[j]
