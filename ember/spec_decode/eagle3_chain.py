@@ -47,6 +47,7 @@ def chain_drafts(
     k: int,
     max_seq_len: int,
     host_lens: list[int] | None = None,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Drafts [B, k] (target-vocabulary ids): `first` [B] and k - 1 chained steps.
 
@@ -55,7 +56,9 @@ def chain_drafts(
     (which must hold it). `max_seq_len` bounds the rows' contexts (the decode kernel's split
     count: a captured chain takes the engine's longest). `host_lens`: the rows' context lengths
     at their last position, for an attention backend that reads host lists (the CPU's); None
-    where none is read (the Triton backend's decode rows, a captured chain)."""
+    where none is read (the Triton backend's decode rows, a captured chain). `valid` [B] bool:
+    rows padding a captured batch are False and write no KV (slot -1; what they read and draft
+    is thrown away)."""
     rows = first.shape[0]
     qsl = torch.arange(rows + 1, dtype=torch.int32, device=first.device)
     drafts = [first]
@@ -63,11 +66,12 @@ def chain_drafts(
     for step in range(1, k):
         pos = pos + 1
         page = block_tables.gather(1, (pos // block_size).unsqueeze(1)).squeeze(1).to(torch.int64)
+        slots = page * block_size + pos % block_size
         md = AttentionMetadata(
             query_start_loc=qsl,
             seq_lens=(pos + 1).to(torch.int32),
             block_tables=block_tables,
-            slot_mapping=page * block_size + pos % block_size,
+            slot_mapping=slots if valid is None else torch.where(valid, slots, -1),
             max_query_len=1,
             max_seq_len=max_seq_len,
             query_start_loc_cpu=list(range(rows + 1)),
