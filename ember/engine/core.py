@@ -913,6 +913,7 @@ class EngineCore:
             for req, drafts in zip(so.requests, result.drafts, strict=False):
                 if drafts and req.speculates and not req.is_finished:
                     req.spec_token_ids = drafts
+                    req.spec_from_host = False  # the head's (a hybrid proposer may take over)
         logprobs_of = {
             req.request_id: lp
             for req, lp in zip(so.requests, result.logprobs, strict=True)

@@ -93,6 +93,8 @@ class Request:
     """Host proposals in a row that gave no draft or none that stood."""
     spec_backoff: int = 0
     """Steps this request sits out of speculation (they run async) after its misses."""
+    spec_from_host: bool = False
+    """EAGLE-3 with a hybrid host proposer: the drafts to verify are the host proposer's."""
     spec_stale: bool = False
     """EAGLE-3: a step ran this request past the batch bound without growing the draft head's
     KV (a busy engine pays nothing for the head), so the request drafts no more."""

@@ -139,10 +139,18 @@ class Speculator:
         self.config = config
         self.k = config.num_speculative_tokens
         self.host: HostProposer | None = None
-        if config.method in ("ngram", "suffix"):
+        host_method = config.hybrid if config.method == "eagle3" else config.method
+        if host_method is not None:
             from ember.spec_decode.host import make_host_proposer
 
-            self.host = make_host_proposer(config.method, self.k)
+            self.host = make_host_proposer(host_method, self.k)
+        self.hybrid = config.method == "eagle3" and self.host is not None
+        """EAGLE-3 with a host proposer beside it: each request's drafts from the one expected
+        to have more stand (`choose_host`)."""
+        self.host_draft_tokens = self.host_accepted_tokens = 0
+        self.head_drafts = self.head_accepted_tokens = 0
+        self.host_chosen = 0
+        """Hybrid: the counts by source, and the proposals the host proposer won."""
         self.costs = StepCosts() if measure and config.max_batch is None else None
         self.num_drafts = 0
         self.num_draft_tokens = 0
@@ -181,9 +189,12 @@ class Speculator:
                 r.speculated = True
             else:
                 r.spec_token_ids = []
+                r.spec_from_host = False
 
     def propose(self, running: list[Request]) -> None:
-        """Drafts for the speculating requests that decode next step with their tokens known."""
+        """Drafts for the speculating requests that decode next step with their tokens known
+        (hybrid: the host proposer's in place of the head's where they are expected to do
+        better)."""
         if self.host is None:
             return
         for r in running:
@@ -193,9 +204,44 @@ class Speculator:
                 and not r.num_output_placeholders
                 and r.num_computed_tokens == r.num_tokens - 1
             ):
-                r.spec_token_ids = self.host.propose(r.request_id, r.all_token_ids, self.k)
+                drafts = self.host.propose(r.request_id, r.all_token_ids, self.k)
+                if self.hybrid:
+                    r.spec_from_host = self.choose_host(r, drafts)
+                    if r.spec_from_host:
+                        r.spec_token_ids = drafts
+                        self.host_chosen += 1
+                    continue
+                r.spec_token_ids = drafts
                 if not r.spec_token_ids:
                     self._missed(r)
+
+    HEAD_PRIOR = 0.5
+    """Hybrid: the head's expected accepted tokens a draft, as a share of K, until MEASURED of
+    its drafts are counted (published EAGLE-3 heads keep 2-3.5 of 4 on chat)."""
+    HOST_PRIOR = 0.5
+    """Hybrid, a host proposer with no estimate of its own (ngram): the share of its draft
+    tokens expected to stand until MEASURED of them are counted."""
+    MEASURED = 16
+
+    def choose_host(self, r: Request, drafts: list[int]) -> bool:
+        """Whether request `r` verifies the host proposer's `drafts` rather than the head's
+        (`r.spec_token_ids`): the host's expected accepted tokens (its own estimate, else its
+        measured rate times the drafts) beat the head's measured mean a draft."""
+        if not drafts:
+            return False
+        if not r.spec_token_ids:
+            return True  # the head drafted nothing this step
+        if self.head_drafts >= self.MEASURED:
+            head = self.head_accepted_tokens / self.head_drafts
+        else:
+            head = self.HEAD_PRIOR * self.k
+        own = self.host.expected_accepted(r.request_id) if self.host is not None else None
+        if own is None:
+            rate = self.HOST_PRIOR
+            if self.host_draft_tokens >= self.MEASURED:
+                rate = self.host_accepted_tokens / self.host_draft_tokens
+            own = rate * len(drafts)
+        return own > head
 
     def record(self, req: Request, drafts: list[int], accepted: int) -> None:
         if not drafts:
@@ -207,7 +253,13 @@ class Speculator:
         req.spec_accepted_tokens += accepted
         for i in range(accepted):
             self.accepted_per_pos[i] += 1
-        if self.host is not None:
+        if self.config.method != "eagle3" or req.spec_from_host:
+            self.host_draft_tokens += len(drafts)
+            self.host_accepted_tokens += accepted
+        else:
+            self.head_drafts += 1
+            self.head_accepted_tokens += accepted
+        if self.host is not None and not self.hybrid:
             if accepted:
                 req.spec_misses = 0
             else:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from ember.edge_limits import add_connection_limit_args
 from ember.kv.eviction import POLICIES
 from ember.kv.transport.factory import KINDS
-from ember.spec_decode.config import METHODS, SpeculativeConfig
+from ember.spec_decode.config import HYBRID, METHODS, SpeculativeConfig
 
 if TYPE_CHECKING:
     from ember.engine.config import EngineConfig
@@ -317,6 +317,13 @@ def add_speculative_args(p: Group) -> None:
         help="eagle3: the draft head's checkpoint directory (config.json + safetensors)",
     )
     p.add_argument(
+        "--speculative-hybrid",
+        default=None,
+        choices=HYBRID,
+        help="eagle3: a host proposer beside the head; each request verifies, each step, the "
+        "drafts expected to have more tokens stand (default: the head's alone)",
+    )
+    p.add_argument(
         "--speculative-max-batch",
         type=int,
         default=None,
@@ -336,6 +343,7 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig 
             ("--num-speculative-tokens", args.num_speculative_tokens),
             ("--draft-model", args.draft_model),
             ("--speculative-max-batch", args.speculative_max_batch),
+            ("--speculative-hybrid", args.speculative_hybrid),
         )
         if value is not None
     ]
@@ -356,6 +364,7 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig 
         num_speculative_tokens=0 if k is None else k,
         draft_model=args.draft_model,
         max_batch=args.speculative_max_batch,
+        hybrid=args.speculative_hybrid,
     )
 
 

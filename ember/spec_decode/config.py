@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 METHODS = ("ngram", "suffix", "eagle3")
+HYBRID = ("ngram", "suffix")
+"""Host proposers that may draft beside an EAGLE-3 head (`SpeculativeConfig.hybrid`)."""
 DEFAULT_K = {"ngram": 8, "suffix": 8, "eagle3": 4}
 """K when none is given. Host proposers: 8, since on an H200 (SmolLM2, docs/performance.md) ngram
 with K = 8 beat K = 4 in every greedy cell at batch 1 and 8 (code edits 2.80x against 2.31x, tool
@@ -34,6 +36,11 @@ class SpeculativeConfig:
     than it saves); None: on a GPU up to `DEFAULT_MAX_BATCH` running requests the engine decides
     from the output rates it measures while it serves (`ember.engine.speculation.StepCosts`),
     above it never speculates; on the CPU it always speculates."""
+    hybrid: str | None = None
+    """eagle3: a host proposer ("ngram" or "suffix") beside the head. Each step, each request
+    verifies the drafts of whichever is expected to have more of them stand: the host
+    proposer's estimate (suffix: its score; ngram: its measured rate) against the head's
+    measured mean (ember/engine/speculation.py)."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -48,5 +55,10 @@ class SpeculativeConfig:
             )
         if self.method == "eagle3" and not self.draft_model:
             raise ValueError("speculative method eagle3 needs a draft model (--draft-model DIR)")
+        if self.hybrid is not None and (self.method != "eagle3" or self.hybrid not in HYBRID):
+            raise ValueError(
+                f"a hybrid proposer ({' or '.join(HYBRID)}) goes beside eagle3, got "
+                f"{self.hybrid!r} with {self.method}"
+            )
         if self.max_batch is not None and self.max_batch < 0:
             raise ValueError(f"speculative max_batch must be >= 0, got {self.max_batch}")

@@ -30,3 +30,9 @@ class HostProposer(ABC):
 
     @abstractmethod
     def finish(self, request_id: str, output: Sequence[int]) -> None: ...
+
+    def expected_accepted(self, request_id: str) -> float | None:
+        """How many of the request's last proposal's tokens the proposer expects to stand (the
+        suffix method's score); None where it has no estimate (the engine then uses the rate it
+        measured)."""
+        return None

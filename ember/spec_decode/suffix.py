@@ -19,6 +19,8 @@ class _Request:
     scope: str | None
     tree: SuffixTree
     """The request's prompt and output so far, one open sequence."""
+    score: float = 0.0
+    """The last proposal's score: the expected number of its tokens that stand."""
 
 
 @dataclass(slots=True)
@@ -123,7 +125,12 @@ class SuffixProposer(HostProposer):
             shared = speculate(cache.tree, req.tree.tokens(_OWN), *settings)
             if shared.score > best.score:
                 best = shared
+        req.score = best.score
         return best.tokens
+
+    def expected_accepted(self, request_id: str) -> float | None:
+        req = self._requests.get(request_id)
+        return None if req is None else req.score
 
     def finish(self, request_id: str, output: Sequence[int]) -> None:
         req = self._requests.pop(request_id, None)
