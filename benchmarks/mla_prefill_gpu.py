@@ -37,7 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_gpu import median_ms  # noqa: E402
+from engine_gpu import matmul_flops, median_ms  # noqa: E402
 from result_names import result_path  # noqa: E402
 
 from ember.attention.metadata import AttentionMetadata  # noqa: E402
@@ -45,13 +45,6 @@ from ember.attention.mla import EXPAND_CHUNK, mla_prefill_expanded  # noqa: E402
 
 HEADS, Q_LORA, RANK, ROPE, NOPE, V, HIDDEN = 64, 1536, 512, 64, 128, 128, 7168
 BLOCK = 64
-
-
-def matmul_peak() -> float:
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    ms = median_ms(lambda: a @ b, iters=30)
-    return 2 * 8192**3 / (ms / 1e3)
 
 
 def attention_flops(context: int) -> float:
@@ -141,7 +134,7 @@ def main() -> None:
     ap.add_argument("--kernel-len", type=int, default=32768)
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name(0)
-    peak = matmul_peak()
+    peak = matmul_flops()
     rows = []
     for context in (int(c) for c in args.contexts.split(",")):
         step = min(args.step_tokens, context)

@@ -25,18 +25,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine_gpu import median_ms  # noqa: E402
+from engine_gpu import matmul_flops, median_ms  # noqa: E402
 from result_names import result_path  # noqa: E402
 
 from ember.kernels.prefill_attention import prefill_attention  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
-
-
-def matmul_peak() -> float:
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    return 2 * 8192**3 / (median_ms(lambda: a @ b, iters=30) / 1e3)
 
 
 def case(n: int, peak: float) -> dict:
@@ -96,7 +90,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="2048,8192,16384,32768")
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name(0)
-    peak = matmul_peak()
+    peak = matmul_flops()
     rows = [case(int(n), peak) for n in args.lengths.split(",")]
     names = ("triton", "cudnn", "cudnn_gqa", "flash_gqa")
     print(f"## dense fresh-prompt attention, 8B shape, bf16, {gpu}, peak {peak / 1e12:.0f} TFLOP/s")

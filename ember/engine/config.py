@@ -212,8 +212,8 @@ class ResolvedConfig:
     max_num_batched_tokens: int
     num_kv_blocks: int
     kv_block_bytes: int
-    kv_dtype_name: str = ""
-    """What the KV cache stores, as torch names it ("" : the model's dtype)."""
+    kv_dtype_name: str
+    """What the KV cache stores, as torch names it (the model's dtype, or float8_e4m3fn)."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -223,4 +223,4 @@ class ResolvedConfig:
     @property
     def kv_dtype(self) -> torch.dtype:
         """The KV cache's torch dtype: the engine's, or FP8 (`EngineConfig.kv_cache_dtype`)."""
-        return parse_dtype(self.kv_dtype_name or self.dtype_name)
+        return parse_dtype(self.kv_dtype_name)

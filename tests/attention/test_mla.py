@@ -24,12 +24,20 @@ from ember.attention.mla import (
 HEADS, RANK, ROPE, NOPE, V, PAGE = 4, 32, 8, 16, 12, 4
 
 
-def _batch(shapes: list[tuple[int, int]], seed: int, device: str = "cpu", num_decodes: int = 0):
-    """(cached, new) token counts a sequence, every token's latent already in a shuffled cache."""
+def _batch(
+    shapes: list[tuple[int, int]],
+    seed: int,
+    device: str = "cpu",
+    num_decodes: int = 0,
+    dims: tuple[int, int, int, int, int] | None = None,
+):
+    """(cached, new) token counts a sequence, every token's latent already in a shuffled cache.
+    `dims`: (heads, nope, rope, v, rank) other than the module's."""
+    heads, nope, rope, v_dim, rank = dims or (HEADS, NOPE, ROPE, V, RANK)
     g = torch.Generator().manual_seed(seed)
     pages = [-(-(c + n) // PAGE) for c, n in shapes]
     num_blocks = sum(pages) + 2
-    cache = torch.randn(num_blocks, 1, PAGE, 1, RANK + ROPE, generator=g)
+    cache = torch.randn(num_blocks, 1, PAGE, 1, rank + rope, generator=g)
     order = torch.randperm(num_blocks, generator=g).tolist()
     tables, at, qsl, lens, slots = [], 0, [0], [], []
     for (cached, new), n in zip(shapes, pages, strict=True):
@@ -51,10 +59,10 @@ def _batch(shapes: list[tuple[int, int]], seed: int, device: str = "cpu", num_de
         seq_lens_cpu=lens,
         num_decodes=num_decodes,
     )
-    q_nope = torch.randn(t, HEADS, NOPE, generator=g)
-    q_rope = torch.randn(t, HEADS, ROPE, generator=g)
-    w_uk = torch.randn(HEADS, NOPE, RANK, generator=g) / RANK**0.5
-    w_uv = torch.randn(HEADS, V, RANK, generator=g) / RANK**0.5
+    q_nope = torch.randn(t, heads, nope, generator=g)
+    q_rope = torch.randn(t, heads, rope, generator=g)
+    w_uk = torch.randn(heads, nope, rank, generator=g) / rank**0.5
+    w_uv = torch.randn(heads, v_dim, rank, generator=g) / rank**0.5
     return q_nope, q_rope, cache, md, w_uk, w_uv
 
 
@@ -180,14 +188,8 @@ def test_chunked_expansion_on_the_gpu(dtype: torch.dtype) -> None:
     """Contexts past the chunk on a GPU, at head dims cuDNN takes (q/k 64 + 64, v 64): in bf16
     the parts' log-sum-exp from cuDNN's attention, in float32 from the math; against the CPU
     reference."""
-    global HEADS, NOPE, ROPE, V, RANK
-    saved = HEADS, NOPE, ROPE, V, RANK
-    HEADS, NOPE, ROPE, V, RANK = 4, 64, 64, 64, 64
-    try:
-        shapes = [(0, 40), (100, 6), (64, 30), (37, 129)]
-        q_nope, q_rope, cache, md, w_uk, w_uv = _batch(shapes, seed=21)
-    finally:
-        HEADS, NOPE, ROPE, V, RANK = saved
+    shapes = [(0, 40), (100, 6), (64, 30), (37, 129)]
+    q_nope, q_rope, cache, md, w_uk, w_uv = _batch(shapes, seed=21, dims=(4, 64, 64, 64, 64))
     scale = 128**-0.5
     want = _reference(q_nope, q_rope, cache, md, w_uk, w_uv, scale)
 
@@ -220,14 +222,8 @@ def test_fresh_prompts_at_bucketed_lengths_on_the_gpu() -> None:
     """Fresh prompts long enough for cuDNN's kernel, padded to their bucket (1,500 -> 1,536; one
     exactly a bucket), beside a prompt over a cached prefix (the memory-efficient kernel), at
     MLA's head dims (q/k 128 + 64, v 128), bf16, against the CPU reference."""
-    global HEADS, NOPE, ROPE, V, RANK
-    saved = HEADS, NOPE, ROPE, V, RANK
-    HEADS, NOPE, ROPE, V, RANK = 2, 128, 64, 128, 64
-    try:
-        shapes = [(0, 1500), (0, 1024), (20, 1100)]
-        q_nope, q_rope, cache, md, w_uk, w_uv = _batch(shapes, seed=5)
-    finally:
-        HEADS, NOPE, ROPE, V, RANK = saved
+    shapes = [(0, 1500), (0, 1024), (20, 1100)]
+    q_nope, q_rope, cache, md, w_uk, w_uv = _batch(shapes, seed=5, dims=(2, 128, 64, 128, 64))
     scale = 192**-0.5
     want = _reference(q_nope, q_rope, cache, md, w_uk, w_uv, scale)
 

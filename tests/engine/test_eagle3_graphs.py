@@ -57,6 +57,14 @@ def _inputs(d: Eagle3Drafter, device: str) -> tuple[torch.Tensor, ...]:
     return tuple(x.to(device) for x in (first, hidden, last, tables))
 
 
+def _graphs(d: Eagle3Drafter, device: str) -> ChainGraphs:
+    """Graphs of K drafts for up to 8 rows, contexts of 16 blocks, tables 6 wide."""
+    hidden = d.model.config.layer.hidden_size
+    return ChainGraphs(
+        d.model, hidden, d.backend, BLOCK, K, 8, 16 * BLOCK, 6, torch.float32, torch.device(device)
+    )
+
+
 def _eager(d: Eagle3Drafter, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
     first, hidden, last, tables = inputs
     lens = [p + 1 for p in LAST]
@@ -76,18 +84,7 @@ def test_the_graph_path_off_a_gpu_drafts_as_the_eager_chain(
     eager = _drafter(head_dir, target, "cpu", TritonAttentionBackend())
     assert torch.equal(_eager(eager, _inputs(eager, "cpu")), want)
     staged = _drafter(head_dir, target, "cpu", TritonAttentionBackend())
-    graphs = ChainGraphs(
-        staged.model,
-        64,
-        staged.backend,
-        BLOCK,
-        K,
-        8,
-        16 * BLOCK,
-        6,
-        torch.float32,
-        torch.device("cpu"),
-    )
+    graphs = _graphs(staged, "cpu")
     assert graphs.size_for(3) == 4  # three rows and one padding row
     before = staged.kv_cache.clone()
     got = graphs.run(*_inputs(staged, "cpu"), staged.kv_cache)
@@ -111,18 +108,7 @@ def test_captured_chains_draft_as_the_eager_chain(
     eager = _drafter(head_dir, target, "cuda", TritonAttentionBackend())
     want = _eager(eager, _inputs(eager, "cuda"))
     staged = _drafter(head_dir, target, "cuda", TritonAttentionBackend())
-    graphs = ChainGraphs(
-        staged.model,
-        64,
-        staged.backend,
-        BLOCK,
-        K,
-        8,
-        16 * BLOCK,
-        6,
-        torch.float32,
-        torch.device("cuda"),
-    )
+    graphs = _graphs(staged, "cuda")
     graphs.capture(staged.kv_cache)
     # (the captures' runs wrote the cache: back to the rows' context)
     staged.kv_cache.copy_(_drafter(head_dir, target, "cuda", TritonAttentionBackend()).kv_cache)

@@ -38,14 +38,17 @@ def test_pd_moves_latent_blocks(deepseek: Path) -> None:
             time.sleep(0.1)
 
 
-def test_latent_blocks_come_back_from_the_host_tier(deepseek: Path) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_latent_blocks_come_back_from_the_host_tier(deepseek: Path, kv_cache_dtype: str) -> None:
+    """(An FP8 cache's blocks too: its answers are an FP8 engine's with the whole pool.)"""
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(10, 3000, (96,), generator=g).tolist() for _ in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    base = LLM(str(deepseek), dtype="float32", max_model_len=256)
+    base_kw = dict(dtype="float32", max_model_len=256, kv_cache_dtype=kv_cache_dtype)
+    base = LLM(str(deepseek), **base_kw)
     want = [base.generate([p], params)[0].outputs[0].token_ids for p in prompts * 2]
     base.close()
-    kw = dict(dtype="float32", block_size=4, num_kv_blocks=80, max_model_len=256, kv_host_gb=0.05)
+    kw = dict(base_kw, block_size=4, num_kv_blocks=80, kv_host_gb=0.05)
     llm = LLM(str(deepseek), **kw)
     try:
         got = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts * 2]
